@@ -1,0 +1,83 @@
+"""Argument checks shared by every entry point: they run before any computation and raise
+ValueError / TypeError naming the offending argument and the rule it breaks."""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_qkv(q, k, v, attention_mask=None, position_ids=None) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got q={q.device}, k={k.device}, v={v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k={tuple(k.shape)}, v={tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q and k must agree in batch and head_dim, got q={tuple(q.shape)}, k={tuple(k.shape)}"
+        )
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})")
+    if q.shape[2] > k.shape[2]:
+        raise ValueError(f"q_len ({q.shape[2]}) must not exceed kv_len ({k.shape[2]})")
+    batch, kv_len = k.shape[0], k.shape[2]
+    for name, t in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.dim() != 2 or t.shape[1] != kv_len or t.shape[0] not in (1, batch):
+            raise ValueError(f"{name} must have shape (batch, kv_len) = ({batch}, {kv_len}), got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+    if position_ids is not None and position_ids.is_floating_point():
+        raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
+
+
+def check_scale_dropout(scale, dropout_p) -> None:
+    if scale is not None and (not isinstance(scale, (int, float)) or not scale > 0):
+        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+
+
+def check_dilated_config(segment_lengths, dilation_rates, mode) -> tuple[list[int], list[int]]:
+    if mode not in ("union", "longnet", "head_groups"):
+        raise ValueError(f"mode must be one of 'union', 'longnet', 'head_groups', got {mode!r}")
+    seg = list(segment_lengths) if isinstance(segment_lengths, (list, tuple)) else None
+    dil = list(dilation_rates) if isinstance(dilation_rates, (list, tuple)) else None
+    if seg is None or not seg:
+        raise ValueError(f"segment_lengths must be a non-empty list of ints, got {segment_lengths!r}")
+    if dil is None:
+        raise ValueError(f"dilation_rates must be a list of ints, got {dilation_rates!r}")
+    if len(seg) != len(dil):
+        raise ValueError(
+            f"segment_lengths and dilation_rates must have the same length, got {len(seg)} and {len(dil)}"
+        )
+    for name, vals in (("segment_lengths", seg), ("dilation_rates", dil)):
+        for x in vals:
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise TypeError(f"{name} must contain ints, got {x!r}")
+            if x <= 0:
+                raise ValueError(f"{name} must be positive, got {x}")
+    for w, r in zip(seg, dil):
+        if w % r != 0:
+            raise ValueError(f"dilation_rates: each rate must divide its segment length, but {r} does not divide {w}")
+    if mode == "union":
+        for g in range(1, len(seg)):
+            if seg[g] % seg[g - 1] != 0 or dil[g] % dil[g - 1] != 0:
+                raise ValueError(
+                    "segment_lengths/dilation_rates: mode 'union' needs nested levels (each segment length "
+                    "divides the next and each dilation rate divides the next), got "
+                    f"segment_lengths={seg}, dilation_rates={dil}"
+                )
+    return seg, dil
