@@ -1,0 +1,230 @@
+"""Independent dense float64 reference for every attention variant, written from SPEC.md alone.
+
+Nothing here imports hf_dilated: the tests compare kernels against these formulas, never against
+another kernel of the project. Everything is deliberately naive: a dense (batch, heads, q_len,
+kv_len) matrix of how many times each key counts in K(h, i), then one float64 softmax-weighted sum.
+Clarity over speed; fine up to a few hundred tokens.
+
+Layout (SPEC "Notation and layout"): q (batch, q_heads, q_len, head_dim), k and v
+(batch, kv_heads, kv_len, head_dim); the queries are the last q_len tokens; attention_mask and
+position_ids are (batch or 1, kv_len).
+
+Public functions:
+    token_positions(attention_mask, position_ids, batch, kv_len) -> TokenPositions
+    base_visible(attention_mask, position_ids, batch, q_len, kv_len, is_causal=True)
+        -> bool (batch, q_len, kv_len)
+    dilated_key_counts(segment_lengths, dilation_rates, mode, q_heads, batch, q_len, kv_len, *,
+                       attention_mask=None, position_ids=None, is_causal=True)
+        -> int64 (batch, q_heads, q_len, kv_len)
+    block_sparse_key_counts(layout, block_size, q_heads, batch, q_len, kv_len, *, ...)
+        -> int64 (batch, q_heads, q_len, kv_len)
+    attention_from_counts(q, k, v, counts, scale=None) -> float64 tensor shaped like q
+    dilated_reference(q, k, v, segment_lengths, dilation_rates, mode="union", *, scale=None,
+                      attention_mask=None, position_ids=None, is_causal=True)
+    dense_causal_reference(q, k, v, *, scale=None, attention_mask=None, position_ids=None)
+    block_sparse_reference(q, k, v, layout, block_size, *, scale=None, attention_mask=None,
+                           position_ids=None, is_causal=True)
+
+The *_reference functions return float64 and are differentiable: pass float64 leaves with
+requires_grad=True to get reference gradients.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+MODES = ("union", "longnet", "head_groups")
+
+
+class TokenPositions(NamedTuple):
+    positions: torch.Tensor  # (batch, kv_len) int64: p_i
+    real: torch.Tensor  # (batch, kv_len) bool: not padding
+    doc: torch.Tensor  # (batch, kv_len) int64: document number within the row, from 0
+
+
+def token_positions(attention_mask, position_ids, batch: int, kv_len: int) -> TokenPositions:
+    """SPEC "Positions, padding, packing": positions are position_ids when given, else
+    cumsum(attention_mask) - 1 when a mask is given, else 0..kv_len-1; a new document starts at
+    every token whose position is not the previous token's position + 1."""
+    if attention_mask is not None:
+        real = attention_mask.detach().cpu().to(torch.bool).expand(batch, kv_len).clone()
+    else:
+        real = torch.ones(batch, kv_len, dtype=torch.bool)
+    if position_ids is not None:
+        positions = position_ids.detach().cpu().to(torch.int64).expand(batch, kv_len).clone()
+    elif attention_mask is not None:
+        positions = torch.cumsum(real.to(torch.int64), dim=-1) - 1
+    else:
+        positions = torch.arange(kv_len, dtype=torch.int64).expand(batch, kv_len).clone()
+
+    doc = torch.zeros(batch, kv_len, dtype=torch.int64)
+    for b in range(batch):  # plain loop: this is the definition, word for word
+        for t in range(1, kv_len):
+            new_doc = positions[b, t] != positions[b, t - 1] + 1
+            doc[b, t] = doc[b, t - 1] + int(new_doc)
+    return TokenPositions(positions, real, doc)
+
+
+def _query_slice(kv_len: int, q_len: int) -> slice:
+    if not 0 < q_len <= kv_len:
+        raise ValueError(f"reference: need 0 < q_len <= kv_len, got q_len={q_len}, kv_len={kv_len}")
+    return slice(kv_len - q_len, kv_len)
+
+
+def base_visible(attention_mask, position_ids, batch: int, q_len: int, kv_len: int, is_causal: bool = True):
+    """bool (batch, q_len, kv_len): key j visible to query i when same document, key not padding,
+    and (causal) j at or before i in the sequence. Query i is sequence index kv_len - q_len + i."""
+    tp = token_positions(attention_mask, position_ids, batch, kv_len)
+    qs = _query_slice(kv_len, q_len)
+    q_index = torch.arange(kv_len)[qs]  # sequence index of each query
+    k_index = torch.arange(kv_len)
+    same_doc = tp.doc[:, qs, None] == tp.doc[:, None, :]
+    key_real = tp.real[:, None, :]
+    visible = same_doc & key_real
+    if is_causal:
+        visible = visible & (k_index[None, None, :] <= q_index[None, :, None])
+    return visible
+
+
+def head_groups(q_heads: int, num_groups: int) -> list[int]:
+    """Group (level) of every head: G contiguous groups, as equal as possible, earlier groups take
+    the extra heads. With fewer heads than groups the last groups are empty."""
+    sizes = [q_heads // num_groups + (1 if g < q_heads % num_groups else 0) for g in range(num_groups)]
+    group_of_head = []
+    for g, size in enumerate(sizes):
+        group_of_head += [g] * size
+    assert len(group_of_head) == q_heads
+    return group_of_head
+
+
+def level_visible(tp: TokenPositions, visible, w: int, r: int, q_heads: int, q_len: int):
+    """bool (batch, q_heads, q_len, kv_len): membership of j in V_g(h, i) for one level (w, r)."""
+    kv_len = tp.positions.shape[1]
+    qs = _query_slice(kv_len, q_len)
+    p = tp.positions
+    offsets = torch.arange(q_heads) % r  # o = h mod r
+    # selected[b, h, t]: (p_t mod w) mod r == h mod r   (torch % and // are floor ops, like Python)
+    selected = ((p % w) % r)[:, None, :] == offsets[None, :, None]
+    segment = p // w
+    same_segment = segment[:, qs, None] == segment[:, None, :]  # (batch, q_len, kv_len)
+    return (
+        visible[:, None, :, :]
+        & same_segment[:, None, :, :]
+        & selected[:, :, qs, None]
+        & selected[:, :, None, :]
+    )
+
+
+def dilated_key_counts(segment_lengths, dilation_rates, mode, q_heads, batch, q_len, kv_len, *,
+                       attention_mask=None, position_ids=None, is_causal=True):
+    """int64 (batch, q_heads, q_len, kv_len): how many times key j counts in K(h, i).
+    union: set union of the V_g (0/1); longnet: multiset sum (number of levels that contain j);
+    head_groups: head h of group g uses V_g alone."""
+    if mode not in MODES:
+        raise ValueError(f"reference: unknown mode {mode!r}")
+    if len(segment_lengths) != len(dilation_rates):
+        raise ValueError("reference: segment_lengths and dilation_rates differ in length")
+    tp = token_positions(attention_mask, position_ids, batch, kv_len)
+    visible = base_visible(attention_mask, position_ids, batch, q_len, kv_len, is_causal)
+    levels = [
+        level_visible(tp, visible, w, r, q_heads, q_len).to(torch.int64)
+        for w, r in zip(segment_lengths, dilation_rates)
+    ]
+    if mode == "union":
+        return (torch.stack(levels).sum(0) > 0).to(torch.int64)
+    if mode == "longnet":
+        return torch.stack(levels).sum(0)
+    group_of_head = head_groups(q_heads, len(levels))
+    return torch.stack([levels[g][:, h] for h, g in enumerate(group_of_head)], dim=1)
+
+
+def block_sparse_key_counts(layout, block_size: int, q_heads: int, batch: int, q_len: int, kv_len: int, *,
+                            attention_mask=None, position_ids=None, is_causal=True):
+    """int64 0/1 (batch, q_heads, q_len, kv_len) for a block-sparse pattern.
+
+    layout: bool tensor (batch or 1, q_heads or 1, q_blocks, k_blocks); layout[b, h, bq, bk] says
+    whether key block bk is allowed for query block bq. The block of token t is
+    positions[t] // block_size (SPEC: counted within its document, i.e. from the document's
+    positions, which restart with each packed document). A key counts when it is base-visible and
+    its block is allowed for the query's block. Padding tokens (which may have negative positions)
+    are clamped to block 0; padded keys are never visible anyway and padded queries are unspecified.
+    The layout must cover every block a real token of the input falls in (else ValueError).
+    """
+    layout = torch.as_tensor(layout).detach().cpu().to(torch.bool)
+    if layout.dim() != 4:
+        raise ValueError(f"reference: layout must be 4-D (batch|1, heads|1, q_blocks, k_blocks), got {tuple(layout.shape)}")
+    if layout.shape[0] not in (1, batch) or layout.shape[1] not in (1, q_heads):
+        raise ValueError(f"reference: layout shape {tuple(layout.shape)} does not broadcast to batch={batch}, heads={q_heads}")
+    tp = token_positions(attention_mask, position_ids, batch, kv_len)
+    visible = base_visible(attention_mask, position_ids, batch, q_len, kv_len, is_causal)
+    qs = _query_slice(kv_len, q_len)
+    block = torch.where(tp.real, tp.positions // block_size, torch.zeros_like(tp.positions)).clamp_min(0)
+    n_q_blocks, n_k_blocks = layout.shape[2], layout.shape[3]
+    if int(block.max()) >= min(n_q_blocks, n_k_blocks):
+        raise ValueError(
+            f"reference: layout has {n_q_blocks}x{n_k_blocks} blocks but tokens reach block {int(block.max())}"
+        )
+    layout = layout.expand(batch, q_heads, n_q_blocks, n_k_blocks)
+    qb = block[:, qs]  # (batch, q_len)
+    kb = block  # (batch, kv_len)
+    b_idx = torch.arange(batch)[:, None, None, None]
+    h_idx = torch.arange(q_heads)[None, :, None, None]
+    allowed = layout[b_idx, h_idx, qb[:, None, :, None], kb[:, None, None, :]]
+    return (allowed & visible[:, None]).to(torch.int64)
+
+
+def attention_from_counts(q, k, v, counts, scale=None):
+    """out[h, i] = sum_j c_ij exp(s_ij) v_j / sum_j c_ij exp(s_ij), s_ij = scale * q_i . k_j, in
+    float64, with query head h reading kv head h // (q_heads // kv_heads). A row with no key
+    (all c_ij == 0) gets output 0, and the double `where` keeps its gradient exactly 0 (no NaN)."""
+    q, k, v = q.to(torch.float64), k.to(torch.float64), v.to(torch.float64)
+    q_heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    if q_heads % kv_heads:
+        raise ValueError("reference: q_heads must be a multiple of kv_heads")
+    if scale is None:
+        scale = head_dim ** -0.5
+    group = q_heads // kv_heads
+    k = k.repeat_interleave(group, dim=1)  # head h -> kv head h // group
+    v = v.repeat_interleave(group, dim=1)
+    counts = counts.to(device=q.device)
+    present = counts > 0
+    scores = scale * torch.einsum("bhid,bhjd->bhij", q, k)
+    # Subtract the row maximum over *present* keys (a constant, not differentiated) for stability.
+    row_max = torch.where(present, scores.detach(), torch.full_like(scores, -torch.inf)).amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    safe = torch.where(present, scores - row_max, torch.zeros_like(scores))
+    weights = torch.where(present, counts.to(torch.float64) * torch.exp(safe), torch.zeros_like(scores))
+    denom = weights.sum(-1, keepdim=True)
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    return torch.einsum("bhij,bhjd->bhid", weights, v) / denom
+
+
+def dilated_reference(q, k, v, segment_lengths, dilation_rates, mode="union", *, scale=None,
+                      attention_mask=None, position_ids=None, is_causal=True):
+    batch, q_heads, q_len, _ = q.shape
+    counts = dilated_key_counts(
+        segment_lengths, dilation_rates, mode, q_heads, batch, q_len, k.shape[2],
+        attention_mask=attention_mask, position_ids=position_ids, is_causal=is_causal,
+    )
+    return attention_from_counts(q, k, v, counts, scale)
+
+
+def dense_causal_reference(q, k, v, *, scale=None, attention_mask=None, position_ids=None):
+    """K(h, i) = all base-visible keys (what "ring" and sdpa compute)."""
+    batch, q_heads, q_len, _ = q.shape
+    visible = base_visible(attention_mask, position_ids, batch, q_len, k.shape[2], True)
+    counts = visible[:, None].expand(batch, q_heads, q_len, k.shape[2]).to(torch.int64)
+    return attention_from_counts(q, k, v, counts, scale)
+
+
+def block_sparse_reference(q, k, v, layout, block_size, *, scale=None, attention_mask=None,
+                           position_ids=None, is_causal=True):
+    """Block-sparse attention: layout bool (batch or 1, q_heads or 1, q_blocks, k_blocks), block of
+    token t = positions[t] // block_size; see block_sparse_key_counts."""
+    batch, q_heads, q_len, _ = q.shape
+    counts = block_sparse_key_counts(
+        layout, block_size, q_heads, batch, q_len, k.shape[2],
+        attention_mask=attention_mask, position_ids=position_ids, is_causal=is_causal,
+    )
+    return attention_from_counts(q, k, v, counts, scale)
