@@ -1,6 +1,377 @@
-"""Dilated attention (LongNet): placeholder while the kernel is written."""
+"""Dilated attention (LongNet), exact to SPEC.md, in the modes "union", "longnet" and "head_groups".
+
+How it is computed. For each level g (segment w, dilation r) every real token has a *row* (its
+batch row, document and segment `p // w`) and, within the row, an offset class `c = p mod r` and a
+slot `t = (p mod w) // r`; query head h reads class `h mod r`. Slots are aligned by position, so the
+selected tokens of a segment sit in a dense, ordered row of `w / r` slots, and causal order among
+them is slot order. Per level the rows are gathered into one dense 4-D batch (rows, heads, slots,
+head_dim) and handed to one fused attention call that also returns the log-sum-exp; the levels are
+merged in float32 by log-sum-exp (merge.py). Grouped-query attention is kept: query heads are
+reordered so that the heads reading one (kv head, class) pair are contiguous, and the fused kernel
+maps them onto one gathered K/V head.
+
+"union" counts each key once. With nested levels, the keys level g adds beyond lower levels are
+exactly those of its segment that lie in an *earlier* level-(g-1) sub-segment than the query, so
+level g >= 2 attends, per sub-segment s, from the queries of sub-segment s to the keys of
+sub-segments 0..s-1 (no causal mask needed). "longnet" sums the levels (a multiset), and
+"head_groups" gives each contiguous group of heads a single level.
+
+Irregular rows (a document that starts inside a segment, padding inside a document) leave empty
+slots before real ones; those keys are masked with an additive -inf bias of shape (rows, heads, 1,
+slots). Decode and chunked prefill (q_len < kv_len) gather only the rows that hold queries and use
+an explicit bias over (query slots x key slots), so a decode step costs the sum of w_g / r_g.
+
+The backward is the standard flash backward per call, fed with the merged output and
+log-sum-exp, so training memory stays O(N).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .backend import attention_backward, attention_forward
+from .merge import merge_dtype, merge_partial
+from .positions import TokenLayout, token_layout
+from .validate import check_dilated_config, check_qkv, check_scale_dropout
+
+# Upper bound on the elements of one explicit bias block; larger ones are cut into row chunks.
+_BIAS_BUDGET = 1 << 24
 
 
-def dilated_attention(q, k, v, segment_lengths, dilation_rates, *, mode="union", is_causal=True, scale=None,
-                      dropout_p=0.0, attention_mask=None, position_ids=None):
-    raise NotImplementedError("dilated_attention kernel is being written")
+@dataclass
+class _Call:
+    """One fused attention call over a slice of a level's gathered batch."""
+
+    rows: slice
+    q_slots: slice
+    k_slots: slice
+    is_causal: bool
+    key_bias: bool = False  # add the (rows, heads, 1, slots) key-validity bias
+    explicit_bias: bool = False  # build the full (rows, heads, q_slots, k_slots) bias
+    check_empty: bool = False  # some real queries may see no key: fix their lse to -inf
+
+
+@dataclass
+class _Level:
+    w: int
+    r: int
+    prev_w: int | None  # union mode: the lower level's segment length (keys of the query's own
+    # level-(g-1) sub-segment are excluded); None otherwise
+    b_row: torch.Tensor  # (R,) batch index of each row
+    heads: torch.Tensor  # (Hc,) query heads, in call order
+    head_pair: torch.Tensor  # (Hc,) index of each call head's (kv head, class) pair
+    pair_kvh: torch.Tensor  # (P,) kv head of each pair
+    head_class: torch.Tensor  # (Hc,) offset class of each call head
+    jq: torch.Tensor  # (R, Hc, Lq) query index of each query slot (clamped)
+    q_real: torch.Tensor  # (R, Hc, Lq) slot holds a real query
+    tq: torch.Tensor  # (R, Hc, Lq) key-slot coordinate of each query slot
+    jk: torch.Tensor  # (R, P, L) key index of each key slot (clamped)
+    k_real: torch.Tensor  # (R, P, L)
+    q_lin: torch.Tensor  # (M,) flat (b, h, j) index of the real query slots, in slot order
+    k_lin: torch.Tensor  # (Mk,) flat (b, kvh, j) index of the real key slots
+    calls: list = field(default_factory=list)
+    causal: bool = True
+
+
+def dilated_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segment_lengths,
+    dilation_rates,
+    *,
+    mode: str = "union",
+    is_causal: bool = True,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dilated attention over q (batch, q_heads, q_len, head_dim) and k, v (batch, kv_heads,
+    kv_len, head_dim); the queries are the last q_len tokens. Returns a tensor shaped like q.
+
+    `attention_mask` (batch, kv_len) marks real tokens; `position_ids` (batch, kv_len) give token
+    positions (packed documents restart at 0). See SPEC.md for the exact key sets of each mode.
+    """
+    check_qkv(q, k, v, attention_mask, position_ids)
+    check_scale_dropout(scale, dropout_p)
+    seg, dil = check_dilated_config(segment_lengths, dilation_rates, mode)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    if dropout_p > 0.0:
+        raise NotImplementedError(
+            "dropout_p > 0 is not supported by the fused dilated kernel (the CPU flash kernel has no "
+            "dropout); pass dropout_p=0.0"
+        )
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    layout = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
+    levels = plan_levels(layout, q.shape[2], q.shape[1], k.shape[1], seg, dil, mode, is_causal)
+    return _DilatedAttention.apply(q, k, v, levels, scale)
+
+
+def head_groups(num_heads: int, num_groups: int) -> list[list[int]]:
+    """Contiguous head groups, as equal as possible, the earlier groups taking the extra heads."""
+    base, extra = divmod(num_heads, num_groups)
+    groups, start = [], 0
+    for g in range(num_groups):
+        size = base + (1 if g < extra else 0)
+        groups.append(list(range(start, start + size)))
+        start += size
+    return groups
+
+
+def plan_levels(layout: TokenLayout, q_len, q_heads, kv_heads, seg, dil, mode, is_causal) -> list[_Level]:
+    if mode == "head_groups":
+        level_heads = head_groups(q_heads, len(seg))
+    else:
+        level_heads = [list(range(q_heads))] * len(seg)
+    levels = []
+    for g, (w, r) in enumerate(zip(seg, dil)):
+        if not level_heads[g]:
+            continue
+        prev_w = seg[g - 1] if (mode == "union" and g > 0) else None
+        level = _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, level_heads[g], is_causal)
+        if level is not None:
+            levels.append(level)
+    return levels
+
+
+def _pairs(heads, q_heads, kv_heads, r):
+    """Order the heads so that those reading one (kv head, class) pair are contiguous and every pair
+    has the same number of heads (the fused kernel's grouped-query mapping); else one pair a head."""
+    group = q_heads // kv_heads
+    by_pair: dict[tuple[int, int], list[int]] = {}
+    for h in heads:
+        by_pair.setdefault((h // group, h % r), []).append(h)
+    sizes = {len(hs) for hs in by_pair.values()}
+    if len(sizes) == 1:
+        keys = sorted(by_pair)
+        order = [h for key in keys for h in by_pair[key]]
+        head_pair = [i for i, key in enumerate(keys) for _ in by_pair[key]]
+    else:
+        keys = [(h // group, h % r) for h in heads]
+        order = list(heads)
+        head_pair = list(range(len(heads)))
+    return order, head_pair, [kvh for kvh, _ in keys], [c for _, c in keys]
+
+
+def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal):
+    device = layout.positions.device
+    batch, kv_len = layout.positions.shape
+    flat = layout.real.reshape(-1).nonzero().squeeze(1)  # real tokens, in (batch, index) order
+    if flat.numel() == 0:
+        return None
+    pos = layout.positions.reshape(-1)[flat]
+    doc = layout.doc.reshape(-1)[flat]
+    b = torch.div(flat, kv_len, rounding_mode="floor")
+    j = flat - b * kv_len
+    segment = torch.div(pos, w, rounding_mode="floor")
+    # Real tokens sorted by (batch, document, segment): a row starts where any of them changes.
+    new_row = torch.ones_like(flat, dtype=torch.bool)
+    new_row[1:] = (b[1:] != b[:-1]) | (doc[1:] != doc[:-1]) | (segment[1:] != segment[:-1])
+    row = new_row.long().cumsum(0) - 1
+    cls = torch.remainder(pos, r)
+    slot = torch.div(torch.remainder(pos, w), r, rounding_mode="floor")
+    n_rows = int(row[-1]) + 1
+    n_slots = int(slot.max()) + 1
+    b_row = b[new_row]
+
+    table = torch.full((r, n_rows, n_slots), -1, dtype=torch.long, device=device)
+    table[cls, row, slot] = j  # key index of every (class, row, slot); -1 where empty
+
+    decode = q_len < kv_len
+    first_query = kv_len - q_len
+    if decode:  # keep only the rows that hold a query
+        is_query = torch.zeros((r, n_rows, n_slots), dtype=torch.bool, device=device)
+        is_query[cls, row, slot] = j >= first_query
+        keep = is_query.any(2).any(0)
+        table, is_query, b_row = table[:, keep], is_query[:, keep], b_row[keep]
+        n_rows = table.shape[1]
+        if n_rows == 0:
+            return None
+        slots = torch.arange(n_slots, device=device)
+        # Query slots of a (class, row) run from its first query slot to its last real slot.
+        qstart = torch.where(is_query, slots, n_slots).amin(2)  # (r, R)
+        qend = torch.where(table >= 0, slots, -1).amax(2)  # (r, R)
+        n_q = int((qend - qstart + 1).clamp(min=0).max())
+        tq_cls = qstart[..., None] + torch.arange(n_q, device=device)  # (r, R, Lq)
+        jq_cls = table.gather(2, tq_cls.clamp(max=n_slots - 1))
+        q_real_cls = (tq_cls < n_slots) & (jq_cls >= first_query)
+        jq_cls = torch.where(q_real_cls, jq_cls - first_query, 0)
+    else:
+        tq_cls = torch.arange(n_slots, device=device).expand(r, n_rows, n_slots)
+        q_real_cls = table >= 0
+        jq_cls = table.clamp(min=0)
+
+    order, head_pair, pair_kvh, pair_cls = _pairs(heads, q_heads, kv_heads, r)
+    heads_t = torch.tensor(order, dtype=torch.long, device=device)
+    head_pair_t = torch.tensor(head_pair, dtype=torch.long, device=device)
+    pair_kvh_t = torch.tensor(pair_kvh, dtype=torch.long, device=device)
+    pair_cls_t = torch.tensor(pair_cls, dtype=torch.long, device=device)
+    head_class = pair_cls_t[head_pair_t]
+
+    jq = jq_cls[head_class].transpose(0, 1)  # (R, Hc, Lq)
+    q_real = q_real_cls[head_class].transpose(0, 1)
+    tq = tq_cls[head_class].transpose(0, 1)
+    k_table = table[pair_cls_t].transpose(0, 1)  # (R, P, L)
+    k_real = k_table >= 0
+    jk = k_table.clamp(min=0)
+
+    bq = b_row[:, None, None]
+    q_lin = ((bq * q_heads + heads_t[None, :, None]) * q_len + jq)[q_real]
+    k_lin = ((bq * kv_heads + pair_kvh_t[None, :, None]) * kv_len + jk)[k_real]
+
+    level = _Level(w, r, prev_w, b_row, heads_t, head_pair_t, pair_kvh_t, head_class,
+                   jq, q_real, tq, jk, k_real, q_lin, k_lin, causal=is_causal)
+    level.calls = _plan_calls(level, decode, is_causal, n_slots)
+    return level
+
+
+def _plan_calls(level: _Level, decode: bool, is_causal: bool, n_slots: int) -> list[_Call]:
+    all_rows, all_slots = slice(None), slice(None)
+    n_rows, n_heads, n_q = level.jq.shape
+    irregular = bool((level.k_real[..., 1:] & ~level.k_real[..., :-1]).any())
+    aligned_prev = level.prev_w is None or level.prev_w % level.r == 0
+    if decode or not is_causal or not aligned_prev:
+        # General case: an explicit bias over (query slots x key slots), cut into row chunks.
+        per_row = max(1, n_heads * n_q * n_slots)
+        step = max(1, _BIAS_BUDGET // per_row)
+        return [
+            _Call(slice(s, min(s + step, n_rows)), all_slots, all_slots, False, explicit_bias=True, check_empty=True)
+            for s in range(0, n_rows, step)
+        ]
+    if level.prev_w is None:
+        return [_Call(all_rows, all_slots, all_slots, True, key_bias=irregular)]
+    # union, level >= 2: queries of sub-segment s see the keys of sub-segments 0..s-1.
+    sub = level.prev_w // level.r
+    return [
+        _Call(all_rows, slice(s, min(s + sub, n_slots)), slice(0, s), False, key_bias=irregular, check_empty=irregular)
+        for s in range(sub, n_slots, sub)
+    ]
+
+
+def _key_bias(level: _Level, call: _Call, dtype):
+    valid = level.k_real[call.rows][:, level.head_pair][..., call.k_slots]  # (R, Hc, Lk)
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))[:, :, None, :]
+
+
+def _explicit_visible(level: _Level, call: _Call):
+    """(R, Hc, Lq, L) visibility of key slots from query slots, for the general case."""
+    valid = level.k_real[call.rows][:, level.head_pair]  # (R, Hc, L)
+    tq = level.tq[call.rows][..., call.q_slots]  # (R, Hc, Lq)
+    tk = torch.arange(valid.shape[-1], device=valid.device)
+    visible = valid[:, :, None, :].expand(*tq.shape, valid.shape[-1])
+    if level.causal:
+        visible = visible & (tk <= tq[..., None])
+    if level.prev_w is not None:
+        c = level.head_class[None, :, None]
+        sub_q = torch.div(c + level.r * tq, level.prev_w, rounding_mode="floor")[..., None]
+        sub_k = torch.div(c[..., None] + level.r * tk, level.prev_w, rounding_mode="floor")
+        visible = visible & ((sub_k < sub_q) if level.causal else (sub_k != sub_q))
+    return visible
+
+
+def _call_inputs(level: _Level, call: _Call, q_l, k_l, v_l):
+    """Slices of the gathered batch and the bias (and empty-query mask) of one call."""
+    qs = q_l[call.rows][:, :, call.q_slots]
+    ks = k_l[call.rows][:, :, call.k_slots]
+    vs = v_l[call.rows][:, :, call.k_slots]
+    bias, empty = None, None
+    if call.explicit_bias:
+        visible = _explicit_visible(level, call)
+        bias = torch.zeros(visible.shape, dtype=q_l.dtype, device=q_l.device).masked_fill_(~visible, float("-inf"))
+        empty = ~visible.any(-1)
+    elif call.key_bias:
+        bias = _key_bias(level, call, q_l.dtype)
+        if call.check_empty:
+            empty = (bias[:, :, 0] == float("-inf")).all(-1)[..., None].expand(qs.shape[:3])
+    return qs, ks, vs, bias, empty
+
+
+def _gather_level(level: _Level, q, k, v):
+    bq = level.b_row[:, None, None]
+    q_l = q[bq, level.heads[None, :, None], level.jq]
+    k_l = k[bq, level.pair_kvh[None, :, None], level.jk]
+    v_l = v[bq, level.pair_kvh[None, :, None], level.jk]
+    return q_l, k_l, v_l
+
+
+def _forward(q, k, v, levels: list[_Level], scale):
+    batch, q_heads, q_len, head_dim = q.shape
+    acc_dtype = merge_dtype(q.dtype)
+    acc_out = torch.zeros(batch * q_heads * q_len, head_dim, dtype=acc_dtype, device=q.device)
+    acc_lse = torch.full((batch * q_heads * q_len,), float("-inf"), dtype=acc_dtype, device=q.device)
+    for level in levels:
+        q_l, k_l, v_l = _gather_level(level, q, k, v)
+        out_l = torch.zeros(q_l.shape, dtype=acc_dtype, device=q.device)
+        lse_l = torch.full(q_l.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
+        for call in level.calls:
+            qs, ks, vs, bias, empty = _call_inputs(level, call, q_l, k_l, v_l)
+            if ks.shape[2] == 0 or qs.shape[2] == 0:
+                continue
+            o, lse = attention_forward(qs, ks, vs, is_causal=call.is_causal, scale=scale, attn_bias=bias)
+            if empty is not None:
+                lse = lse.masked_fill(empty, float("-inf"))
+                o = o.masked_fill(empty[..., None], 0.0)
+            out_l[call.rows, :, call.q_slots] = o.to(acc_dtype)
+            lse_l[call.rows, :, call.q_slots] = lse.to(acc_dtype)
+        del q_l, k_l, v_l
+        sel = level.q_real
+        prev_out, prev_lse = acc_out.index_select(0, level.q_lin), acc_lse.index_select(0, level.q_lin)
+        new_out, new_lse = merge_partial(prev_out, prev_lse, out_l[sel], lse_l[sel])
+        acc_out.index_copy_(0, level.q_lin, new_out)
+        acc_lse.index_copy_(0, level.q_lin, new_lse)
+    out = acc_out.view(batch, q_heads, q_len, head_dim).to(q.dtype)
+    return out, acc_lse.view(batch, q_heads, q_len)
+
+
+def _backward(dout, q, k, v, out, lse, levels: list[_Level], scale):
+    batch, q_heads, q_len, head_dim = q.shape
+    acc_dtype = merge_dtype(q.dtype)
+    dq = torch.zeros(q.numel() // head_dim, head_dim, dtype=acc_dtype, device=q.device)
+    dk = torch.zeros(k.numel() // head_dim, head_dim, dtype=acc_dtype, device=q.device)
+    dv = torch.zeros_like(dk)
+    dout = dout.to(q.dtype)
+    for level in levels:
+        q_l, k_l, v_l = _gather_level(level, q, k, v)
+        bq, hq = level.b_row[:, None, None], level.heads[None, :, None]
+        sel = level.q_real
+        do_l = dout[bq, hq, level.jq].masked_fill_(~sel[..., None], 0.0)
+        o_l = out[bq, hq, level.jq]
+        # Slots without a real query get lse=+inf: their probabilities, hence gradients, are 0.
+        lse_l = lse[bq, hq, level.jq].masked_fill(~sel, float("inf"))
+        dq_l = torch.zeros(q_l.shape, dtype=acc_dtype, device=q.device)
+        dk_l = torch.zeros(k_l.shape, dtype=acc_dtype, device=q.device)
+        dv_l = torch.zeros_like(dk_l)
+        for call in level.calls:
+            qs, ks, vs, bias, _ = _call_inputs(level, call, q_l, k_l, v_l)
+            if ks.shape[2] == 0 or qs.shape[2] == 0:
+                continue
+            r_, s_ = call.rows, call.q_slots
+            g_q, g_k, g_v = attention_backward(
+                do_l[r_][:, :, s_], qs, ks, vs, o_l[r_][:, :, s_], lse_l[r_][:, :, s_],
+                is_causal=call.is_causal, scale=scale, attn_bias=bias,
+            )
+            dq_l[r_, :, s_] += g_q.to(acc_dtype)
+            dk_l[r_, :, call.k_slots] += g_k.to(acc_dtype)
+            dv_l[r_, :, call.k_slots] += g_v.to(acc_dtype)
+        dq.index_add_(0, level.q_lin, dq_l[sel])
+        dk.index_add_(0, level.k_lin, dk_l[level.k_real])
+        dv.index_add_(0, level.k_lin, dv_l[level.k_real])
+    return dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
+
+
+class _DilatedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, levels, scale):
+        out, lse = _forward(q, k, v, levels, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.levels, ctx.scale = levels, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.levels, ctx.scale)
+        return dq, dk, dv, None, None
