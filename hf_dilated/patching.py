@@ -1,0 +1,115 @@
+"""Converting models to hf_dilated attention: one loaded model (`patch`), or a whole family
+(`patch_family`: every later model of that family defaults to ours), and the LoRA settings of
+long-context fine-tuning (`lora_config`)."""
+from __future__ import annotations
+
+import importlib
+
+from .integrations.transformers import NAMES
+from .patches import family_for
+
+
+def _check_name(attn_implementation):
+    if attn_implementation not in NAMES:
+        raise ValueError(f"attn_implementation must be one of {NAMES}, got {attn_implementation!r}")
+
+
+def patch(model, attn_implementation: str = "dilated", *, context_length: int | None = None,
+          rope: str | None = None, **dilated_fields):
+    """Converts an already-loaded transformers model in place and returns it.
+
+    context_length: extend the model to this many tokens (RoPE scaling per `rope`: "linear",
+        "dynamic", "yarn" or "none"; see hf_dilated.patches.context.rope_updates). None keeps the
+        configured context.
+    dilated_fields: DilatedConfig fields (segment_lengths, dilation_rates, mode, block_size,
+        pattern, ring_layout) overriding the default derived from the model config.
+    """
+    _check_name(attn_implementation)
+    config = model.config
+    family = family_for(getattr(config, "model_type", None))
+    updates = family.convert_config(config, context_length, rope, **dilated_fields)
+    for name, value in updates.items():
+        setattr(config, name, value)
+    family.prepare_model(model)
+    if "rope_parameters" in updates or "max_position_embeddings" in updates:
+        _rebuild_rotary_embeddings(model)
+    model.set_attn_implementation(attn_implementation)
+    return model
+
+
+def _rebuild_rotary_embeddings(model):
+    # Rotary modules compute their frequencies at construction: rebuild them from the new config.
+    for name, module in list(model.named_modules()):
+        if not type(module).__name__.endswith("RotaryEmbedding") or not hasattr(module, "config"):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        device = module.inv_freq.device if hasattr(module, "inv_freq") else None
+        setattr(parent, attr, type(module)(config=module.config).to(device))
+
+
+# --- family-level patch -----------------------------------------------------------------------
+
+_family_patches: dict[str, tuple[type, object]] = {}  # model_type -> (base class, original attribute)
+
+
+def _resolve(dotted):
+    module_name, _, attr = dotted.rpartition(".")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def patch_family(model_type: str, attn_implementation: str = "dilated", **dilated_fields) -> None:
+    """Makes every model of `model_type` built from now on (from_pretrained, from_config, direct
+    construction) use `attn_implementation` when the caller requests none, with its config
+    converted as `patch` would (without changing its context length). An explicit
+    `attn_implementation=` still wins. Undo with `unpatch_family`."""
+    _check_name(attn_implementation)
+    family = family_for(model_type)
+    base = _resolve(family.PRETRAINED_CLASSES[model_type])
+    unpatch_family(model_type)
+    original = base.__dict__.get("_check_and_adjust_attn_implementation")
+    inherited = base._check_and_adjust_attn_implementation
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation_arg, *args, **kwargs):
+        if attn_implementation_arg is None:
+            for name, value in family.convert_config(self.config, None, None, **dilated_fields).items():
+                setattr(self.config, name, value)
+            attn_implementation_arg = attn_implementation
+        return inherited(self, attn_implementation_arg, *args, **kwargs)
+
+    base._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
+    _family_patches[model_type] = (base, original)
+
+
+def unpatch_family(model_type: str) -> None:
+    """Undoes `patch_family` (no-op when the family is not patched)."""
+    entry = _family_patches.pop(model_type, None)
+    if entry is None:
+        return
+    base, original = entry
+    if original is None:
+        del base._check_and_adjust_attn_implementation
+    else:
+        base._check_and_adjust_attn_implementation = original
+
+
+# --- LoRA -------------------------------------------------------------------------------------
+
+
+def lora_config(model_or_model_type, *, r: int = 8, lora_alpha: int = 16, lora_dropout: float = 0.0,
+                long_context: bool = True, **kwargs):
+    """A peft.LoraConfig for a supported family: LoRA on the attention projections and, with
+    `long_context=True` (LongLoRA), the embeddings and normalisation layers fully trained and saved
+    with the adapter."""
+    from peft import LoraConfig
+
+    model_type = model_or_model_type
+    if not isinstance(model_type, str):
+        model_type = getattr(getattr(model_or_model_type, "config", None), "model_type", None)
+    family = family_for(model_type)
+    return LoraConfig(
+        r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, task_type="CAUSAL_LM",
+        target_modules=list(family.LORA_TARGET_MODULES),
+        modules_to_save=list(family.EXTRA_TRAINABLE_MODULES) if long_context else None,
+        **kwargs,
+    )

@@ -1,0 +1,83 @@
+"""Context-length conversion shared by the model families: RoPE scaling and the hf_dilated entry.
+
+Works on a transformers config object (already normalised by transformers 5.x, so old
+`rope_scaling` / `rotary_emb_base` keys have become `rope_parameters`) and returns the top-level
+config fields to set, so the same result can patch a loaded model or a config.json.
+"""
+from __future__ import annotations
+
+from hf_dilated.integrations.config import CONFIG_KEY, DilatedConfig, context_lengths
+
+ROPE_CHOICES = ("linear", "dynamic", "yarn", "none")
+_OURS = ("linear", "dynamic", "yarn")
+
+
+def original_length(config) -> int:
+    """The pretraining context length: recorded by an earlier conversion, else from the config."""
+    block = getattr(config, CONFIG_KEY, None)
+    if isinstance(block, dict) and isinstance(block.get("original_length"), int):
+        return block["original_length"]
+    return context_lengths(config)[0]
+
+
+def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
+    """Config fields that give a RoPE model `context_length` tokens of context.
+
+    rope: "linear" (position interpolation, factor = context / original), "dynamic" (dynamic NTK:
+    max_position_embeddings stays the original length, frequencies stretch beyond it), "yarn",
+    or "none" (keep the checkpoint's RoPE). None picks "linear" for an unscaled checkpoint and
+    "none" for one whose RoPE is already scaled.
+    """
+    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length <= 0:
+        raise ValueError(f"context_length must be a positive int, got {context_length!r}")
+    if rope is not None and rope not in ROPE_CHOICES:
+        raise ValueError(f"rope must be one of {ROPE_CHOICES} or None, got {rope!r}")
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params or "rope_theta" not in params:
+        raise ValueError(f"{type(config).__name__} has no rope_parameters: cannot rescale its positions")
+    original = original_length(config)
+    current = params.get("rope_type", "default")
+    converted_before = isinstance(getattr(config, CONFIG_KEY, None), dict)
+    if rope is None:
+        rope = "linear" if current == "default" or (converted_before and current in _OURS) else "none"
+    if rope == "none":
+        keep_max = current == "dynamic"  # dynamic NTK reads max_position_embeddings as the original length
+        return {} if keep_max else {"max_position_embeddings": max(context_length, config.max_position_embeddings)}
+    if current != "default" and not (converted_before and current in _OURS):
+        raise ValueError(
+            f"the checkpoint's RoPE is already scaled (rope_type={current!r}); converting it to {rope!r} would "
+            "discard that scaling: pass rope='none' (--rope none) to keep it"
+        )
+    factor = max(1.0, context_length / original)
+    new = {"rope_type": rope, "rope_theta": params["rope_theta"], "factor": factor}
+    if "partial_rotary_factor" in params:
+        new["partial_rotary_factor"] = params["partial_rotary_factor"]
+    if rope == "yarn":
+        new["original_max_position_embeddings"] = original
+    max_positions = original if rope == "dynamic" else max(context_length, original)
+    return {"rope_parameters": new, "max_position_embeddings": max_positions}
+
+
+# Fields an earlier conversion chose that a new context length does not invalidate.
+_KEPT_ON_RECONVERT = ("mode", "block_size", "pattern", "ring_layout")
+
+
+def dilated_entry(config, context_length: int | None = None, **fields) -> dict:
+    """The `hf_dilated` entry for `config` at `context_length` (None: the configured one).
+
+    Starts from the checkpoint's entry when it has one (a new context length recomputes the
+    segments, keeping mode, block size, pattern and ring layout), else from the documented default
+    (DilatedConfig); explicit `fields` override both.
+    """
+    existing = getattr(config, CONFIG_KEY, None)
+    existing = dict(existing) if isinstance(existing, dict) else {}
+    original = original_length(config)
+    if context_length is None:
+        base = existing
+        target = existing.get("target_length") or context_lengths(config)[1]
+    else:
+        base = {k: existing[k] for k in _KEPT_ON_RECONVERT if k in existing}
+        target = context_length
+    base = {k: v for k, v in base.items() if k not in ("original_length", "target_length")}
+    base.update(fields)
+    return DilatedConfig.default(original, target, **base).to_dict()
