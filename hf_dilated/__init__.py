@@ -3,7 +3,11 @@
 `import hf_dilated` registers the attention implementations "dilated", "dilated_ring", "ring",
 "block_sparse" and "block_sparse_ring" with transformers.
 """
+from .integrations import DilatedConfig, register as _register_with_transformers
 from .ops import dilated_attention
+from .patching import lora_config, patch, patch_family, unpatch_family
+
+_register_with_transformers()
 
 __version__ = "0.1.0"
-__all__ = ["dilated_attention"]
+__all__ = ["DilatedConfig", "dilated_attention", "lora_config", "patch", "patch_family", "unpatch_family"]
