@@ -1,0 +1,41 @@
+"""Sequence parallelism over torch.distributed: ring, dilated-ring and block-sparse-ring attention.
+
+Kernels take this rank's shards of q/k/v (and of the global attention_mask / position_ids) in the
+group's layout and return this rank's shard of the output; with no group (None) or a group of one
+process each equals its single-process counterpart.
+"""
+from .exchange import bytes_sent, reset_bytes_sent
+from .groups import (
+    SequenceParallel,
+    destroy_sequence_parallel,
+    gather_sequence,
+    get_data_parallel_group,
+    get_sequence_parallel_group,
+    get_sequence_parallel_layout,
+    get_sequence_parallel_state,
+    reduce_loss,
+    setup_sequence_parallel,
+    shard_batch,
+)
+from .layout import padded_length, shard, shard_indices, unshard
+from .ring import ring_attention
+
+__all__ = [
+    "SequenceParallel",
+    "bytes_sent",
+    "destroy_sequence_parallel",
+    "gather_sequence",
+    "get_data_parallel_group",
+    "get_sequence_parallel_group",
+    "get_sequence_parallel_layout",
+    "get_sequence_parallel_state",
+    "padded_length",
+    "reduce_loss",
+    "reset_bytes_sent",
+    "ring_attention",
+    "setup_sequence_parallel",
+    "shard",
+    "shard_batch",
+    "shard_indices",
+    "unshard",
+]

@@ -1,0 +1,68 @@
+"""Failing fast instead of hanging.
+
+- `check_same_on_all_ranks`: before any exchange, every rank all-gathers a small fixed-size
+  signature of its call (shapes, dtype, configuration). Ranks that disagree all raise the same
+  ValueError naming the field, instead of deadlocking in mismatched point-to-point messages.
+- Timeouts: every collective and point-to-point wait of this package runs under the timeout of
+  its process group (`init_process_group(timeout=...)`, or `setup_sequence_parallel(timeout=...)`
+  for the groups it creates). A rank that dies closes its sockets and its peers fail at once; a
+  rank that raises and lingers, or hangs, makes its peers fail when the timeout expires.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def fingerprint(value) -> int:
+    """A stable 31-bit integer for any repr-able configuration value."""
+    return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
+
+
+def tensor_signature(t) -> list[int]:
+    if t is None:
+        return [-1] * 6
+    shape = list(t.shape)[:4] + [0] * (4 - min(t.dim(), 4))
+    return shape + [t.dim(), _DTYPES.get(t.dtype, 0) if t.is_floating_point() else 9]
+
+
+def check_same_on_all_ranks(group, what: str, **fields) -> None:
+    """Raises ValueError on every rank when any field differs between the ranks of `group`.
+
+    Each field is an int, a tensor (its shape and dtype are compared), None, or anything with a
+    stable repr (compared by fingerprint)."""
+    names, rows = [], []
+    for name, value in fields.items():
+        if value is None or isinstance(value, torch.Tensor):
+            sig = tensor_signature(value)
+        elif isinstance(value, bool) or not isinstance(value, int):
+            sig = [fingerprint(value)]
+        else:
+            sig = [value]
+        names.append(name)
+        rows.append(sig)
+    flat = torch.tensor([x for sig in rows for x in sig], dtype=torch.int64)
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat, group=group)
+    start = 0
+    for name, sig, value in zip(names, rows, fields.values()):
+        stop = start + len(sig)
+        per_rank = [g[start:stop].tolist() for g in gathered]
+        if any(p != per_rank[0] for p in per_rank):
+            raise ValueError(
+                f"{what}: ranks of the sequence-parallel group disagree on {name!r} "
+                f"(per rank: {per_rank}; this rank has {_describe(value)}). Every rank must call with "
+                "the same shapes and configuration."
+            )
+        start = stop
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"shape {tuple(value.shape)}, dtype {value.dtype}"
+    return repr(value)

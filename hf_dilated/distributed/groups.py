@@ -1,0 +1,229 @@
+"""Process groups for a data-parallel x sequence-parallel grid, and batch sharding for it.
+
+With world size W and sequence-parallel size S (S divides W), processes are arranged as W/S
+data-parallel replicas of S consecutive ranks: 4 processes with S = 2 give SP groups {0, 1} and
+{2, 3} and DP groups {0, 2} and {1, 3}. The ranks of an SP group hold one sequence between them;
+the DP groups see different batches.
+
+Typical loop (the same code runs on one process, where there is no group and nothing is sharded):
+
+    sp = setup_sequence_parallel(2)                       # after init_process_group / Accelerator()
+    batch = shard_batch(input_ids, labels=input_ids)      # this rank's part, labels shifted first
+    out = model(**batch)                                  # loss = local sum / global token count
+    loss = reduce_loss(out.loss)                          # value: the global loss, on every rank
+    loss.backward()                                       # then average gradients (DDP does)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+
+from .layout import check_layout, padded_length, shard, unshard
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    sp_group: object  # torch.distributed ProcessGroup of this rank's sequence-parallel group
+    dp_group: object  # ProcessGroup of the ranks holding the same sequence position in other replicas
+    sp_size: int
+    sp_rank: int
+    dp_size: int
+    dp_rank: int
+    layout: str
+
+
+_STATE: SequenceParallel | None = None
+
+
+def setup_sequence_parallel(sp_size: int, *, layout: str = "zigzag", timeout: timedelta | None = None,
+                            backend: str | None = None) -> SequenceParallel:
+    """Builds the DP x SP grid inside the default process group (which must be initialised, e.g.
+    by `accelerate launch` + `Accelerator()` or `torch.distributed.init_process_group`).
+
+    Every rank must call this, with the same arguments. `timeout` bounds every wait on the new
+    groups (a dead or hung peer becomes an error after it); default: the default group's timeout.
+    """
+    global _STATE
+    check_layout(layout)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("setup_sequence_parallel: torch.distributed is not initialised; call "
+                           "init_process_group (or create an accelerate.Accelerator) first")
+    if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
+        raise ValueError(f"sp_size must be a positive int, got {sp_size!r}")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % sp_size:
+        raise ValueError(f"sp_size ({sp_size}) must divide the world size ({world})")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta or None, got {type(timeout).__name__}")
+    dp_size = world // sp_size
+    kwargs = {"timeout": timeout, "backend": backend}
+    sp_group = dp_group = None
+    # new_group is collective over the default group: every rank creates every group, in order.
+    for d in range(dp_size):
+        ranks = list(range(d * sp_size, (d + 1) * sp_size))
+        g = dist.new_group(ranks, **kwargs)
+        if rank in ranks:
+            sp_group = g
+    for s in range(sp_size):
+        ranks = list(range(s, world, sp_size))
+        g = dist.new_group(ranks, **kwargs)
+        if rank in ranks:
+            dp_group = g
+    _STATE = SequenceParallel(sp_group, dp_group, sp_size, rank % sp_size, dp_size, rank // sp_size, layout)
+    return _STATE
+
+
+def destroy_sequence_parallel() -> None:
+    """Forgets the grid (the process groups themselves go with destroy_process_group)."""
+    global _STATE
+    _STATE = None
+
+
+def get_sequence_parallel_state() -> SequenceParallel | None:
+    return _STATE
+
+
+def get_sequence_parallel_group():
+    """The sequence-parallel group set by `setup_sequence_parallel`, or None when none is set."""
+    return None if _STATE is None else _STATE.sp_group
+
+
+def get_data_parallel_group():
+    return None if _STATE is None else _STATE.dp_group
+
+
+def get_sequence_parallel_layout() -> str:
+    return "zigzag" if _STATE is None else _STATE.layout
+
+
+def group_size_rank(group) -> tuple[int, int]:
+    """(world, rank) of `group`; (1, 0) for None, meaning a single process."""
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _default_group_layout(group, layout):
+    if group is None:
+        group = get_sequence_parallel_group()
+    if layout is None:
+        layout = get_sequence_parallel_layout()
+    check_layout(layout)
+    return group, layout
+
+
+def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, attention_mask=None,
+                position_ids=None, group=None, layout: str | None = None, pad_token_id: int = 0,
+                ignore_index: int = -100) -> dict:
+    """This rank's part of a causal-LM batch, as keyword arguments for a transformers model.
+
+    input_ids, labels, attention_mask, position_ids: (batch, seq_len), the *whole* batch, the same
+    on every rank of the group. Returns a dict with
+    - input_ids, position_ids: this rank's tokens and their *global* positions (so RoPE and the
+      attention patterns see true positions). position_ids are the given ones, else
+      cumsum(attention_mask) - 1 (as `generate` does), else 0..seq_len-1;
+    - attention_mask: this rank's part, when one was given;
+    - labels and shift_labels (only when labels are given): the labels shifted left by one *before*
+      sharding, so the last token of a shard still predicts the first token of the next one;
+      transformers' causal-LM loss uses shift_labels as they are;
+    - num_items_in_batch: the number of labelled tokens of the whole batch, so that the model's
+      loss is (this rank's loss sum) / (global count) and the group's losses add up to the global
+      mean (`reduce_loss`).
+    A length the layout cannot split evenly is padded at the end (pad_token_id, ignore_index
+    labels, mask 0 when a mask is given, positions continuing). Causal attention never lets an
+    earlier token see a later one, so the padding changes nothing for the real tokens.
+    group defaults to the group of `setup_sequence_parallel`; with no group nothing is sharded.
+    """
+    group, layout = _default_group_layout(group, layout)
+    world, rank = group_size_rank(group)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a 2-D tensor (batch, seq_len), got {getattr(input_ids, 'shape', input_ids)}")
+    batch, seq_len = input_ids.shape
+    for name, t in (("labels", labels), ("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.shape != input_ids.shape):
+            raise ValueError(f"{name} must be a tensor shaped like input_ids {tuple(input_ids.shape)}, "
+                             f"got {getattr(t, 'shape', t)}")
+    if position_ids is None:
+        if attention_mask is not None:
+            position_ids = attention_mask.long().cumsum(-1) - 1
+            position_ids = position_ids.masked_fill(attention_mask == 0, 1)
+        else:
+            position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)
+    out = {}
+    if labels is not None:
+        shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
+        out["num_items_in_batch"] = (shift_labels != ignore_index).sum()
+    total = padded_length(seq_len, world, layout)
+    pad = total - seq_len
+
+    def pad_end(t, value):
+        return torch.nn.functional.pad(t, (0, pad), value=value) if pad else t
+
+    last = position_ids[:, -1:]
+    tail = last + torch.arange(1, pad + 1, device=position_ids.device)
+    parts = {
+        "input_ids": pad_end(input_ids, pad_token_id),
+        "position_ids": torch.cat([position_ids, tail], dim=1) if pad else position_ids,
+    }
+    if attention_mask is not None:
+        parts["attention_mask"] = pad_end(attention_mask, 0)
+    if labels is not None:
+        parts["labels"] = pad_end(shift_labels, ignore_index)
+    for name, t in parts.items():
+        out[name] = shard(t, world, rank, layout, dim=1).contiguous() if world > 1 else t.contiguous()
+    if labels is not None:
+        out["shift_labels"] = out["labels"]
+    return out
+
+
+def gather_sequence(x: torch.Tensor, *, seq_len: int | None = None, group=None, layout: str | None = None,
+                    dim: int = 1) -> torch.Tensor:
+    """The global tensor from every rank's shard of `x` (sequence along `dim`), in sequence order,
+    trimmed to `seq_len` when given (to drop shard_batch's padding). Differentiable: as for
+    torch.distributed.nn.functional.all_gather, the gradient of a shard is the *sum* over ranks of
+    the gradients flowing into its slice."""
+    group, layout = _default_group_layout(group, layout)
+    world, _ = group_size_rank(group)
+    if world > 1:
+        shards = dist_fn.all_gather(x.contiguous(), group=group)
+        x = unshard(list(shards), layout, dim=dim)
+    if seq_len is not None:
+        x = x.narrow(dim, 0, seq_len)
+    return x
+
+
+class _SumForwardIdentityBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, group, grad_scale):
+        ctx.grad_scale = grad_scale
+        total = local.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.grad_scale, None, None
+
+
+def reduce_loss(local_loss: torch.Tensor, *, group=None, grad_reduction: str = "mean") -> torch.Tensor:
+    """The group's total of per-rank loss parts (e.g. the model's loss computed with shard_batch's
+    num_items_in_batch): the global loss, the same value on every rank.
+
+    Its backward sends each rank only its own part's gradient (no communication); summed over the
+    group's ranks these are the gradient of the global loss. `grad_reduction` says how parameter
+    gradients will be combined across the group afterwards: "mean" (DDP / Accelerate average over
+    all processes; the gradient is scaled by the group size to compensate) or "sum".
+    """
+    if grad_reduction not in ("mean", "sum"):
+        raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
+    if group is None:
+        group = get_sequence_parallel_group()
+    world, _ = group_size_rank(group)
+    if world == 1:
+        return local_loss
+    scale = float(world) if grad_reduction == "mean" else 1.0
+    return _SumForwardIdentityBackward.apply(local_loss, group, scale)

@@ -1,0 +1,176 @@
+"""Ring attention: exact causal attention with the sequence split over a process group.
+
+Each rank holds the queries, keys and values of its shard (layout.py). K/V blocks travel around
+the ring, one hop per step, with the next hop's send/receive posted before the attention of the
+block in hand so that both overlap. The partial results of the steps merge in float32 by
+log-sum-exp (ops/merge.py). The backward is a ring too: K/V travel again and the gradients
+dK/dV travel with their block, arriving back at its owner after the last step.
+
+Visibility (SPEC "Ring attention" = dense causal with padding and documents) is a function of
+global token indices and the gathered metadata (exchange.global_tokens), so padding and packed
+documents are honoured whatever rank a key comes from. Without padding or packing the blocks of
+a step are either fully visible, causal (the rank's own block) or invisible, so no mask is built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.backend import attention_backward, attention_forward
+from ..ops.merge import merge_dtype, merge_partial
+from ..ops.validate import check_qkv, check_scale_dropout
+from .exchange import Exchange, GlobalTokens, global_tokens, wait_all
+from .faults import check_same_on_all_ranks
+from .groups import group_size_rank
+from .layout import check_layout, chunks_per_rank, rank_chunks
+
+# In the backward, a query that sees no key at all gets this log-sum-exp instead of -inf, so the
+# recomputed probabilities exp(s - lse) are 0 rather than NaN.
+_EMPTY_ROW_LSE = 1e30
+
+
+@dataclass
+class Piece:
+    """The part of one ring step that has visible pairs: local query rows x the block's key cols."""
+    rows: slice
+    cols: slice
+    is_causal: bool
+    bias: torch.Tensor | None  # additive (batch, 1, nq, nk), 0 or -inf
+    empty_rows: torch.Tensor | None  # bool (batch, 1, nq): rows with no visible key in this piece
+
+
+def ring_pieces(tokens: GlobalTokens, dtype) -> list[Piece | None]:
+    """For each ring step t (block of rank (rank - t) mod P), the Piece to compute, or None."""
+    world, rank, layout = tokens.world, tokens.rank, tokens.layout
+    n_local = tokens.local_index.numel()
+    c = n_local // chunks_per_rank(layout)
+    q_chunks = rank_chunks(layout, world, rank)
+    pieces = []
+    for step in range(world):
+        src = (rank - step) % world
+        k_chunks = rank_chunks(layout, world, src)
+        rel = [[(b < a) + 2 * (b == a) for b in k_chunks] for a in q_chunks]  # 0 none, 1 full, 2 causal
+        rows = [i for i in range(len(q_chunks)) if any(rel[i])]
+        cols = [j for j in range(len(k_chunks)) if any(rel[i][j] for i in rows)]
+        if not rows:
+            pieces.append(None)
+            continue
+        rsl = slice(rows[0] * c, (rows[-1] + 1) * c)
+        csl = slice(cols[0] * c, (cols[-1] + 1) * c)
+        all_full = all(rel[i][j] == 1 for i in rows for j in cols)
+        if tokens.plain and (all_full or src == rank):
+            pieces.append(Piece(rsl, csl, is_causal=not all_full, bias=None, empty_rows=None))
+            continue
+        qi = tokens.local_index[rsl]
+        kj = tokens.rank_index(src)[csl]
+        visible = (kj[None, None, :] <= qi[None, :, None]) & tokens.real[:, None, kj]
+        visible = visible & (tokens.doc[:, qi, None] == tokens.doc[:, None, kj])
+        if not visible.any():
+            pieces.append(None)
+            continue
+        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        bias.masked_fill_(~visible, float("-inf"))
+        pieces.append(Piece(rsl, csl, False, bias[:, None], ~visible.any(-1)[:, None]))
+    return pieces
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, exchange: Exchange, pieces, scale):
+        acc = merge_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        for step, piece in enumerate(pieces):
+            if step + 1 < len(pieces):  # post the next hop before computing on the block in hand
+                kv_next, works = exchange.ring_shift(kv, tag=0)
+            if piece is not None:
+                o, l = attention_forward(q[:, :, piece.rows], kv[0][:, :, piece.cols], kv[1][:, :, piece.cols],
+                                         is_causal=piece.is_causal, scale=scale, attn_bias=piece.bias)
+                o, l = o.to(acc), l.to(acc)
+                if piece.empty_rows is not None:  # the kernel reports lse 0 for a row with no key
+                    l = l.masked_fill(piece.empty_rows, float("-inf"))
+                out[:, :, piece.rows], lse[:, :, piece.rows] = merge_partial(
+                    out[:, :, piece.rows], lse[:, :, piece.rows], o, l)
+            if step + 1 < len(pieces):
+                wait_all(works)
+                kv = kv_next
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.exchange, ctx.pieces, ctx.scale = exchange, pieces, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        exchange, pieces, scale = ctx.exchange, ctx.pieces, ctx.scale
+        acc = merge_dtype(q.dtype)
+        dout = dout.contiguous()
+        lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, _EMPTY_ROW_LSE)).to(
+            torch.float32 if q.dtype != torch.float64 else torch.float64)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv = torch.zeros((2,) + tuple(k.shape), dtype=acc, device=k.device)  # travels with its block
+        kv = torch.stack([k, v])
+        dkv_works = []
+        for step, piece in enumerate(pieces):
+            if step + 1 < len(pieces):
+                kv_next, kv_works = exchange.ring_shift(kv, tag=0)
+            grads = None
+            if piece is not None:
+                r, c = piece.rows, piece.cols
+                grads = attention_backward(dout[:, :, r], q[:, :, r], kv[0][:, :, c], kv[1][:, :, c],
+                                           out[:, :, r], lse[:, :, r], is_causal=piece.is_causal,
+                                           scale=scale, attn_bias=piece.bias)
+                dq[:, :, r] += grads[0]
+            if step > 0:  # the accumulated dK/dV of the block in hand, from the previous rank
+                wait_all(dkv_works)
+                dkv = dkv_in
+            if grads is not None:
+                dkv[0][:, :, c] += grads[1]
+                dkv[1][:, :, c] += grads[2]
+            dkv_in, dkv_works = exchange.ring_shift(dkv, tag=1)
+            if step + 1 < len(pieces):
+                wait_all(kv_works)
+                kv = kv_next
+        wait_all(dkv_works)  # after P hops every block's gradient is back with its owner
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
+
+
+def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", scale=None, attention_mask=None,
+                   position_ids=None, dropout_p: float = 0.0):
+    """Exact causal attention over a sequence sharded across `group`.
+
+    q (batch, q_heads, n, head_dim), k/v (batch, kv_heads, n, head_dim): this rank's shard of the
+    global sequence in `layout` ("zigzag" or "contiguous", see layout.py); attention_mask and
+    position_ids (batch or 1, n): this rank's shards of the global ones. Returns this rank's shard
+    of the output. Every rank of the group must call it with the same shapes and arguments.
+    With group None or of size 1 this is `hf_dilated.ops.dilated_attention(q, k, v, [kv_len], [1])`.
+    """
+    check_layout(layout)
+    check_qkv(q, k, v, attention_mask, position_ids)
+    check_scale_dropout(scale, dropout_p)
+    if dropout_p:
+        raise ValueError(f"dropout_p: ring attention does not implement attention dropout, got {dropout_p}")
+    world, _ = group_size_rank(group)
+    if world == 1:
+        from ..ops import dilated_attention
+
+        kv_len = k.shape[2]
+        return dilated_attention(q, k, v, [kv_len], [1], scale=scale, attention_mask=attention_mask,
+                                 position_ids=position_ids)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q_len ({q.shape[2]}) must equal kv_len ({k.shape[2]}) under sequence parallelism: "
+                         "q, k and v are the shards of the same tokens")
+    n = q.shape[2]
+    if n % chunks_per_rank(layout):
+        raise ValueError(f"the local length ({n}) must be a multiple of {chunks_per_rank(layout)} for layout "
+                         f"{layout!r}; pad the global sequence to layout.padded_length() (shard_batch does)")
+    check_same_on_all_ranks(group, "ring_attention", q=q, k=k, v=v, attention_mask=attention_mask,
+                            position_ids=position_ids, layout=layout, scale=scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    tokens = global_tokens(q.shape[0], n, attention_mask=attention_mask, position_ids=position_ids,
+                           group=group, layout=layout, device=q.device)
+    pieces = ring_pieces(tokens, q.dtype)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Exchange(group, "ring"),
+                                pieces, scale)
