@@ -58,20 +58,20 @@ class _Level:
     r: int
     prev_w: int | None  # union mode: the lower level's segment length (keys of the query's own
     # level-(g-1) sub-segment are excluded); None otherwise
-    b_row: torch.Tensor  # (R,) batch index of each row
+    causal: bool
     heads: torch.Tensor  # (Hc,) query heads, in call order
     head_pair: torch.Tensor  # (Hc,) index of each call head's (kv head, class) pair
-    pair_kvh: torch.Tensor  # (P,) kv head of each pair
     head_class: torch.Tensor  # (Hc,) offset class of each call head
-    jq: torch.Tensor  # (R, Hc, Lq) query index of each query slot (clamped)
-    q_real: torch.Tensor  # (R, Hc, Lq) slot holds a real query
-    tq: torch.Tensor  # (R, Hc, Lq) key-slot coordinate of each query slot
-    jk: torch.Tensor  # (R, P, L) key index of each key slot (clamped)
-    k_real: torch.Tensor  # (R, P, L)
-    q_lin: torch.Tensor  # (M,) flat (b, h, j) index of the real query slots, in slot order
-    k_lin: torch.Tensor  # (Mk,) flat (b, kvh, j) index of the real key slots
+    tq: torch.Tensor  # (R, Hc, Lq) key-slot coordinate of each gathered query slot
+    k_real: torch.Tensor  # (R, P, L) key slot holds a real token
+    q_rows: torch.Tensor  # (R, Hc, Lq) row of each query slot in a contiguous (B*Hq*Nq, D) view, clamped
+    q_dump: torch.Tensor  # (R, Hc, Lq) the same, with slots that hold no real query sent to a dump row
+    k_rows: torch.Tensor  # (R, P, L) row of each key slot in a contiguous (B*Hkv*Nk, D) view, clamped
+    k_dump: torch.Tensor  # (R, P, L) the same, with empty key slots sent to a dump row
     calls: list = field(default_factory=list)
-    causal: bool = True
+    # Set when the level's rows are plain consecutive segments (no padding, positions 0..n-1,
+    # dilation 1, n a multiple of w): q, k, v are then *viewed* as (batch * n / w, heads, w, d).
+    segment_view: bool = False
 
 
 def dilated_attention(
@@ -211,44 +211,53 @@ def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal
     pair_cls_t = torch.tensor(pair_cls, dtype=torch.long, device=device)
     head_class = pair_cls_t[head_pair_t]
 
-    jq = jq_cls[head_class].transpose(0, 1)  # (R, Hc, Lq)
-    q_real = q_real_cls[head_class].transpose(0, 1)
-    tq = tq_cls[head_class].transpose(0, 1)
     k_table = table[pair_cls_t].transpose(0, 1)  # (R, P, L)
     k_real = k_table >= 0
-    jk = k_table.clamp(min=0)
-
+    calls, q0 = _plan_calls(k_real, head_pair_t, tq_cls.shape[-1], decode, is_causal, prev_w, r, n_slots)
+    # Gather only the query slots some call reads (union levels >= 2 skip the first sub-segment).
+    jq_cls, q_real_cls, tq_cls = jq_cls[..., q0:], q_real_cls[..., q0:], tq_cls[..., q0:]
+    jq = jq_cls[head_class].transpose(0, 1)  # (R, Hc, Lq)
+    q_real = q_real_cls[head_class].transpose(0, 1)
     bq = b_row[:, None, None]
-    q_lin = ((bq * q_heads + heads_t[None, :, None]) * q_len + jq)[q_real]
-    k_lin = ((bq * kv_heads + pair_kvh_t[None, :, None]) * kv_len + jk)[k_real]
-
-    level = _Level(w, r, prev_w, b_row, heads_t, head_pair_t, pair_kvh_t, head_class,
-                   jq, q_real, tq, jk, k_real, q_lin, k_lin, causal=is_causal)
-    level.calls = _plan_calls(level, decode, is_causal, n_slots)
+    q_rows = (bq * q_heads + heads_t[None, :, None]) * q_len + jq
+    k_rows = (bq * kv_heads + pair_kvh_t[None, :, None]) * kv_len + k_table.clamp(min=0)
+    level = _Level(
+        w, r, prev_w, is_causal, heads_t, head_pair_t, head_class,
+        tq=tq_cls[head_class].transpose(0, 1), k_real=k_real,
+        q_rows=q_rows, q_dump=q_rows.masked_fill(~q_real, batch * q_heads * q_len),
+        k_rows=k_rows, k_dump=k_rows.masked_fill(~k_real, batch * kv_heads * kv_len), calls=calls,
+    )
+    level.segment_view = (
+        layout.plain and not decode and r == 1 and q0 == 0 and kv_len % w == 0 and kv_len >= w
+        and order == list(range(q_heads)) and q_heads == kv_heads * (q_heads // kv_heads)
+        and pair_kvh == list(range(kv_heads))
+    )
     return level
 
 
-def _plan_calls(level: _Level, decode: bool, is_causal: bool, n_slots: int) -> list[_Call]:
+def _plan_calls(k_real, head_pair, n_q, decode, is_causal, prev_w, r, n_slots):
+    """The fused calls of one level, and the first query slot they read."""
     all_rows, all_slots = slice(None), slice(None)
-    n_rows, n_heads, n_q = level.jq.shape
-    irregular = bool((level.k_real[..., 1:] & ~level.k_real[..., :-1]).any())
-    aligned_prev = level.prev_w is None or level.prev_w % level.r == 0
-    if decode or not is_causal or not aligned_prev:
+    n_rows, n_heads = k_real.shape[0], head_pair.shape[0]
+    irregular = bool((k_real[..., 1:] & ~k_real[..., :-1]).any())
+    if decode or not is_causal or (prev_w is not None and prev_w % r != 0):
         # General case: an explicit bias over (query slots x key slots), cut into row chunks.
-        per_row = max(1, n_heads * n_q * n_slots)
-        step = max(1, _BIAS_BUDGET // per_row)
-        return [
+        step = max(1, _BIAS_BUDGET // max(1, n_heads * n_q * n_slots))
+        calls = [
             _Call(slice(s, min(s + step, n_rows)), all_slots, all_slots, False, explicit_bias=True, check_empty=True)
             for s in range(0, n_rows, step)
         ]
-    if level.prev_w is None:
-        return [_Call(all_rows, all_slots, all_slots, True, key_bias=irregular)]
+        return calls, 0
+    if prev_w is None:
+        return [_Call(all_rows, all_slots, all_slots, True, key_bias=irregular)], 0
     # union, level >= 2: queries of sub-segment s see the keys of sub-segments 0..s-1.
-    sub = level.prev_w // level.r
-    return [
-        _Call(all_rows, slice(s, min(s + sub, n_slots)), slice(0, s), False, key_bias=irregular, check_empty=irregular)
+    sub = prev_w // r
+    calls = [
+        _Call(all_rows, slice(s - sub, min(s + sub, n_slots) - sub), slice(0, s), False,
+              key_bias=irregular, check_empty=irregular)
         for s in range(sub, n_slots, sub)
     ]
+    return calls, sub
 
 
 def _key_bias(level: _Level, call: _Call, dtype):
@@ -289,23 +298,58 @@ def _call_inputs(level: _Level, call: _Call, q_l, k_l, v_l):
     return qs, ks, vs, bias, empty
 
 
+def _row_view(t: torch.Tensor):
+    """A (tokens, head_dim) view of a 4-D tensor and the row strides of its (batch, head, token)
+    dims, without copying when its memory is dense in any dim order (e.g. HF's transposed q)."""
+    d = t.shape[-1]
+    strides, sizes = t.stride(), t.shape
+    order = sorted(range(3), key=lambda i: strides[i])
+    dense = strides[3] == 1 and all(s % d == 0 for s in strides[:3])
+    expect = d
+    for i in order:
+        dense = dense and (sizes[i] == 1 or strides[i] == expect)
+        expect *= sizes[i]
+    if not dense:
+        t = t.contiguous()
+        strides = t.stride()
+    base = torch.as_strided(t, (t.numel() // d, d), (d, 1), t.storage_offset())
+    return base, tuple(s // d for s in strides[:3])
+
+
+def _rows_for(index: torch.Tensor, shape, row_strides):
+    """Re-express contiguous-layout row indices for a tensor with other (dense) row strides."""
+    b, h, n = shape[0], shape[1], shape[2]
+    if row_strides == (h * n, n, 1):
+        return index
+    sb, sh, sn = row_strides
+    bh = torch.div(index, n, rounding_mode="floor")
+    return torch.div(bh, h, rounding_mode="floor") * sb + torch.remainder(bh, h) * sh + (index - bh * n) * sn
+
+
+def _gather(t, index):
+    base, strides = _row_view(t)
+    rows = _rows_for(index, t.shape, strides)
+    return base.index_select(0, rows.reshape(-1)).view(*index.shape, t.shape[-1])
+
+
 def _gather_level(level: _Level, q, k, v):
-    bq = level.b_row[:, None, None]
-    q_l = q[bq, level.heads[None, :, None], level.jq]
-    k_l = k[bq, level.pair_kvh[None, :, None], level.jk]
-    v_l = v[bq, level.pair_kvh[None, :, None], level.jk]
-    return q_l, k_l, v_l
+    if level.segment_view:
+        def view(t):
+            b, h, n, d = t.shape
+            return t.unflatten(2, (n // level.w, level.w)).transpose(1, 2).reshape(-1, h, level.w, d)
+        return view(q), view(k), view(v)
+    return _gather(q, level.q_rows), _gather(k, level.k_rows), _gather(v, level.k_rows)
 
 
 def _forward(q, k, v, levels: list[_Level], scale):
     batch, q_heads, q_len, head_dim = q.shape
     acc_dtype = merge_dtype(q.dtype)
-    acc_out = torch.zeros(batch * q_heads * q_len, head_dim, dtype=acc_dtype, device=q.device)
-    acc_lse = torch.full((batch * q_heads * q_len,), float("-inf"), dtype=acc_dtype, device=q.device)
+    # One extra dump row receives the slots that hold no real query.
+    acc_out = torch.zeros(batch * q_heads * q_len + 1, head_dim, dtype=acc_dtype, device=q.device)
+    acc_lse = torch.full((batch * q_heads * q_len + 1,), float("-inf"), dtype=acc_dtype, device=q.device)
+    fresh = True  # nothing merged yet: the first call writes instead of merging
     for level in levels:
         q_l, k_l, v_l = _gather_level(level, q, k, v)
-        out_l = torch.zeros(q_l.shape, dtype=acc_dtype, device=q.device)
-        lse_l = torch.full(q_l.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
         for call in level.calls:
             qs, ks, vs, bias, empty = _call_inputs(level, call, q_l, k_l, v_l)
             if ks.shape[2] == 0 or qs.shape[2] == 0:
@@ -313,53 +357,51 @@ def _forward(q, k, v, levels: list[_Level], scale):
             o, lse = attention_forward(qs, ks, vs, is_causal=call.is_causal, scale=scale, attn_bias=bias)
             if empty is not None:
                 lse = lse.masked_fill(empty, float("-inf"))
-                o = o.masked_fill(empty[..., None], 0.0)
-            out_l[call.rows, :, call.q_slots] = o.to(acc_dtype)
-            lse_l[call.rows, :, call.q_slots] = lse.to(acc_dtype)
-        del q_l, k_l, v_l
-        sel = level.q_real
-        prev_out, prev_lse = acc_out.index_select(0, level.q_lin), acc_lse.index_select(0, level.q_lin)
-        new_out, new_lse = merge_partial(prev_out, prev_lse, out_l[sel], lse_l[sel])
-        acc_out.index_copy_(0, level.q_lin, new_out)
-        acc_lse.index_copy_(0, level.q_lin, new_lse)
-    out = acc_out.view(batch, q_heads, q_len, head_dim).to(q.dtype)
-    return out, acc_lse.view(batch, q_heads, q_len)
+            dst = level.q_dump[call.rows][:, :, call.q_slots].reshape(-1)
+            if fresh:
+                acc_out.index_copy_(0, dst, o.reshape(-1, head_dim).to(acc_dtype))
+                acc_lse.index_copy_(0, dst, lse.reshape(-1).to(acc_dtype))
+                fresh = False
+                continue
+            new_out, new_lse = merge_partial(
+                acc_out.index_select(0, dst), acc_lse.index_select(0, dst),
+                o.reshape(-1, head_dim), lse.reshape(-1).to(acc_dtype),
+            )
+            acc_out.index_copy_(0, dst, new_out)
+            acc_lse.index_copy_(0, dst, new_lse)
+    out = acc_out[:-1].view(batch, q_heads, q_len, head_dim).to(q.dtype)
+    return out, acc_lse[:-1].view(batch, q_heads, q_len)
 
 
 def _backward(dout, q, k, v, out, lse, levels: list[_Level], scale):
     batch, q_heads, q_len, head_dim = q.shape
     acc_dtype = merge_dtype(q.dtype)
-    dq = torch.zeros(q.numel() // head_dim, head_dim, dtype=acc_dtype, device=q.device)
-    dk = torch.zeros(k.numel() // head_dim, head_dim, dtype=acc_dtype, device=q.device)
+    dq = torch.zeros(q.numel() // head_dim + 1, head_dim, dtype=acc_dtype, device=q.device)
+    dk = torch.zeros(k.numel() // head_dim + 1, head_dim, dtype=acc_dtype, device=q.device)
     dv = torch.zeros_like(dk)
-    dout = dout.to(q.dtype)
+    # Padded with a zero row (dout) and a +inf row (lse) that the dump slots read: slots without a
+    # real query then have probability 0, hence no gradient.
+    dout_rows = torch.cat([dout.to(q.dtype).reshape(-1, head_dim), dout.new_zeros(1, head_dim, dtype=q.dtype)])
+    out_rows = torch.cat([out.reshape(-1, head_dim), out.new_zeros(1, head_dim)])
+    lse_rows = torch.cat([lse.reshape(-1), lse.new_full((1,), float("inf"))])
     for level in levels:
         q_l, k_l, v_l = _gather_level(level, q, k, v)
-        bq, hq = level.b_row[:, None, None], level.heads[None, :, None]
-        sel = level.q_real
-        do_l = dout[bq, hq, level.jq].masked_fill_(~sel[..., None], 0.0)
-        o_l = out[bq, hq, level.jq]
-        # Slots without a real query get lse=+inf: their probabilities, hence gradients, are 0.
-        lse_l = lse[bq, hq, level.jq].masked_fill(~sel, float("inf"))
-        dq_l = torch.zeros(q_l.shape, dtype=acc_dtype, device=q.device)
-        dk_l = torch.zeros(k_l.shape, dtype=acc_dtype, device=q.device)
-        dv_l = torch.zeros_like(dk_l)
         for call in level.calls:
             qs, ks, vs, bias, _ = _call_inputs(level, call, q_l, k_l, v_l)
             if ks.shape[2] == 0 or qs.shape[2] == 0:
                 continue
-            r_, s_ = call.rows, call.q_slots
+            dst = level.q_dump[call.rows][:, :, call.q_slots]
+            flat = dst.reshape(-1)
             g_q, g_k, g_v = attention_backward(
-                do_l[r_][:, :, s_], qs, ks, vs, o_l[r_][:, :, s_], lse_l[r_][:, :, s_],
+                dout_rows.index_select(0, flat).view(qs.shape), qs, ks, vs,
+                out_rows.index_select(0, flat).view(qs.shape), lse_rows.index_select(0, flat).view(dst.shape),
                 is_causal=call.is_causal, scale=scale, attn_bias=bias,
             )
-            dq_l[r_, :, s_] += g_q.to(acc_dtype)
-            dk_l[r_, :, call.k_slots] += g_k.to(acc_dtype)
-            dv_l[r_, :, call.k_slots] += g_v.to(acc_dtype)
-        dq.index_add_(0, level.q_lin, dq_l[sel])
-        dk.index_add_(0, level.k_lin, dk_l[level.k_real])
-        dv.index_add_(0, level.k_lin, dv_l[level.k_real])
-    return dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype), dv.view(v.shape).to(v.dtype)
+            kd = level.k_dump[call.rows][:, :, call.k_slots].reshape(-1)
+            dq.index_add_(0, flat, g_q.reshape(-1, head_dim).to(acc_dtype))
+            dk.index_add_(0, kd, g_k.reshape(-1, head_dim).to(acc_dtype))
+            dv.index_add_(0, kd, g_v.reshape(-1, head_dim).to(acc_dtype))
+    return (dq[:-1].view(q.shape).to(q.dtype), dk[:-1].view(k.shape).to(k.dtype), dv[:-1].view(v.shape).to(v.dtype))
 
 
 class _DilatedAttention(torch.autograd.Function):

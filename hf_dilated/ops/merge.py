@@ -15,11 +15,12 @@ def merge_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def merge_partial(out_a, lse_a, out_b, lse_b):
-    """Returns the merged (out, lse); out_* are (..., head_dim), lse_* are (...)."""
+    """Returns the merged (out, lse); out_* are (..., head_dim), lse_* are (...).
+
+    out_a (the accumulator) sets the dtype. The weight of part b is exp(lse_b - lse) =
+    sigmoid(lse_b - lse_a), and out = lerp(out_a, out_b, weight): one fused pass over the outputs.
+    """
     lse = torch.logaddexp(lse_a, lse_b)
-    finite = torch.isfinite(lse)
-    safe = torch.where(finite, lse, torch.zeros_like(lse))
-    w_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse))
-    w_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse))
-    out = out_a * w_a.unsqueeze(-1) + out_b.to(out_a.dtype) * w_b.unsqueeze(-1)
+    weight_b = torch.sigmoid(lse_b - lse_a).nan_to_num_(0.0)  # both -inf: nothing to take from b
+    out = torch.lerp(out_a, out_b.to(out_a.dtype), weight_b.unsqueeze(-1).to(out_a.dtype))
     return out, lse
