@@ -14,6 +14,7 @@ import reference
 from distributed_launch import launch
 
 TOL = 1e-4  # SPEC: float32 against the float64 reference
+SINGLE_TOL = 1e-5  # float32 against the single-process kernel on the whole sequence
 
 
 def make_case(kernel, *, seed, batch=2, q_heads=4, kv_heads=2, seq_len=32, head_dim=8, layout="zigzag",
@@ -49,6 +50,23 @@ def reference_result(case):
         raise AssertionError(case["kernel"])
     real_q = query_weights(case)
     (out * case["dout"].double() * real_q).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def single_process_result(case):
+    """The single-process kernel on the whole sequence, float32: what the ranks must reproduce."""
+    from hf_dilated.ops import dilated_attention
+
+    q, k, v = (case[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    kw = dict(attention_mask=case["attention_mask"], position_ids=case["position_ids"])
+    if case["kernel"] == "ring":
+        out = dilated_attention(q, k, v, [k.shape[2]], [1], **kw)
+    elif case["kernel"] == "dilated_ring":
+        a = case["kwargs"]
+        out = dilated_attention(q, k, v, a["segment_lengths"], a["dilation_rates"], mode=a.get("mode", "union"), **kw)
+    else:
+        raise AssertionError(case["kernel"])
+    (out * case["dout"] * query_weights(case)).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
 
 
@@ -110,13 +128,15 @@ def check(outcomes, cases_by_dp, sp_size):
             continue
         dp_rank = o["rank"] // sp_size
         for case, got in zip(cases_by_dp[dp_rank], o["result"]):
-            want = reference_result(case)
             w = query_weights(case)
-            for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-                if name == "out":
-                    a, b = a * w, b * w
-                err = (a.double() - b).abs().max().item()
-                assert err < TOL, f"{case['kernel']} {case['layout']} rank-group {dp_rank}: {name} error {err}"
+            for what, want, tol in (("reference", reference_result(case), TOL),
+                                    ("single process", single_process_result(case), SINGLE_TOL)):
+                for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                    if name == "out":
+                        a, b = a * w, b * w
+                    err = (a.double() - b.double()).abs().max().item()
+                    assert err < tol, (f"{case['kernel']} {case['layout']} {case['kwargs']} group {dp_rank}: "
+                                       f"{name} differs from the {what} by {err}")
 
 
 RING_CASES = [
@@ -129,8 +149,20 @@ RING_CASES = [
 ]
 
 
+DILATED = dict(segment_lengths=[8, 16], dilation_rates=[1, 2])
+DILATED_CASES = [
+    make_case("dilated_ring", seed=10, **DILATED),
+    make_case("dilated_ring", seed=11, q_heads=4, kv_heads=4, segment_lengths=[4, 16, 32], dilation_rates=[1, 2, 4]),
+    make_case("dilated_ring", seed=12, mode="longnet", segment_lengths=[6, 16], dilation_rates=[2, 4]),
+    make_case("dilated_ring", seed=13, mode="head_groups", segment_lengths=[4, 8, 32], dilation_rates=[1, 2, 4],
+              layout="contiguous"),
+    make_case("dilated_ring", seed=14, padding=True, packed=True, segment_lengths=[4, 32], dilation_rates=[1, 4]),
+    make_case("dilated_ring", seed=15, seq_len=29, **DILATED),
+]
+
+
 def test_ring_two_ranks():
-    cases = [RING_CASES]
+    cases = [RING_CASES + DILATED_CASES]
     check(launch(run_cases, 2, cases, 2), cases, 2)
 
 

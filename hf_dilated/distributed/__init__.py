@@ -4,6 +4,7 @@ Kernels take this rank's shards of q/k/v (and of the global attention_mask / pos
 group's layout and return this rank's shard of the output; with no group (None) or a group of one
 process each equals its single-process counterpart.
 """
+from .dilated_ring import dilated_ring_attention
 from .exchange import bytes_sent, reset_bytes_sent
 from .groups import (
     SequenceParallel,
@@ -24,6 +25,7 @@ __all__ = [
     "SequenceParallel",
     "bytes_sent",
     "destroy_sequence_parallel",
+    "dilated_ring_attention",
     "gather_sequence",
     "get_data_parallel_group",
     "get_sequence_parallel_group",

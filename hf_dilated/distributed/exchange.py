@@ -79,14 +79,17 @@ class GlobalTokens:
 
 
 def global_tokens(batch: int, n_local: int, *, attention_mask, position_ids, group, layout: str,
-                  device) -> GlobalTokens:
+                  device, any_mask: bool, any_positions: bool) -> GlobalTokens:
     """Global positions / padding / documents (SPEC "Positions, padding, packing") from the local
     shards of attention_mask and position_ids (either may be None). One all-gather, int64,
-    2 x batch x n_local per rank, and only when a mask or positions are given."""
+    2 x batch x n_local per rank, and only when some rank has a mask or positions.
+
+    any_mask / any_positions: whether any rank of the group has one (a rank whose shard has no
+    padding may get no mask from transformers; its tokens are then all real)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     seq_len = n_local * world
     local_index = shard_indices(seq_len, world, rank, layout, device)
-    if attention_mask is None and position_ids is None:
+    if not any_mask and not any_positions:
         arange = torch.arange(seq_len, device=device).expand(batch, seq_len)
         return GlobalTokens(arange, torch.ones(batch, seq_len, dtype=torch.bool, device=device),
                             torch.zeros(batch, seq_len, dtype=torch.long, device=device), True,
@@ -100,7 +103,7 @@ def global_tokens(batch: int, n_local: int, *, attention_mask, position_ids, gro
     dist.all_gather(shards, local, group=group)
     full = unshard(shards, layout, dim=2)
     real = full[1].to(torch.bool)
-    if position_ids is not None:
+    if any_positions:
         positions = full[0]
     else:
         positions = real.long().cumsum(-1) - 1
@@ -110,3 +113,162 @@ def global_tokens(batch: int, n_local: int, *, attention_mask, position_ids, gro
     arange = torch.arange(seq_len, device=device)
     plain = bool(real.all()) and bool((positions == arange).all())
     return GlobalTokens(positions, real, doc, plain, local_index, world, rank, layout)
+
+
+def sequence_parallel_tokens(what: str, q, k, v, *, attention_mask, position_ids, group, layout: str,
+                             **config) -> GlobalTokens:
+    """The prologue every ring kernel runs before its first exchange: checks that the ranks agree
+    on shapes, dtype, layout and configuration (faults.py), then gathers the token metadata."""
+    from .faults import check_same_on_all_ranks
+    from .layout import chunks_per_rank
+
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"{what}: q_len ({q.shape[2]}) must equal kv_len ({k.shape[2]}) under sequence "
+                         "parallelism: q, k and v are this rank's shards of the same tokens")
+    n = q.shape[2]
+    if n % chunks_per_rank(layout):
+        raise ValueError(f"{what}: the local length ({n}) must be a multiple of {chunks_per_rank(layout)} for "
+                         f"layout {layout!r}; pad the global sequence to layout.padded_length() (shard_batch does)")
+    flags = check_same_on_all_ranks(group, what, flags={"mask": attention_mask is not None,
+                                                        "positions": position_ids is not None},
+                                    q=q, k=k, v=v, layout=layout, **config)
+    if any(flags["positions"]) and not all(flags["positions"]):
+        raise ValueError(f"{what}: position_ids given on some ranks of the group and not on others "
+                         f"(per rank: {flags['positions']}); pass them on every rank or on none")
+    return global_tokens(q.shape[0], n, attention_mask=attention_mask, position_ids=position_ids, group=group,
+                         layout=layout, device=q.device, any_mask=any(flags["mask"]),
+                         any_positions=all(flags["positions"]))
+
+
+# --- windowed attention: exchange only the keys some query needs ------------------------------
+#
+# For the sparse kernels (dilated, block-sparse) each local chunk of queries is computed by the
+# single-process kernel over a *window* [lo, end) of the global sequence, end = the chunk's end
+# (its queries are then the window's last tokens, as the kernels expect) and lo = the first key
+# any of its queries can see. The window holds this rank's own K/V plus, from the other ranks,
+# exactly the (batch, kv head, token) entries that the pattern makes visible to some local query;
+# every other entry is zero and, by construction, invisible. Positions and padding travel as
+# explicit position_ids / attention_mask of the window, so the pattern (a function of positions
+# and documents) is the same as on the whole sequence. Which entries are needed is computed on
+# every rank from the gathered metadata, so no index lists are sent: only K/V values.
+
+
+@dataclass
+class WindowPlan:
+    chunks: list  # (start, end) of each local chunk, local indices
+    windows: list  # (lo, end) of each chunk's window, global indices
+    need_from: dict  # src rank -> bool (batch, kv_heads, n_local): entries of src's tokens needed here
+    need_by: dict  # dst rank -> bool (batch, kv_heads, n_local): entries of this rank's tokens dst needs
+    tokens: GlobalTokens
+
+
+def plan_windows(tokens: GlobalTokens, needed_keys) -> WindowPlan:
+    """needed_keys(query_index) -> bool (batch, kv_heads, seq_len): the keys visible to some query
+    of `query_index` (global indices) under the kernel's pattern."""
+    from .layout import chunks_per_rank
+
+    world, rank = tokens.world, tokens.rank
+    n = tokens.local_index.numel()
+    c = n // chunks_per_rank(tokens.layout)
+    chunks = [(i * c, (i + 1) * c) for i in range(n // c)]
+    index = torch.arange(tokens.positions.shape[1], device=tokens.positions.device)
+    windows, need_from, need_by = [], {}, {}
+    for r in range(world):
+        r_index = tokens.rank_index(r)
+        need_r = None
+        for start, end in chunks:
+            q_index = r_index[start:end]
+            need = needed_keys(q_index) & (index <= q_index.max())  # causal, whatever the pattern says
+            need_r = need if need_r is None else need_r | need
+            if r == rank:
+                anywhere = need.any(0).any(0)
+                first = int(anywhere.nonzero()[0]) if anywhere.any() else int(q_index[0])
+                windows.append((min(first, int(q_index[0])), int(q_index[-1]) + 1))
+        if r == rank:
+            for s in range(world):
+                if s != rank:
+                    need_from[s] = need_r[:, :, tokens.rank_index(s)]
+        else:
+            need_by[r] = need_r[:, :, tokens.local_index]
+    return WindowPlan(chunks, windows, need_from, need_by, tokens)
+
+
+class _GatherWindows(torch.autograd.Function):
+    """(k, v) local shards -> the K/V windows of the local chunks; backward returns each entry's
+    gradient to the rank that owns it."""
+
+    @staticmethod
+    def forward(ctx, k, v, plan: WindowPlan, exchange: Exchange):
+        kv = torch.stack([k, v])
+        sends = {d: kv[:, m].contiguous() for d, m in plan.need_by.items() if m.any()}
+        recvs = {s: kv.new_empty((2, int(m.sum()), kv.shape[-1])) for s, m in plan.need_from.items() if m.any()}
+        wait_all(exchange.start(sends, recvs, tag=2))
+        placements = _placements(plan, kv.device)
+        outs = []
+        for (lo, end), (mine, remote) in zip(plan.windows, placements):
+            win = kv.new_zeros(kv.shape[:3] + (end - lo, kv.shape[-1]))
+            src_cols, dst_cols = mine
+            win[:, :, :, dst_cols] = kv[:, :, :, src_cols]
+            for s, (bi, hi, cols, entries) in remote.items():
+                win[:, bi, hi, cols] = recvs[s][:, entries]
+            outs += [win[0], win[1]]
+        ctx.plan, ctx.exchange, ctx.placements = plan, exchange, placements
+        ctx.kv_shape, ctx.kv_dtype = kv.shape, kv.dtype
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan, exchange = ctx.plan, ctx.exchange
+        dkv = torch.zeros(ctx.kv_shape, dtype=ctx.kv_dtype, device=plan.tokens.positions.device)
+        dsend = {s: dkv.new_zeros((2, int(m.sum()), dkv.shape[-1])) for s, m in plan.need_from.items() if m.any()}
+        for i, (mine, remote) in enumerate(ctx.placements):
+            dk, dv = grads[2 * i], grads[2 * i + 1]
+            if dk is None and dv is None:
+                continue
+            dwin = torch.stack([dk if dk is not None else torch.zeros_like(dv),
+                                dv if dv is not None else torch.zeros_like(dk)])
+            src_cols, dst_cols = mine
+            dkv[:, :, :, src_cols] += dwin[:, :, :, dst_cols]
+            for s, (bi, hi, cols, entries) in remote.items():
+                dsend[s][:, entries] += dwin[:, bi, hi, cols]
+        recvs = {d: dkv.new_empty((2, int(m.sum()), dkv.shape[-1])) for d, m in plan.need_by.items() if m.any()}
+        wait_all(exchange.start(dsend, recvs, tag=3))
+        for d, buf in recvs.items():
+            dkv[:, plan.need_by[d]] += buf
+        return dkv[0], dkv[1], None, None
+
+
+def _placements(plan: WindowPlan, device):
+    """Per window: where this rank's tokens go ((local cols, window cols)) and, per source rank,
+    where its received entries go ((batch idx, head idx, window cols, entry mask))."""
+    tokens = plan.tokens
+    out = []
+    for lo, end in plan.windows:
+        local = tokens.local_index
+        inside = (local >= lo) & (local < end)
+        mine = (inside.nonzero().flatten(), local[inside] - lo)
+        remote = {}
+        for s, need in plan.need_from.items():
+            s_index = tokens.rank_index(s)
+            sel = need & ((s_index >= lo) & (s_index < end))[None, None, :]
+            if not sel.any():
+                continue
+            bi, hi, ji = sel.nonzero(as_tuple=True)
+            remote[s] = (bi, hi, s_index[ji] - lo, sel[need])
+        out.append((mine, remote))
+    return out
+
+
+def windowed_attention(q, k, v, plan: WindowPlan, exchange: Exchange, kernel):
+    """Runs kernel(q_chunk, k_window, v_window, attention_mask=..., position_ids=...) for every local
+    chunk over its window and concatenates the chunks' outputs (this rank's shard of the output)."""
+    wins = _GatherWindows.apply(k, v, plan, exchange)
+    tokens = plan.tokens
+    outs = []
+    for i, ((start, end), (lo, hi)) in enumerate(zip(plan.chunks, plan.windows)):
+        real = tokens.real[:, lo:hi]
+        mask = None if bool(real.all()) else real
+        positions = None if tokens.plain and lo == 0 else tokens.positions[:, lo:hi]
+        outs.append(kernel(q[:, :, start:end], wins[2 * i], wins[2 * i + 1], attention_mask=mask,
+                           position_ids=positions))
+    return torch.cat(outs, dim=2)

@@ -30,11 +30,13 @@ def tensor_signature(t) -> list[int]:
     return shape + [t.dim(), _DTYPES.get(t.dtype, 0) if t.is_floating_point() else 9]
 
 
-def check_same_on_all_ranks(group, what: str, **fields) -> None:
+def check_same_on_all_ranks(group, what: str, flags: dict | None = None, **fields) -> dict:
     """Raises ValueError on every rank when any field differs between the ranks of `group`.
 
     Each field is an int, a tensor (its shape and dtype are compared), None, or anything with a
-    stable repr (compared by fingerprint)."""
+    stable repr (compared by fingerprint). `flags` (name -> bool) travel in the same message but
+    may differ: the result maps each flag to its per-rank values."""
+    flags = flags or {}
     names, rows = [], []
     for name, value in fields.items():
         if value is None or isinstance(value, torch.Tensor):
@@ -45,11 +47,11 @@ def check_same_on_all_ranks(group, what: str, **fields) -> None:
             sig = [value]
         names.append(name)
         rows.append(sig)
-    flat = torch.tensor([x for sig in rows for x in sig], dtype=torch.int64)
+    flat = torch.tensor([int(bool(f)) for f in flags.values()] + [x for sig in rows for x in sig], dtype=torch.int64)
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat, group=group)
-    start = 0
+    start = len(flags)
     for name, sig, value in zip(names, rows, fields.values()):
         stop = start + len(sig)
         per_rank = [g[start:stop].tolist() for g in gathered]
@@ -60,6 +62,7 @@ def check_same_on_all_ranks(group, what: str, **fields) -> None:
                 "the same shapes and configuration."
             )
         start = stop
+    return {name: [bool(g[i]) for g in gathered] for i, name in enumerate(flags)}
 
 
 def _describe(value) -> str:

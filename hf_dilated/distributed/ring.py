@@ -20,8 +20,7 @@ import torch
 from ..ops.backend import attention_backward, attention_forward
 from ..ops.merge import merge_dtype, merge_partial
 from ..ops.validate import check_qkv, check_scale_dropout
-from .exchange import Exchange, GlobalTokens, global_tokens, wait_all
-from .faults import check_same_on_all_ranks
+from .exchange import Exchange, GlobalTokens, sequence_parallel_tokens, wait_all
 from .groups import group_size_rank
 from .layout import check_layout, chunks_per_rank, rank_chunks
 
@@ -159,18 +158,9 @@ def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", scale=None, a
         kv_len = k.shape[2]
         return dilated_attention(q, k, v, [kv_len], [1], scale=scale, attention_mask=attention_mask,
                                  position_ids=position_ids)
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"q_len ({q.shape[2]}) must equal kv_len ({k.shape[2]}) under sequence parallelism: "
-                         "q, k and v are the shards of the same tokens")
-    n = q.shape[2]
-    if n % chunks_per_rank(layout):
-        raise ValueError(f"the local length ({n}) must be a multiple of {chunks_per_rank(layout)} for layout "
-                         f"{layout!r}; pad the global sequence to layout.padded_length() (shard_batch does)")
-    check_same_on_all_ranks(group, "ring_attention", q=q, k=k, v=v, attention_mask=attention_mask,
-                            position_ids=position_ids, layout=layout, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    tokens = global_tokens(q.shape[0], n, attention_mask=attention_mask, position_ids=position_ids,
-                           group=group, layout=layout, device=q.device)
+    tokens = sequence_parallel_tokens("ring_attention", q, k, v, attention_mask=attention_mask,
+                                      position_ids=position_ids, group=group, layout=layout, scale=scale)
     pieces = ring_pieces(tokens, q.dtype)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Exchange(group, "ring"),
                                 pieces, scale)
