@@ -26,6 +26,7 @@ log-sum-exp, so training memory stays O(N).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -105,9 +106,44 @@ def dilated_attention(
             "dropout); pass dropout_p=0.0"
         )
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    layout = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
-    levels = plan_levels(layout, q.shape[2], q.shape[1], k.shape[1], seg, dil, mode, is_causal)
+    key = (tuple(q.shape[:3]), tuple(k.shape[:3]), str(q.device), tuple(seg), tuple(dil), mode, is_causal)
+    levels = _PLANS.get(key, attention_mask, position_ids)
+    if levels is None:
+        layout = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
+        levels = plan_levels(layout, q.shape[2], q.shape[1], k.shape[1], seg, dil, mode, is_causal)
+        _PLANS.put(key, attention_mask, position_ids, levels)
     return _DilatedAttention.apply(q, k, v, levels, scale)
+
+
+class _PlanCache:
+    """The last few plans, keyed by shapes, configuration and the *identity* (object and version)
+    of the mask and position tensors: every layer of a model reuses the plan of the first."""
+
+    def __init__(self, size: int = 4):
+        self.size, self.entries = size, []
+
+    @staticmethod
+    def _ident(t):
+        return None if t is None else (weakref.ref(t), t._version)
+
+    @staticmethod
+    def _same(ident, t):
+        if ident is None or t is None:
+            return ident is None and t is None
+        return ident[0]() is t and ident[1] == t._version
+
+    def get(self, key, mask, pos):
+        for entry in self.entries:
+            k, m, p, levels = entry
+            if k == key and self._same(m, mask) and self._same(p, pos):
+                return levels
+        return None
+
+    def put(self, key, mask, pos, levels):
+        self.entries = [(key, self._ident(mask), self._ident(pos), levels)] + self.entries[: self.size - 1]
+
+
+_PLANS = _PlanCache()
 
 
 def head_groups(num_heads: int, num_groups: int) -> list[list[int]]:
@@ -159,13 +195,18 @@ def _pairs(heads, q_heads, kv_heads, r):
 def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal):
     device = layout.positions.device
     batch, kv_len = layout.positions.shape
-    flat = layout.real.reshape(-1).nonzero().squeeze(1)  # real tokens, in (batch, index) order
+    # A key shares a segment with a query only within w - 1 positions, hence (documents being runs
+    # of consecutive positions) within w - 1 indices: a decode step plans just that window.
+    lo = max(0, kv_len - q_len - (w - 1)) if q_len < kv_len else 0
+    window = kv_len - lo
+    real = layout.real[:, lo:]
+    flat = real.reshape(-1).nonzero().squeeze(1)  # real tokens, in (batch, index) order
     if flat.numel() == 0:
         return None
-    pos = layout.positions.reshape(-1)[flat]
-    doc = layout.doc.reshape(-1)[flat]
-    b = torch.div(flat, kv_len, rounding_mode="floor")
-    j = flat - b * kv_len
+    pos = layout.positions[:, lo:].reshape(-1)[flat]
+    doc = layout.doc[:, lo:].reshape(-1)[flat]
+    b = torch.div(flat, window, rounding_mode="floor")
+    j = flat - b * window + lo
     segment = torch.div(pos, w, rounding_mode="floor")
     # Real tokens sorted by (batch, document, segment): a row starts where any of them changes.
     new_row = torch.ones_like(flat, dtype=torch.bool)
