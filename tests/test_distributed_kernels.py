@@ -47,7 +47,8 @@ def reference_result(case):
         out = reference.dilated_reference(q, k, v, a["segment_lengths"], a["dilation_rates"],
                                           a.get("mode", "union"), **kw)
     else:
-        raise AssertionError(case["kernel"])
+        a = case["kwargs"]
+        out = reference.block_sparse_reference(q, k, v, spec_layout(a["pattern"], 64), a["block_size"], **kw)
     real_q = query_weights(case)
     (out * case["dout"].double() * real_q).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
@@ -65,9 +66,31 @@ def single_process_result(case):
         a = case["kwargs"]
         out = dilated_attention(q, k, v, a["segment_lengths"], a["dilation_rates"], mode=a.get("mode", "union"), **kw)
     else:
-        raise AssertionError(case["kernel"])
+        from hf_dilated.ops.block_sparse import block_sparse_attention
+
+        a = case["kwargs"]
+        out = block_sparse_attention(q, k, v, a["pattern"], block_size=a["block_size"], **kw)
     (out * case["dout"] * query_weights(case)).sum().backward()
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def spec_layout(pattern, num_blocks):
+    """SPEC "Block-sparse attention": the layout (1, heads or 1, bq, bk) of a pattern, from its formula."""
+    bq = torch.arange(num_blocks)[:, None]
+    bk = torch.arange(num_blocks)[None, :]
+    d = bq - bk
+    kind = pattern["type"]
+    if kind == "local":
+        allowed = (d >= 0) & (d < pattern["window"])
+    elif kind == "dilated":
+        allowed = ((d >= 0) & (d < pattern["window"])) | (d % pattern["stride"] == 0)
+    elif kind == "global_local":
+        allowed = (bk < pattern["global_blocks"]) | ((d >= 0) & (d < pattern["window"]))
+    elif kind == "custom":
+        return torch.as_tensor(pattern["layout"])[None]
+    else:
+        raise AssertionError(kind)
+    return allowed[None, None]
 
 
 def query_weights(case):
@@ -78,9 +101,13 @@ def query_weights(case):
     return mask[:, None, :, None].to(case["q"].dtype)
 
 
-def run_cases(rank, world, cases_by_dp, sp_size):
-    """Child: runs every case on its sequence-parallel group; returns (group rank 0 only) the
-    gathered outputs and gradients."""
+def run_cases(rank, world, runs):
+    """Child: for each (sp_size, cases_by_dp_rank) of `runs`, sets up the DP x SP grid and runs its
+    data-parallel replica's cases; returns (SP-group rank 0 only) the gathered outputs and gradients."""
+    return [run_grid(sp_size, cases_by_dp) for sp_size, cases_by_dp in runs]
+
+
+def run_grid(sp_size, cases_by_dp):
     import torch.distributed as dist
 
     import hf_dilated.distributed as hd
@@ -110,7 +137,8 @@ def run_cases(rank, world, cases_by_dp, sp_size):
         dout = prep(case["dout"] * query_weights(case), 2)
         mask = prep(case["attention_mask"], 1, 0) if case["attention_mask"] is not None else None
         pos = prep(case["position_ids"], 1, "continue") if case["position_ids"] is not None else None
-        fn = {"ring": hd.ring_attention, "dilated_ring": getattr(hd, "dilated_ring_attention", None)}[case["kernel"]]
+        fn = {"ring": hd.ring_attention, "dilated_ring": hd.dilated_ring_attention,
+              "block_sparse_ring": hd.block_sparse_ring_attention}[case["kernel"]]
         out = fn(q, k, v, group=group, layout=layout, attention_mask=mask, position_ids=pos, **case["kwargs"])
         (out * dout).sum().backward()
         gathered = []
@@ -122,21 +150,30 @@ def run_cases(rank, world, cases_by_dp, sp_size):
     return results if r == 0 else None
 
 
-def check(outcomes, cases_by_dp, sp_size):
-    for o in outcomes:
-        if o["result"] is None:
-            continue
-        dp_rank = o["rank"] // sp_size
-        for case, got in zip(cases_by_dp[dp_rank], o["result"]):
-            w = query_weights(case)
-            for what, want, tol in (("reference", reference_result(case), TOL),
-                                    ("single process", single_process_result(case), SINGLE_TOL)):
-                for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-                    if name == "out":
-                        a, b = a * w, b * w
-                    err = (a.double() - b.double()).abs().max().item()
-                    assert err < tol, (f"{case['kernel']} {case['layout']} {case['kwargs']} group {dp_rank}: "
-                                       f"{name} differs from the {what} by {err}")
+def check(outcomes, runs):
+    checked = 0
+    for i, (sp_size, cases_by_dp) in enumerate(runs):
+        for o in outcomes:
+            if o["result"][i] is None:
+                continue
+            dp_rank = o["rank"] // sp_size
+            checked += check_group(o["result"][i], cases_by_dp[dp_rank], dp_rank)
+    assert checked == sum(len(c) for _, by_dp in runs for c in by_dp)
+
+
+def check_group(results, cases, dp_rank):
+    assert len(results) == len(cases)
+    for case, got in zip(cases, results):
+        w = query_weights(case)
+        for what, want, tol in (("reference", reference_result(case), TOL),
+                                ("single process", single_process_result(case), SINGLE_TOL)):
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                if name == "out":
+                    a, b = a * w, b * w
+                err = (a.double() - b.double()).abs().max().item()
+                assert err < tol, (f"{case['kernel']} {case['layout']} {case['kwargs']} group {dp_rank}: "
+                                   f"{name} differs from the {what} by {err}")
+    return len(cases)
 
 
 RING_CASES = [
@@ -161,12 +198,25 @@ DILATED_CASES = [
 ]
 
 
-def test_ring_two_ranks():
-    cases = [RING_CASES + DILATED_CASES]
-    check(launch(run_cases, 2, cases, 2), cases, 2)
+CUSTOM = (torch.rand(4, 8, 8, generator=torch.Generator().manual_seed(7)) < 0.4).tolist()  # per-head layout
+BLOCK_CASES = [
+    make_case("block_sparse_ring", seed=20, pattern={"type": "local", "window": 2}, block_size=4),
+    make_case("block_sparse_ring", seed=21, pattern={"type": "global_local", "global_blocks": 1, "window": 1},
+              block_size=4, padding=True),
+    make_case("block_sparse_ring", seed=22, pattern={"type": "dilated", "window": 1, "stride": 3}, block_size=2,
+              packed=True, layout="contiguous"),
+    make_case("block_sparse_ring", seed=23, pattern={"type": "custom", "layout": CUSTOM}, block_size=4, seq_len=31),
+]
 
 
-def test_ring_four_ranks_and_dp_sp_grid():
-    # Four ranks as one ring, then as 2 data-parallel x 2 sequence-parallel groups with different data.
-    cases = [RING_CASES[:1] + RING_CASES[4:]]
-    check(launch(run_cases, 4, cases, 4), cases, 4)
+def test_kernels_two_ranks():
+    runs = [(2, [RING_CASES + DILATED_CASES + BLOCK_CASES])]
+    check(launch(run_cases, 2, runs), runs)
+
+
+def test_kernels_four_ranks_and_dp_sp_grid():
+    # One ring of four ranks, then 2 data-parallel x 2 sequence-parallel groups with different data.
+    four = [RING_CASES[0], RING_CASES[4], RING_CASES[5], DILATED_CASES[1], DILATED_CASES[4], BLOCK_CASES[1],
+            BLOCK_CASES[3]]
+    runs = [(4, [four]), (2, [[RING_CASES[2], DILATED_CASES[0]], [RING_CASES[3], DILATED_CASES[2]]])]
+    check(launch(run_cases, 4, runs), runs)

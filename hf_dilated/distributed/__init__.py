@@ -4,6 +4,7 @@ Kernels take this rank's shards of q/k/v (and of the global attention_mask / pos
 group's layout and return this rank's shard of the output; with no group (None) or a group of one
 process each equals its single-process counterpart.
 """
+from .block_sparse_ring import block_sparse_ring_attention
 from .dilated_ring import dilated_ring_attention
 from .exchange import bytes_sent, reset_bytes_sent
 from .groups import (
@@ -23,6 +24,7 @@ from .ring import ring_attention
 
 __all__ = [
     "SequenceParallel",
+    "block_sparse_ring_attention",
     "bytes_sent",
     "destroy_sequence_parallel",
     "dilated_ring_attention",

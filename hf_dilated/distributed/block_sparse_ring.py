@@ -1,0 +1,107 @@
+"""Block-sparse attention over a sequence sharded across a process group.
+
+Computes exactly the single-process `hf_dilated.ops.block_sparse_attention` on the global
+sequence, the same way dilated_ring does (exchange.windowed_attention): each local chunk of
+queries runs the single-process kernel over a window of the global sequence and receives from the
+other ranks only the keys of blocks some local query block may read (per kv head when the layout
+has a head axis). Static patterns (local, dilated, global_local, hierarchical, custom) are
+supported; the adaptive pattern is not: its top-k choice pools the queries and keys of whole
+blocks, which may straddle ranks, so it cannot be decided per rank without another exchange.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops.block_patterns import AdaptivePattern, CustomPattern, _check_int, make_pattern
+from ..ops.validate import check_qkv, check_scale_dropout
+from .exchange import Exchange, GlobalTokens, plan_windows, sequence_parallel_tokens, windowed_attention
+from .groups import group_size_rank
+from .layout import check_layout
+
+
+def block_allowed(pattern, num_blocks: int, q_heads: int, device) -> torch.Tensor:
+    """bool (heads or 1, num_blocks, num_blocks): key block bk allowed for query block bq."""
+    if isinstance(pattern, CustomPattern):
+        layout = pattern.layout.to(device)
+        if layout.shape[1] < num_blocks or layout.shape[2] < num_blocks:
+            raise ValueError(f"pattern: the custom layout covers {layout.shape[1]}x{layout.shape[2]} blocks but "
+                             f"the input has {num_blocks} blocks")
+        if layout.shape[0] not in (1, q_heads):
+            raise ValueError(f"pattern: a custom layout needs 1 or q_heads ({q_heads}) heads, got {layout.shape[0]}")
+        return layout[:, :num_blocks, :num_blocks]
+    return pattern.allowed(torch.arange(num_blocks, device=device), num_blocks)[None]
+
+
+def block_sparse_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, pattern, block_size: int,
+                             q_heads: int, kv_heads: int) -> torch.Tensor:
+    """bool (batch, kv_heads, seq_len): key j is needed for kv head hk when some real query i of
+    `query_index` in j's document, not before j, has a block that may read j's block for some
+    query head of hk (j real)."""
+    p, real, doc = tokens.positions, tokens.real, tokens.doc
+    batch, seq_len = p.shape
+    device = p.device
+    block = torch.where(real, p // block_size, torch.zeros_like(p))
+    num_blocks = int(block[real].max()) + 1 if bool(real.any()) else 1
+    index = torch.arange(seq_len, device=device).expand(batch, seq_len)
+    is_query = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
+    is_query[:, query_index] = True
+    is_query &= real
+    # last[b, d, bq]: the last query of block bq in document d of row b (-1: none).
+    num_docs = int(doc.max()) + 1
+    last = torch.full((batch * num_docs * num_blocks,), -1, dtype=torch.long, device=device)
+    cell = (torch.arange(batch, device=device)[:, None] * num_docs + doc) * num_blocks + block
+    last.scatter_reduce_(0, cell[is_query], index[is_query], reduce="amax")
+    last = last.view(batch, num_docs, num_blocks)
+    reach = last[torch.arange(batch, device=device)[:, None], doc] >= index[..., None]  # (batch, seq, bq)
+    allowed = block_allowed(pattern, num_blocks, q_heads, device)  # (H or 1, bq, bk)
+    need = torch.zeros(batch, kv_heads, seq_len, dtype=torch.bool, device=device)
+    per_kv = q_heads // kv_heads
+    for h in range(allowed.shape[0]):
+        reads = allowed[h].T[block]  # (batch, seq, bq): may block bq read the key's block
+        need_h = (reach & reads).any(-1) & real
+        heads = range(kv_heads) if allowed.shape[0] == 1 else [h // per_kv]
+        for hk in heads:
+            need[:, hk] |= need_h
+    return need
+
+
+def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, layout: str = "zigzag", scale=None,
+                                attention_mask=None, position_ids=None):
+    """Block-sparse attention over a sequence sharded across `group` (SPEC "Ring attention").
+
+    q, k, v, attention_mask, position_ids: this rank's shards of the global tensors in `layout`
+    (see ring_attention). Returns this rank's shard of `block_sparse_attention` on the global
+    sequence. With group None or of size 1 this is `hf_dilated.ops.block_sparse_attention`.
+    """
+    from ..ops.block_sparse import block_sparse_attention
+
+    pattern = make_pattern(pattern)
+    _check_int("block_size", block_size, 1)
+    check_layout(layout)
+    check_qkv(q, k, v, attention_mask, position_ids)
+    check_scale_dropout(scale, 0.0)
+    world, _ = group_size_rank(group)
+    if world == 1:
+        return block_sparse_attention(q, k, v, pattern, block_size=block_size, scale=scale,
+                                      attention_mask=attention_mask, position_ids=position_ids)
+    if isinstance(pattern, AdaptivePattern):
+        raise NotImplementedError(
+            "pattern: the adaptive pattern is not supported under sequence parallelism (its top-k block choice "
+            "pools whole blocks of queries and keys that may lie on several ranks); use a static pattern "
+            "(local, dilated, global_local, hierarchical, custom) or a single process")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    tokens = sequence_parallel_tokens("block_sparse_ring_attention", q, k, v, attention_mask=attention_mask,
+                                      position_ids=position_ids, group=group, layout=layout, scale=scale,
+                                      pattern=pattern.to_dict(), block_size=block_size)
+    if tokens.real.any() and bool((tokens.positions[tokens.real] < 0).any()):
+        raise ValueError("position_ids: real (unmasked) tokens must have non-negative positions")
+    q_heads, kv_heads = q.shape[1], k.shape[1]
+    plan = plan_windows(tokens, lambda qi: block_sparse_needed_keys(tokens, qi, pattern, block_size, q_heads,
+                                                                    kv_heads))
+
+    def kernel(qc, kw, vw, attention_mask, position_ids):
+        return block_sparse_attention(qc, kw, vw, pattern, block_size=block_size, scale=scale,
+                                      attention_mask=attention_mask, position_ids=position_ids)
+
+    return windowed_attention(q.contiguous(), k.contiguous(), v.contiguous(), plan,
+                              Exchange(group, "block_sparse_ring"), kernel)
