@@ -4,10 +4,14 @@
 "block_sparse" and "block_sparse_ring" with transformers.
 """
 from .integrations import DilatedConfig, register as _register_with_transformers
+from .nn import DilatedMultiheadAttention, create_attention
 from .ops import dilated_attention
 from .patching import lora_config, patch, patch_family, unpatch_family
 
 _register_with_transformers()
 
 __version__ = "0.1.0"
-__all__ = ["DilatedConfig", "dilated_attention", "lora_config", "patch", "patch_family", "unpatch_family"]
+__all__ = [
+    "DilatedConfig", "DilatedMultiheadAttention", "create_attention", "dilated_attention", "lora_config", "patch",
+    "patch_family", "unpatch_family",
+]

@@ -1,0 +1,448 @@
+"""A standalone PyTorch API for people building their own models.
+
+- `create_attention(kind, **config)` returns an `Attention`: a callable
+  `attn(q, k, v, *, is_causal=True, attention_mask=None, position_ids=None, scale=None, dropout_p=0.0)`
+  over the layout of SPEC.md (q (batch, q_heads, q_len, head_dim), k/v (batch, kv_heads, kv_len,
+  head_dim)) that computes one of our variants.
+- `DilatedMultiheadAttention`: a drop-in for `torch.nn.MultiheadAttention` (same constructor
+  arguments, same parameter names, so its state_dict loads) that computes the attention with any
+  of those variants.
+
+Kinds and their configuration (anything else is a TypeError naming the key):
+
+    "dense"              exact attention (sdpa when there is no mask to honour)
+    "dilated"            segment_lengths, dilation_rates, mode="union"
+    "block_sparse"       pattern, block_size=64
+    "ring"               group=None, layout=None
+    "dilated_ring"       segment_lengths, dilation_rates, mode="union", group=None, layout=None
+    "block_sparse_ring"  pattern, block_size=64, group=None, layout=None
+    "auto"               segment_lengths=None, dilation_rates=None, mode="union",
+                         dense_max_len=None, group=None, layout=None
+
+For the ring kinds, q/k/v are this rank's shards of the sequence; `group=None` means the
+sequence-parallel group set by `hf_dilated.distributed.setup_sequence_parallel` (a single process
+when none is set) and `layout=None` that group's layout.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KINDS = ("dense", "dilated", "block_sparse", "ring", "dilated_ring", "block_sparse_ring", "auto")
+
+# "auto": the longest sequence computed with exact dense attention when no segment_lengths are
+# given; beyond it, dilated attention whose first segment is this length (so documents no longer
+# than it still get exact dense attention). Measured with `hf-dilated bench` (README, "Benchmarks").
+AUTO_DENSE_MAX_LEN = {"cpu": 4096, "cuda": 16384}
+DEFAULT_BLOCK_SIZE = 64
+
+_CONFIG_KEYS = {
+    "dense": {},
+    "dilated": {"segment_lengths": None, "dilation_rates": None, "mode": "union"},
+    "block_sparse": {"pattern": None, "block_size": DEFAULT_BLOCK_SIZE},
+    "ring": {"group": None, "layout": None},
+    "dilated_ring": {"segment_lengths": None, "dilation_rates": None, "mode": "union", "group": None,
+                     "layout": None},
+    "block_sparse_ring": {"pattern": None, "block_size": DEFAULT_BLOCK_SIZE, "group": None, "layout": None},
+    "auto": {"segment_lengths": None, "dilation_rates": None, "mode": "union", "dense_max_len": None,
+             "group": None, "layout": None},
+}
+_REQUIRED = {
+    "dilated": ("segment_lengths", "dilation_rates"),
+    "dilated_ring": ("segment_lengths", "dilation_rates"),
+    "block_sparse": ("pattern",),
+    "block_sparse_ring": ("pattern",),
+}
+
+
+@dataclass(frozen=True)
+class Attention:
+    """One configured attention variant; call it like a kernel. Build it with `create_attention`."""
+
+    kind: str
+    config: dict = field(default_factory=dict)
+
+    def __call__(self, q, k, v, *, is_causal: bool = True, attention_mask=None, position_ids=None, scale=None,
+                 dropout_p: float = 0.0):
+        kind, config = self.kind, self.config
+        if kind == "auto":
+            kind, config = self.choose(k.shape[2], k.device, position_ids=position_ids)
+        return _RUN[kind](config, q, k, v, is_causal=is_causal, attention_mask=attention_mask,
+                          position_ids=position_ids, scale=scale, dropout_p=dropout_p)
+
+    def choose(self, kv_len: int, device, *, position_ids=None) -> tuple[str, dict]:
+        """What "auto" runs for a call with `kv_len` keys (this rank's shard under sequence
+        parallelism) on `device`: (kind, config). Other kinds return themselves."""
+        if self.kind != "auto":
+            return self.kind, self.config
+        cfg = self.config
+        group, layout = _group_layout(cfg["group"], cfg["layout"])
+        world = _world(group)
+        seq_len = kv_len * world
+        seg, dil = cfg["segment_lengths"], cfg["dilation_rates"]
+        if seg is None:
+            dense_max = cfg["dense_max_len"] or AUTO_DENSE_MAX_LEN.get(torch.device(device).type, 4096)
+            levels = 1 + max(0, math.ceil(math.log2(max(seq_len, 1) / dense_max)))
+            seg = [dense_max * 2**g for g in range(levels)]
+            dil = [2**g for g in range(levels)]
+        # The pattern is dense on this input when every position lies in the first segment and
+        # that level has no dilation ("union" only: "longnet" counts keys once per level).
+        dense = cfg["mode"] == "union" and dil[0] == 1 and position_ids is None and seq_len <= seg[0]
+        if world > 1:
+            if dense:
+                return "ring", {"group": group, "layout": layout}
+            return "dilated_ring", {"segment_lengths": seg, "dilation_rates": dil, "mode": cfg["mode"],
+                                    "group": group, "layout": layout}
+        if dense:
+            return "dense", {}
+        return "dilated", {"segment_lengths": seg, "dilation_rates": dil, "mode": cfg["mode"]}
+
+
+def create_attention(kind: str, **config) -> Attention:
+    """An attention variant by name (see the module docstring for each kind's configuration).
+
+    "auto" decides per call, from the sequence length, the device and whether a
+    sequence-parallel process group is active:
+
+    1. The pattern is dilated attention in "union" mode: `segment_lengths` / `dilation_rates` when
+       given; otherwise the first segment is `dense_max_len` (default by device: 4096 on CPU,
+       16384 on CUDA) with dilation 1, and each further level doubles both until a segment covers
+       the (global) sequence. So documents no longer than the first segment get exact dense
+       attention and the cost beyond it grows linearly.
+    2. A sequence-parallel group with more than one rank (`group`, or the one set by
+       `hf_dilated.distributed.setup_sequence_parallel`): "ring" when the whole global sequence
+       fits in the first segment (the pattern is dense there), else "dilated_ring".
+    3. A single process: "dense" (sdpa) when the sequence fits in the first segment, else "dilated".
+
+    The CPU/CUDA defaults come from `hf-dilated bench`: dense sdpa costs grow as N^2 while the
+    dilated kernel's grow as N, and the default first segment is where that pays on each device.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
+    allowed = _CONFIG_KEYS[kind]
+    unknown = sorted(set(config) - set(allowed))
+    if unknown:
+        raise TypeError(f"create_attention({kind!r}) got unknown config {unknown}; it takes {sorted(allowed) or 'none'}")
+    missing = [key for key in _REQUIRED.get(kind, ()) if config.get(key) is None]
+    if missing:
+        raise TypeError(f"create_attention({kind!r}) needs {missing}")
+    cfg = {**allowed, **config}
+    if cfg.get("segment_lengths") is not None or cfg.get("dilation_rates") is not None or "mode" in cfg:
+        from .ops.validate import check_dilated_config
+
+        if kind == "auto" and (cfg["segment_lengths"] is None) != (cfg["dilation_rates"] is None):
+            raise ValueError("create_attention('auto'): give both segment_lengths and dilation_rates, or neither")
+        if cfg.get("segment_lengths") is not None:
+            seg, dil = check_dilated_config(cfg["segment_lengths"], cfg["dilation_rates"], cfg["mode"])
+            cfg["segment_lengths"], cfg["dilation_rates"] = seg, dil
+        elif cfg["mode"] not in ("union", "longnet", "head_groups"):
+            raise ValueError(f"mode must be one of 'union', 'longnet', 'head_groups', got {cfg['mode']!r}")
+    if "pattern" in cfg:
+        from .ops.block_patterns import _check_int, make_pattern
+
+        cfg["pattern"] = make_pattern(cfg["pattern"])
+        _check_int("block_size", cfg["block_size"], 1)
+    if kind == "auto":
+        if cfg["mode"] != "union" and cfg["segment_lengths"] is None:
+            raise ValueError("create_attention('auto'): mode other than 'union' needs explicit segment_lengths")
+        d = cfg["dense_max_len"]
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d <= 0):
+            raise ValueError(f"dense_max_len must be a positive int or None, got {d!r}")
+        if d is not None and cfg["segment_lengths"] is not None:
+            raise ValueError("create_attention('auto'): dense_max_len sets the first segment; do not also give "
+                             "segment_lengths")
+    if "layout" in cfg and cfg["layout"] is not None:
+        from .distributed.layout import check_layout
+
+        check_layout(cfg["layout"])
+    return Attention(kind, cfg)
+
+
+# --- one function per kind --------------------------------------------------------------------
+
+
+def _no_dropout(kind, dropout_p):
+    if dropout_p:
+        raise ValueError(f"dropout_p: {kind!r} attention does not implement attention dropout, got {dropout_p}")
+
+
+def _causal_only(kind, is_causal):
+    if not is_causal:
+        raise ValueError(f"is_causal: {kind!r} attention is causal only (SPEC.md, ring attention), got False")
+
+
+def _run_dense(cfg, q, k, v, *, is_causal, attention_mask, position_ids, scale, dropout_p):
+    if attention_mask is None and position_ids is None and (q.shape[2] == k.shape[2] or not is_causal):
+        from .ops.validate import check_qkv, check_scale_dropout
+
+        check_qkv(q, k, v)
+        check_scale_dropout(scale, dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    from .ops import dilated_attention
+
+    # One segment that holds every position: dense attention with padding and documents honoured.
+    span = k.shape[2] if position_ids is None else max(k.shape[2], int(position_ids.max()) + 1)
+    return dilated_attention(q, k, v, [span], [1], is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                             attention_mask=attention_mask, position_ids=position_ids)
+
+
+def _run_dilated(cfg, q, k, v, *, is_causal, attention_mask, position_ids, scale, dropout_p):
+    from .ops import dilated_attention
+
+    return dilated_attention(q, k, v, cfg["segment_lengths"], cfg["dilation_rates"], mode=cfg["mode"],
+                             is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                             attention_mask=attention_mask, position_ids=position_ids)
+
+
+def _run_block_sparse(cfg, q, k, v, *, is_causal, attention_mask, position_ids, scale, dropout_p):
+    from .ops import block_sparse_attention
+
+    _no_dropout("block_sparse", dropout_p)
+    return block_sparse_attention(q, k, v, cfg["pattern"], block_size=cfg["block_size"], is_causal=is_causal,
+                                  scale=scale, attention_mask=attention_mask, position_ids=position_ids)
+
+
+def _group_layout(group, layout):
+    from .distributed import get_sequence_parallel_group, get_sequence_parallel_layout
+
+    if group is None:
+        group = get_sequence_parallel_group()
+    return group, layout or get_sequence_parallel_layout()
+
+
+def _world(group) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def _run_ring(cfg, q, k, v, *, is_causal, attention_mask, position_ids, scale, dropout_p):
+    from .distributed import ring_attention
+
+    _causal_only("ring", is_causal)
+    group, layout = _group_layout(cfg["group"], cfg["layout"])
+    return ring_attention(q, k, v, group=group, layout=layout, scale=scale, attention_mask=attention_mask,
+                          position_ids=position_ids, dropout_p=dropout_p)
+
+
+def _run_dilated_ring(cfg, q, k, v, *, is_causal, attention_mask, position_ids, scale, dropout_p):
+    from .distributed import dilated_ring_attention
+
+    _causal_only("dilated_ring", is_causal)
+    group, layout = _group_layout(cfg["group"], cfg["layout"])
+    return dilated_ring_attention(q, k, v, cfg["segment_lengths"], cfg["dilation_rates"], mode=cfg["mode"],
+                                  group=group, layout=layout, scale=scale, attention_mask=attention_mask,
+                                  position_ids=position_ids, dropout_p=dropout_p)
+
+
+def _run_block_sparse_ring(cfg, q, k, v, *, is_causal, attention_mask, position_ids, scale, dropout_p):
+    from .distributed import block_sparse_ring_attention
+
+    _causal_only("block_sparse_ring", is_causal)
+    _no_dropout("block_sparse_ring", dropout_p)
+    group, layout = _group_layout(cfg["group"], cfg["layout"])
+    return block_sparse_ring_attention(q, k, v, cfg["pattern"], block_size=cfg["block_size"], group=group,
+                                       layout=layout, scale=scale, attention_mask=attention_mask,
+                                       position_ids=position_ids)
+
+
+_RUN = {
+    "dense": _run_dense,
+    "dilated": _run_dilated,
+    "block_sparse": _run_block_sparse,
+    "ring": _run_ring,
+    "dilated_ring": _run_dilated_ring,
+    "block_sparse_ring": _run_block_sparse_ring,
+}
+
+
+# --- the drop-in module -----------------------------------------------------------------------
+
+
+class DilatedMultiheadAttention(nn.Module):
+    """Drop-in for `torch.nn.MultiheadAttention` computing one of our attention variants.
+
+    The constructor takes nn.MultiheadAttention's arguments (embed_dim, num_heads, dropout, bias,
+    kdim, vdim, batch_first, device, dtype) and has the same parameters (`in_proj_weight`,
+    `in_proj_bias` or `q/k/v_proj_weight`, `out_proj`), so a state_dict of one loads into the
+    other. The variant: `attention` = a kind name with its configuration as keyword arguments
+    (see `create_attention`), or an `Attention`; the default "auto".
+
+    forward(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
+    average_attn_weights=True, is_causal=False, *, position_ids=None) -> (output, None):
+    - `is_causal=True` needs no `attn_mask` (one may be given if it is exactly the causal mask);
+      with q_len < kv_len the queries are the last q_len tokens (decode alignment).
+    - `key_padding_mask` (batch, kv_len), True (or -inf) = ignore that key, as in PyTorch. The
+      pattern is laid over token indices, as nn.MultiheadAttention's causal mask is; pass
+      `position_ids` (batch, kv_len) to lay it over real-token positions or packed documents.
+      Outputs at padded query positions are unspecified (SPEC.md), where nn.MultiheadAttention
+      still computes them.
+    - Attention weights are never materialised: `need_weights=True` is a ValueError (the default
+      here is False; nn.MultiheadAttention's default True would be a silent O(N^2) matrix).
+    - `add_bias_kv`, `add_zero_attn` and arbitrary `attn_mask`s have no place in a positional
+      sparse pattern and raise ValueError.
+    """
+
+    __constants__ = ["batch_first"]
+
+    def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
+                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, attention="auto",
+                 **attention_config):
+        super().__init__()
+        if not isinstance(embed_dim, int) or embed_dim <= 0 or not isinstance(num_heads, int) or num_heads <= 0:
+            raise ValueError(f"embed_dim and num_heads must be positive ints, got {embed_dim!r} and {num_heads!r}")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if add_bias_kv or add_zero_attn:
+            raise ValueError("add_bias_kv / add_zero_attn: an extra key at no sequence position has no place in a "
+                             "positional attention pattern; they are not supported")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        if isinstance(attention, Attention):
+            if attention_config:
+                raise TypeError(f"attention is an Attention already; unexpected config {sorted(attention_config)}")
+            self.attention = attention
+        else:
+            self.attention = create_attention(attention, **attention_config)
+        factory = {"device": device, "dtype": dtype}
+        self.embed_dim, self.num_heads, self.dropout = embed_dim, num_heads, dropout
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
+        self.batch_first = batch_first
+        self.head_dim = embed_dim // num_heads
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **factory))
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.q_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim, **factory))
+            self.k_proj_weight = nn.Parameter(torch.empty(embed_dim, self.kdim, **factory))
+            self.v_proj_weight = nn.Parameter(torch.empty(embed_dim, self.vdim, **factory))
+            self.register_parameter("in_proj_weight", None)
+        if bias:
+            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory))
+        else:
+            self.register_parameter("in_proj_bias", None)
+        self.out_proj = nn.modules.linear.NonDynamicallyQuantizableLinear(embed_dim, embed_dim, bias=bias, **factory)
+        self.bias_k = self.bias_v = None
+        self.add_zero_attn = False
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        # nn.MultiheadAttention's initialisation.
+        if self._qkv_same_embed_dim:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            nn.init.xavier_uniform_(self.q_proj_weight)
+            nn.init.xavier_uniform_(self.k_proj_weight)
+            nn.init.xavier_uniform_(self.v_proj_weight)
+        if self.in_proj_bias is not None:
+            nn.init.constant_(self.in_proj_bias, 0.0)
+            nn.init.constant_(self.out_proj.bias, 0.0)
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, attention={self.attention.kind!r}"
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
+                average_attn_weights=True, is_causal=False, *, position_ids=None):
+        if need_weights:
+            raise ValueError("need_weights=True: DilatedMultiheadAttention never materialises attention weights "
+                             "(that is an O(N^2) matrix); call with need_weights=False")
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+        batched = query.dim() == 3
+        if not batched:
+            if query.dim() != 2 or key.dim() != 2 or value.dim() != 2:
+                raise ValueError(f"query, key, value must be 2-D (unbatched) or 3-D, got {query.dim()}-D, "
+                                 f"{key.dim()}-D, {value.dim()}-D")
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+            if position_ids is not None:
+                position_ids = position_ids.unsqueeze(0) if position_ids.dim() == 1 else position_ids
+        elif key.dim() != 3 or value.dim() != 3:
+            raise ValueError(f"key and value must be 3-D like query, got {key.dim()}-D and {value.dim()}-D")
+        if self.batch_first and batched:
+            query, key, value = (x.transpose(0, 1) for x in (query, key, value))
+        # now (seq, batch, dim)
+        q_len, batch, _ = query.shape
+        kv_len = key.shape[0]
+        if key.shape[:2] != value.shape[:2] or key.shape[1] != batch:
+            raise ValueError(f"key and value must share (seq, batch) with query's batch, got key "
+                             f"{tuple(key.shape)}, value {tuple(value.shape)}, query {tuple(query.shape)}")
+        if query.shape[-1] != self.embed_dim:
+            raise ValueError(f"query's last dimension must be embed_dim ({self.embed_dim}), got {query.shape[-1]}")
+        mask = self._key_mask(key_padding_mask, batch, kv_len, query.device)
+        self._check_attn_mask(attn_mask, is_causal, q_len, kv_len)
+        if mask is not None and position_ids is None:
+            # Index-based pattern (as nn.MultiheadAttention): the mask only hides keys.
+            position_ids = torch.arange(kv_len, device=query.device).expand(batch, kv_len)
+
+        q, k, v = self._project(query, key, value)
+        out = self.attention(q, k, v, is_causal=is_causal, attention_mask=mask, position_ids=position_ids,
+                             dropout_p=self.dropout if self.training else 0.0)
+        out = out.permute(2, 0, 1, 3).reshape(q_len, batch, self.embed_dim)  # (seq, batch, embed)
+        out = self.out_proj(out)
+        if self.batch_first and batched:
+            out = out.transpose(0, 1)
+        if not batched:
+            out = out.squeeze(1)
+        return out, None
+
+    def _project(self, query, key, value):
+        e = self.embed_dim
+        b_q = b_k = b_v = None
+        if self.in_proj_bias is not None:
+            b_q, b_k, b_v = self.in_proj_bias.split(e)
+        if self._qkv_same_embed_dim:
+            w_q, w_k, w_v = self.in_proj_weight.split(e)
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        heads = []
+        for x, w, b in ((query, w_q, b_q), (key, w_k, b_k), (value, w_v, b_v)):
+            y = F.linear(x, w, b)  # (seq, batch, embed)
+            heads.append(y.view(x.shape[0], x.shape[1], self.num_heads, self.head_dim).permute(1, 2, 0, 3))
+        return heads  # each (batch, heads, seq, head_dim)
+
+    @staticmethod
+    def _key_mask(key_padding_mask, batch, kv_len, device):
+        """(batch, kv_len) bool, True = real key, or None."""
+        if key_padding_mask is None:
+            return None
+        kpm = key_padding_mask
+        if kpm.shape != (batch, kv_len):
+            raise ValueError(f"key_padding_mask must have shape (batch, kv_len) = ({batch}, {kv_len}), "
+                             f"got {tuple(kpm.shape)}")
+        if kpm.dtype == torch.bool:
+            return ~kpm.to(device)
+        if kpm.is_floating_point():
+            hidden = torch.isneginf(kpm)
+            if not bool((hidden | (kpm == 0)).all()):
+                raise ValueError("key_padding_mask: a float mask must hold only 0 (keep) and -inf (ignore); "
+                                 "other additive biases are not supported")
+            return ~hidden.to(device)
+        raise TypeError(f"key_padding_mask must be bool or float, got {kpm.dtype}")
+
+    @staticmethod
+    def _check_attn_mask(attn_mask, is_causal, q_len, kv_len):
+        if attn_mask is None:
+            return
+        if attn_mask.shape != (q_len, kv_len):
+            raise ValueError(f"attn_mask: only the causal mask of shape (q_len, kv_len) = ({q_len}, {kv_len}) is "
+                             f"supported, got shape {tuple(attn_mask.shape)}")
+        i = torch.arange(q_len, device=attn_mask.device)[:, None] + (kv_len - q_len)
+        j = torch.arange(kv_len, device=attn_mask.device)[None, :]
+        hidden = attn_mask if attn_mask.dtype == torch.bool else torch.isneginf(attn_mask)
+        exact = attn_mask.dtype == torch.bool or bool((hidden | (attn_mask == 0)).all())
+        if not (is_causal and exact and torch.equal(hidden, j > i)):
+            raise ValueError("attn_mask: only the causal mask is supported, together with is_causal=True (pass "
+                             "is_causal=True alone; padding goes in key_padding_mask)")

@@ -1,0 +1,224 @@
+"""The standalone API: DilatedMultiheadAttention against torch.nn.MultiheadAttention, and
+create_attention's kinds against the independent float64 reference (tests/reference.py)."""
+import pytest
+import torch
+from torch import nn
+
+from hf_dilated import DilatedMultiheadAttention, create_attention
+from hf_dilated.nn import AUTO_DENSE_MAX_LEN, KINDS
+from reference import block_sparse_reference, dense_causal_reference, dilated_reference
+
+E, H = 32, 4
+COVERING = dict(attention="dilated", segment_lengths=[64, 128], dilation_rates=[1, 2])  # dense up to 64 tokens
+
+
+def causal_mask(n):
+    return torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+
+
+def pair(seed=0, **kwargs):
+    """(nn.MultiheadAttention, ours) with the same weights (loaded through the state_dict)."""
+    torch.manual_seed(seed)
+    ref = nn.MultiheadAttention(E, H, **kwargs)
+    ours = DilatedMultiheadAttention(E, H, **kwargs, **COVERING)
+    ours.load_state_dict(ref.state_dict())
+    return ref.eval(), ours.eval()
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_matches_nn_multihead_attention_causal(batch_first):
+    ref, ours = pair(batch_first=batch_first)
+    n, b = 40, 3
+    x = torch.randn((b, n, E) if batch_first else (n, b, E))
+    want, _ = ref(x, x, x, attn_mask=causal_mask(n), is_causal=True, need_weights=False)
+    got, weights = ours(x, x, x, is_causal=True)
+    assert weights is None
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # The causal mask itself is accepted too, as nn.MultiheadAttention users pass it.
+    got2, _ = ours(x, x, x, attn_mask=causal_mask(n), is_causal=True)
+    torch.testing.assert_close(got2, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_match_nn_multihead_attention():
+    ref, ours = pair(seed=1)
+    x = torch.randn(24, 2, E)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(xa, xa, xa, attn_mask=causal_mask(24), is_causal=True, need_weights=False)[0].square().sum().backward()
+    ours(xb, xb, xb, is_causal=True)[0].square().sum().backward()
+    torch.testing.assert_close(xb.grad, xa.grad, atol=1e-5, rtol=1e-5)
+    grads_ref = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, grads_ref[name].grad, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_non_causal_unbatched_and_cross_attention_dims():
+    torch.manual_seed(2)
+    ref = nn.MultiheadAttention(E, H, kdim=12, vdim=20, bias=False).eval()
+    ours = DilatedMultiheadAttention(E, H, kdim=12, vdim=20, bias=False, attention="dense").eval()
+    assert set(ours.state_dict()) == set(ref.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    q, k, v = torch.randn(10, E), torch.randn(16, 12), torch.randn(16, 20)  # unbatched, q_len < kv_len
+    want, _ = ref(q, k, v, need_weights=False)
+    got, _ = ours(q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_state_dict_loads_both_ways():
+    ours = DilatedMultiheadAttention(E, H, **COVERING)
+    ref = nn.MultiheadAttention(E, H)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    ref.load_state_dict(ours.state_dict())  # strict
+    for name, p in ref.state_dict().items():
+        assert torch.equal(p, ours.state_dict()[name])
+
+
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_key_padding_mask_honoured(float_mask):
+    ref, ours = pair(seed=3, batch_first=True)
+    n = 30
+    x = torch.randn(2, n, E)
+    pad = torch.zeros(2, n, dtype=torch.bool)
+    pad[0, :7] = True  # left padding
+    pad[1, 20:] = True  # right padding
+    pad[1, 11] = True  # a hidden key in the middle: only that key disappears
+    kpm = torch.zeros(2, n).masked_fill(pad, float("-inf")) if float_mask else pad
+    causal = torch.zeros(n, n).masked_fill(causal_mask(n), float("-inf")) if float_mask else causal_mask(n)
+    want, _ = ref(x, x, x, key_padding_mask=kpm, attn_mask=causal, is_causal=True, need_weights=False)
+    got, _ = ours(x, x, x, key_padding_mask=kpm, is_causal=True)
+    real = ~pad  # outputs at padded query positions are unspecified (SPEC), as in transformers
+    torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(got).all()
+    # The mask matters: without it the real rows change.
+    plain, _ = ours(x, x, x, is_causal=True)
+    assert not torch.allclose(plain[real], got[real], atol=1e-3)
+
+
+def test_need_weights_and_unsupported_arguments_raise():
+    ours = DilatedMultiheadAttention(E, H, **COVERING)
+    x = torch.randn(8, 1, E)
+    with pytest.raises(ValueError, match="need_weights"):
+        ours(x, x, x, need_weights=True)
+    with pytest.raises(ValueError, match="attn_mask"):
+        ours(x, x, x, attn_mask=torch.zeros(8, 8, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match="attn_mask"):
+        ours(x, x, x, attn_mask=causal_mask(8))  # a causal mask without is_causal=True
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        ours(x, x, x, key_padding_mask=torch.zeros(1, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        ours(x, x, x, key_padding_mask=torch.full((1, 8), 0.5))
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        DilatedMultiheadAttention(E, H, add_bias_kv=True)
+    with pytest.raises(ValueError, match="divisible"):
+        DilatedMultiheadAttention(E, 5)
+    with pytest.raises(TypeError, match="unknown config"):
+        DilatedMultiheadAttention(E, H, attention="dilated", segment_lengths=[8], dilation_rates=[1], window=3)
+
+
+# --- create_attention -------------------------------------------------------------------------
+
+SEG, DIL = [8, 16, 32], [1, 2, 4]
+PATTERN = {"type": "local", "window": 2}
+BLOCK = 4
+
+
+def local_layout(n_blocks, window):
+    bq = torch.arange(n_blocks)[:, None]
+    bk = torch.arange(n_blocks)[None, :]
+    return ((bq - bk >= 0) & (bq - bk < window))[None, None]
+
+
+def reference_for(kind, q, k, v, mask):
+    n = k.shape[2]
+    if kind in ("dense", "ring"):
+        return dense_causal_reference(q, k, v, attention_mask=mask)
+    if kind in ("dilated", "dilated_ring"):
+        return dilated_reference(q, k, v, SEG, DIL, "union", attention_mask=mask)
+    return block_sparse_reference(q, k, v, local_layout(-(-n // BLOCK), 2), BLOCK, attention_mask=mask)
+
+
+CONFIGS = {
+    "dense": {},
+    "dilated": dict(segment_lengths=SEG, dilation_rates=DIL),
+    "block_sparse": dict(pattern=PATTERN, block_size=BLOCK),
+    "ring": {},
+    "dilated_ring": dict(segment_lengths=SEG, dilation_rates=DIL),
+    "block_sparse_ring": dict(pattern=PATTERN, block_size=BLOCK),
+}
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "auto"])
+def test_factory_builds_every_kind_and_matches_reference(kind):
+    attn = create_attention(kind, **CONFIGS[kind])
+    assert attn.kind == kind
+    torch.manual_seed(4)
+    b, h, hk, n, d = 2, 4, 2, 45, 8
+    q, k, v = torch.randn(b, h, n, d), torch.randn(b, hk, n, d), torch.randn(b, hk, n, d)
+    mask = torch.ones(b, n, dtype=torch.long)
+    mask[1, :5] = 0
+    for m in (None, mask):
+        got = attn(q, k, v, attention_mask=m)
+        want = reference_for(kind, q.double(), k.double(), v.double(), m)
+        real = torch.ones(b, n, dtype=torch.bool) if m is None else m.bool()
+        err = (got.double() - want).abs().permute(0, 2, 1, 3)[real].max()
+        assert err < 1e-4, (kind, m is not None, float(err))
+
+
+def test_auto_rule():
+    cpu = torch.device("cpu")
+    limit = AUTO_DENSE_MAX_LEN["cpu"]
+    auto = create_attention("auto")
+    assert auto.choose(limit, cpu) == ("dense", {})
+    kind, cfg = auto.choose(limit + 1, cpu)
+    assert kind == "dilated" and cfg["segment_lengths"] == [limit, 2 * limit] and cfg["dilation_rates"] == [1, 2]
+    kind, cfg = auto.choose(5 * limit, cpu)
+    assert cfg["segment_lengths"] == [limit * 2**g for g in range(4)] and cfg["dilation_rates"] == [1, 2, 4, 8]
+    kind, cfg = auto.choose(limit, torch.device("cuda"))  # a device type only: nothing runs on it
+    assert kind == "dense"
+    assert AUTO_DENSE_MAX_LEN["cuda"] > limit
+    # Explicit pattern: dense only while it is dense.
+    auto = create_attention("auto", segment_lengths=[16, 32], dilation_rates=[1, 2])
+    assert auto.choose(16, cpu)[0] == "dense" and auto.choose(17, cpu)[0] == "dilated"
+    assert create_attention("auto", segment_lengths=[16, 32], dilation_rates=[2, 4]).choose(8, cpu)[0] == "dilated"
+    # Position ids may place tokens beyond the first segment whatever the length: dilated.
+    assert auto.choose(8, cpu, position_ids=torch.arange(8)[None])[0] == "dilated"
+
+
+def test_auto_computes_what_it_chooses():
+    auto = create_attention("auto", dense_max_len=16)
+    torch.manual_seed(5)
+    for n in (16, 50):
+        q, k, v = (torch.randn(1, 4, n, 8) for _ in range(3))
+        kind, cfg = auto.choose(n, q.device)
+        want = (dense_causal_reference(q.double(), k.double(), v.double()) if kind == "dense"
+                else dilated_reference(q.double(), k.double(), v.double(), cfg["segment_lengths"],
+                                       cfg["dilation_rates"]))
+        assert (auto(q, k, v).double() - want).abs().max() < 1e-4
+
+
+def test_auto_module_default():
+    torch.manual_seed(6)
+    ref = nn.MultiheadAttention(E, H).eval()
+    ours = DilatedMultiheadAttention(E, H).eval()  # attention="auto"
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(20, 2, E)
+    want, _ = ref(x, x, x, attn_mask=causal_mask(20), is_causal=True, need_weights=False)
+    torch.testing.assert_close(ours(x, x, x, is_causal=True)[0], want, atol=1e-5, rtol=1e-5)
+
+
+def test_factory_errors():
+    with pytest.raises(ValueError, match="kind"):
+        create_attention("sparse")
+    with pytest.raises(TypeError, match="needs"):
+        create_attention("dilated", segment_lengths=[8])
+    with pytest.raises(TypeError, match="unknown config"):
+        create_attention("ring", segment_lengths=[8], dilation_rates=[1])
+    with pytest.raises(ValueError, match="dilation_rates"):
+        create_attention("dilated", segment_lengths=[8, 16], dilation_rates=[3, 6])
+    with pytest.raises(ValueError, match="pattern"):
+        create_attention("block_sparse", pattern={"type": "nope"})
+    with pytest.raises(ValueError, match="neither"):
+        create_attention("auto", segment_lengths=[8])
+    with pytest.raises(ValueError, match="dense_max_len"):
+        create_attention("auto", dense_max_len=0)
+    with pytest.raises(ValueError, match="is_causal"):
+        create_attention("ring")(*(torch.randn(1, 2, 4, 8) for _ in range(3)), is_causal=False)
