@@ -60,7 +60,8 @@ def setup_sequence_parallel(sp_size: int, *, layout: str = "zigzag", timeout: ti
     if timeout is not None and not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta or None, got {type(timeout).__name__}")
     dp_size = world // sp_size
-    kwargs = {"timeout": timeout, "backend": backend}
+    # new_group does not inherit the default group's timeout (it falls back to 30 minutes).
+    kwargs = {"timeout": timeout if timeout is not None else _default_group_timeout(), "backend": backend}
     sp_group = dp_group = None
     # new_group is collective over the default group: every rank creates every group, in order.
     for d in range(dp_size):
@@ -75,6 +76,18 @@ def setup_sequence_parallel(sp_size: int, *, layout: str = "zigzag", timeout: ti
             dp_group = g
     _STATE = SequenceParallel(sp_group, dp_group, sp_size, rank % sp_size, dp_size, rank // sp_size, layout)
     return _STATE
+
+
+def _default_group_timeout() -> timedelta | None:
+    try:  # private API; without it the groups get torch's default timeout
+        pg = dist.distributed_c10d._get_default_group()
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except Exception:
+        try:
+            pg = dist.distributed_c10d._get_default_group()
+            return pg._get_backend(torch.device("cuda")).options._timeout
+        except Exception:
+            return None
 
 
 def destroy_sequence_parallel() -> None:
