@@ -35,7 +35,10 @@ def convert_config(config, context_length=None, rope=None, **dilated_fields) -> 
 
 
 def prepare_model(model) -> None:
-    """In-place module changes a loaded model needs beyond its config (Qwen2 keeps a per-layer window)."""
+    """In-place changes a loaded model needs beyond its config: Qwen2 copies the window into each
+    attention layer and records at construction whether sliding masks are needed."""
     for module in model.modules():
         if type(module).__name__.endswith("Attention") and getattr(module, "sliding_window", None) is not None:
             module.sliding_window = None
+        if getattr(module, "has_sliding_layers", False):
+            module.has_sliding_layers = False

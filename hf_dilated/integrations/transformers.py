@@ -97,14 +97,15 @@ def padding_mask(
             raise ValueError(
                 f"attention_mask covers {attention_mask.shape[-1]} tokens but the keys hold {kv_length}"
             )
-        return attention_mask.to(torch.bool)
-    if q_length is None:  # transformers 5.0-style call
-        q_length, q_offset = cache_position.shape[0], cache_position[0]
-        device = cache_position.device
-    seen = int(q_offset) + int(q_length)
-    if seen == kv_length:
-        return None
-    return torch.ones(batch_size, seen, dtype=torch.bool, device=device)
+        seen, device = attention_mask.shape[-1], attention_mask.device
+        if not bool(attention_mask.all()):
+            return attention_mask.to(torch.bool)
+    else:
+        if q_length is None:  # transformers 5.0-style call
+            q_length, q_offset, device = cache_position.shape[0], cache_position[0], cache_position.device
+        seen = int(q_offset) + int(q_length)
+    # No padding: None, unless a static cache holds empty slots beyond the tokens seen so far.
+    return None if seen == kv_length else torch.ones(batch_size, seen, dtype=torch.bool, device=device)
 
 
 # --- shared argument handling -----------------------------------------------------------------
@@ -146,8 +147,6 @@ def kernel_inputs(query, key, value, attention_mask, position_ids):
                 )
             key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
             kv_len = key.shape[2]
-        if bool(attention_mask.all()):
-            attention_mask = None
     if position_ids is None:
         return key, value, attention_mask, None
     if position_ids.dim() != 2 or position_ids.shape[-1] != q_len:

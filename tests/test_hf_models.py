@@ -1,0 +1,367 @@
+"""Real transformers models (tiny Llama and GPT-NeoX built from the model_configs presets, saved and
+loaded as safetensors) running every attention name hf_dilated registers."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.masking_utils import AttentionMaskInterface
+
+import hf_dilated
+from hf_dilated.convert import convert_checkpoint
+from hf_dilated.integrations import transformers as glue
+from hf_dilated.integrations.config import DilatedConfig
+from hf_dilated.model_configs import build_model_config, load_preset
+from reference import dilated_reference
+
+FAMILIES = ("tiny-llama", "tiny-gpt-neox")
+NAMES = ("dilated", "dilated_ring", "ring", "block_sparse", "block_sparse_ring")
+FIRST_SEGMENT = 32  # the tiny presets' pretraining context = first dilated segment
+LONG = 100  # crosses the 32- and 64-token segment boundaries
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """preset -> (original checkpoint dir, converted long-context dir), random weights, safetensors."""
+    out = {}
+    for preset in FAMILIES:
+        root = tmp_path_factory.mktemp(preset)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(build_model_config(preset))
+        model.save_pretrained(root / "base", safe_serialization=True)
+        convert_checkpoint(root / "base", root / "long", preset=preset)
+        out[preset] = (root / "base", root / "long")
+    return out
+
+
+def load(path, attn_implementation):
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation, dtype=torch.float32)
+    return model.eval()
+
+
+def tokens(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 200, shape, generator=g)
+
+
+def test_import_registers_every_name_with_attention_and_mask_interfaces():
+    for name in NAMES:
+        assert AttentionInterface._global_mapping[name] is glue.ATTENTION_FUNCTIONS[name]
+        assert AttentionMaskInterface._global_mapping[name] is glue.padding_mask
+
+
+def test_mask_function_passes_the_2d_padding_mask_never_a_dense_one(checkpoints):
+    seen = []
+    original = glue.ATTENTION_FUNCTIONS["dilated"]
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append(None if attention_mask is None else tuple(attention_mask.shape))
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("dilated", spy)
+    try:
+        model = load(checkpoints["tiny-llama"][1], "dilated")
+        mask = torch.ones(2, 40, dtype=torch.long)
+        mask[1, :5] = 0
+        model(tokens(2, 40), attention_mask=mask)
+        model(tokens(2, 40), attention_mask=torch.ones(2, 40, dtype=torch.long))
+    finally:
+        AttentionInterface.register("dilated", original)
+    assert seen == [(2, 40), (2, 40), None, None]  # 2 layers each; no padding -> None
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_forward_and_backward(checkpoints, preset, name):
+    model = load(checkpoints[preset][1], name).train()
+    ids = tokens(1, LONG)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = {n: p.grad for n, p in model.named_parameters() if "layers.0" in n and p.dim() == 2}
+    assert grads and all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_equals_sdpa_within_the_first_segment(checkpoints, preset, name):
+    sdpa, ours = load(checkpoints[preset][1], "sdpa"), load(checkpoints[preset][1], name)
+    ids = tokens(2, FIRST_SEGMENT)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, sdpa(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_ring_on_one_process_equals_sdpa_at_any_length(checkpoints, preset):
+    sdpa, ring = load(checkpoints[preset][1], "sdpa"), load(checkpoints[preset][1], "ring")
+    ids = tokens(2, LONG)
+    with torch.no_grad():
+        torch.testing.assert_close(ring(ids).logits, sdpa(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    # Independent float64 evaluation of SPEC.md for inputs without padding or packing.
+    assert attention_mask is None and query.shape[2] == key.shape[2]
+    cfg = DilatedConfig.from_model_config(module.config)
+    out = dilated_reference(query.double(), key.double(), value.double(), cfg.segment_lengths, cfg.dilation_rates,
+                            cfg.mode, scale=scaling)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_dilated_model_matches_the_float64_reference_beyond_the_first_segment(checkpoints, preset):
+    AttentionInterface.register("hf_dilated_test_reference", _reference_attention)
+    AttentionMaskInterface.register("hf_dilated_test_reference", glue.padding_mask)
+    ref, ours = load(checkpoints[preset][1], "hf_dilated_test_reference"), load(checkpoints[preset][1], "dilated")
+    sdpa = load(checkpoints[preset][1], "sdpa")
+    ids = tokens(1, LONG)
+    with torch.no_grad():
+        got, want = ours(ids).logits, ref(ids).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        # and the pattern is really sparse there: beyond the first segment it is not sdpa
+        assert (got[:, FIRST_SEGMENT:] - sdpa(ids).logits[:, FIRST_SEGMENT:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_padded_batch_equals_rows_alone(checkpoints, preset, name):
+    model = load(checkpoints[preset][1], name)
+    lengths = (LONG, 70)
+    rows = [tokens(1, n, seed=i) for i, n in enumerate(lengths)]
+    with torch.no_grad():
+        alone = [model(r).logits[0] for r in rows]
+        for side in ("left", "right"):
+            ids = torch.zeros(2, LONG, dtype=torch.long)
+            mask = torch.zeros(2, LONG, dtype=torch.long)
+            for i, r in enumerate(rows):
+                sl = slice(LONG - r.shape[1], LONG) if side == "left" else slice(0, r.shape[1])
+                ids[i, sl], mask[i, sl] = r[0], 1
+            logits = model(ids, attention_mask=mask).logits
+            for i, r in enumerate(rows):
+                sl = slice(LONG - r.shape[1], LONG) if side == "left" else slice(0, r.shape[1])
+                torch.testing.assert_close(logits[i, sl], alone[i], atol=1e-4, rtol=1e-4, msg=f"{side} row {i}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_packed_documents_equal_documents_alone(checkpoints, preset, name):
+    model = load(checkpoints[preset][1], name)
+    docs = [tokens(1, n, seed=10 + i) for i, n in enumerate((40, 50, 30))]
+    ids = torch.cat(docs, dim=1)
+    position_ids = torch.cat([torch.arange(d.shape[1]) for d in docs])[None]
+    with torch.no_grad():
+        packed = model(ids, position_ids=position_ids).logits[0]
+        start = 0
+        for d in docs:
+            n = d.shape[1]
+            torch.testing.assert_close(packed[start:start + n], model(d).logits[0], atol=1e-4, rtol=1e-4)
+            start += n
+
+
+def _greedy(model, ids, attention_mask=None, use_cache=True, new=6):
+    return model.generate(ids, attention_mask=attention_mask, max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, use_cache=use_cache, pad_token_id=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_generate_with_cache_equals_without_and_left_padding_equals_alone(checkpoints, preset, name):
+    model = load(checkpoints[preset][1], name)
+    prompts = [tokens(1, 61, seed=20), tokens(1, 41, seed=21)]  # the first one decodes across position 64
+    with torch.no_grad():
+        alone = [_greedy(model, p) for p in prompts]
+        assert torch.equal(alone[0], _greedy(model, prompts[0], use_cache=False))
+        width = max(p.shape[1] for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - p.shape[1]:], mask[i, width - p.shape[1]:] = p[0], 1
+        batch = _greedy(model, ids, attention_mask=mask)
+    for i, p in enumerate(prompts):
+        assert torch.equal(batch[i, width:], alone[i][0, p.shape[1]:])
+
+
+def test_decode_steps_pass_one_query_against_the_cache(checkpoints, monkeypatch):
+    shapes = []
+    kernel = glue.dilated_attention
+
+    def recording(q, k, v, *args, **kwargs):
+        shapes.append((q.shape[2], k.shape[2]))
+        return kernel(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(glue, "dilated_attention", recording)
+    model = load(checkpoints["tiny-llama"][1], "dilated")
+    with torch.no_grad():
+        _greedy(model, tokens(1, 50), new=5)
+    layers = model.config.num_hidden_layers
+    assert shapes[:layers] == [(50, 50)] * layers  # prefill
+    assert shapes[layers:] == [(1, 50 + s) for s in range(1, 5) for _ in range(layers)]
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_set_attn_implementation_and_save_roundtrip(checkpoints, preset, tmp_path):
+    base, long = checkpoints[preset]
+    ids = tokens(1, LONG)
+    # the converted checkpoint names its implementation in config.json
+    model = AutoModelForCausalLM.from_pretrained(long, dtype=torch.float32).eval()
+    assert model.config._attn_implementation == load_preset(preset)["attn_implementation"]
+    with torch.no_grad():
+        want = model(ids).logits
+        switched = load(long, "sdpa")
+        switched.set_attn_implementation("dilated")
+        torch.testing.assert_close(switched(ids).logits, want)
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["hf_dilated"] == json.loads((long / "config.json").read_text())["hf_dilated"]
+    reloaded = load(tmp_path / "saved", "dilated_ring")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, want)
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_patch_in_place_equals_the_converted_checkpoint(checkpoints, preset):
+    base, long = checkpoints[preset]
+    p = load_preset(preset)
+    model = load(base, "sdpa")
+    returned = hf_dilated.patch(model, "dilated", context_length=p["context_length"], rope=p["rope"], **p["hf_dilated"])
+    assert returned is model and model.config._attn_implementation == "dilated"
+    converted = load(long, "dilated")
+    assert model.config.hf_dilated == converted.config.hf_dilated
+    assert model.config.rope_parameters == converted.config.rope_parameters
+    ids = tokens(1, LONG)
+    with torch.no_grad():  # same RoPE scaling (rotary embeddings rebuilt) and same pattern
+        torch.testing.assert_close(model(ids).logits, converted(ids).logits)
+
+
+def test_patch_family_makes_later_loads_use_ours(checkpoints):
+    base, _ = checkpoints["tiny-llama"]
+    hf_dilated.patch_family("llama", "dilated_ring", mode="longnet")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base)
+        assert model.config._attn_implementation == "dilated_ring"
+        assert model.config.hf_dilated["mode"] == "longnet"
+        assert load(base, "sdpa").config._attn_implementation == "sdpa"  # an explicit choice still wins
+        neox = AutoModelForCausalLM.from_pretrained(checkpoints["tiny-gpt-neox"][0])
+        assert neox.config._attn_implementation == "sdpa"  # other families untouched
+    finally:
+        hf_dilated.unpatch_family("llama")
+    assert AutoModelForCausalLM.from_pretrained(base).config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_lora_trains_a_step_and_its_adapter_reloads(checkpoints, preset, tmp_path):
+    from peft import PeftModel, get_peft_model
+
+    long = checkpoints[preset][1]
+    model = get_peft_model(load(long, "dilated"), hf_dilated.lora_config(preset.removeprefix("tiny-").replace("-", "_"), r=4))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n in trainable)
+    assert any("embed" in n for n in trainable) and any("norm" in n for n in trainable)  # LongLoRA extras
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = tokens(2, 80)
+    before = model(ids, labels=ids).loss
+    before.backward()
+    opt.step()
+    opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        after = model(ids, labels=ids).loss
+        trained = model(ids).logits
+    assert after < before
+    model.save_pretrained(tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(load(long, "dilated"), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, trained)
+
+
+def test_mistral_and_qwen2_lose_their_sliding_window_when_patched():
+    from transformers import MistralConfig, Qwen2Config
+
+    small = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=32)
+    for config in (MistralConfig(sliding_window=16, **small),
+                   Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, **small)):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        hf_dilated.patch(model, "dilated")
+        assert model.config.sliding_window is None
+        ids = tokens(1, 30)
+        sdpa = AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa").eval()
+        sdpa.load_state_dict(model.state_dict())
+        with torch.no_grad():  # within the first segment: exactly full causal attention
+            torch.testing.assert_close(model(ids).logits, sdpa(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def test_unsupported_family_gets_a_clear_error():
+    from transformers import GPT2Config
+
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match=r"does not support model_type 'gpt2'; supported: llama, mistral, qwen2, gpt_neox"):
+        hf_dilated.patch(model)
+    with pytest.raises(ValueError, match="supported: llama"):
+        hf_dilated.patch_family("gpt2")
+    with pytest.raises(ValueError, match="supported: llama"):
+        hf_dilated.lora_config(model)
+
+
+@pytest.mark.parametrize(
+    "entry, match",
+    [
+        ({"segment_lengths": [32, 64], "dilation_rates": [1, 3]}, "3 does not divide 64"),
+        ({"segment_lengths": [32, 48], "dilation_rates": [1, 2]}, "nested levels"),
+        ({"segment_lengths": [32], "dilation_rates": [1, 2]}, "same length"),
+        ({"segment_lengths": [32], "dilation_rates": [1], "mode": "sparse"}, "mode must be one of"),
+        ({"segment_lengths": [32], "dilation_rates": [1], "colour": 1}, r"unknown field\(s\).*colour"),
+        ({"segment_lengths": [32], "dilation_rates": [1], "pattern": {"type": "nope"}}, "unknown type 'nope'"),
+        ({"segment_lengths": [32], "dilation_rates": [1], "ring_layout": "spiral"}, "ring_layout must be one of"),
+    ],
+)
+def test_bad_config_entries_fail_clearly_at_the_first_forward(checkpoints, entry, match):
+    model = load(checkpoints["tiny-llama"][1], "dilated")
+    model.config.hf_dilated = entry
+    with pytest.raises(ValueError, match=match):
+        model(tokens(1, 8))
+
+
+def test_bad_patch_arguments_fail_clearly(checkpoints):
+    model = load(checkpoints["tiny-llama"][0], "sdpa")
+    with pytest.raises(ValueError, match="attn_implementation must be one of"):
+        hf_dilated.patch(model, "sdpa")
+    with pytest.raises(ValueError, match="3 does not divide 64"):
+        hf_dilated.patch(model, "dilated", segment_lengths=[32, 64], dilation_rates=[1, 3])
+    with pytest.raises(ValueError, match="rope must be one of"):
+        hf_dilated.patch(model, "dilated", context_length=128, rope="ntk")
+    with pytest.raises(TypeError, match="unknown hf_dilated config field"):
+        hf_dilated.patch(model, "dilated", segments=[32])
+
+
+def test_dense_4d_masks_and_inconsistent_decode_positions_are_rejected(checkpoints):
+    model = load(checkpoints["tiny-llama"][1], "dilated")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="2-D padding mask"):
+            model(tokens(1, 8), attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
+        out = model(tokens(1, 8), use_cache=True)
+        with pytest.raises(ValueError, match="do not continue the cached keys' positions"):
+            model(tokens(1, 1), past_key_values=out.past_key_values, position_ids=torch.tensor([[0]]))
+
+
+def test_unsupported_attention_features_raise_instead_of_being_ignored():
+    class Attn(torch.nn.Module):
+        config = type("C", (), {"max_position_embeddings": 32})()
+        is_causal = True
+
+    q = k = v = torch.randn(1, 2, 4, 8)
+    for name in NAMES:
+        fn = glue.ATTENTION_FUNCTIONS[name]
+        with pytest.raises(NotImplementedError, match="sliding window"):
+            fn(Attn(), q, k, v, None, sliding_window=16)
+        with pytest.raises(NotImplementedError, match="soft-capping"):
+            fn(Attn(), q, k, v, None, softcap=30.0)
+        with pytest.raises(NotImplementedError, match="causal attention only"):
+            fn(Attn(), q, k, v, None, is_causal=False)
