@@ -375,10 +375,7 @@ def _gather(t, index):
 
 def _gather_level(level: _Level, q, k, v):
     if level.segment_view:
-        def view(t):
-            b, h, n, d = t.shape
-            return t.unflatten(2, (n // level.w, level.w)).transpose(1, 2).reshape(-1, h, level.w, d)
-        return view(q), view(k), view(v)
+        return _segment_view(q, level.w), _segment_view(k, level.w), _segment_view(v, level.w)
     return _gather(q, level.q_rows), _gather(k, level.k_rows), _gather(v, level.k_rows)
 
 
@@ -414,32 +411,54 @@ def _forward(q, k, v, levels: list[_Level], scale):
     return out, acc_lse[:-1].view(batch, q_heads, q_len)
 
 
+def _segment_view(t: torch.Tensor, w: int) -> torch.Tensor:
+    """(batch, heads, n, ...) -> (batch * n / w, heads, w, ...): a view for dense layouts."""
+    return t.unflatten(2, (t.shape[2] // w, w)).transpose(1, 2).flatten(0, 1)
+
+
+def _segment_add(target: torch.Tensor, grad: torch.Tensor, w: int) -> None:
+    """target (batch, heads, n, d) += grad laid out as _segment_view(target, w), in place."""
+    b, h, n, d = target.shape
+    target.view(b, h, n // w, w, d).transpose(1, 2).add_(grad.view(b, n // w, h, w, d))
+
+
 def _backward(dout, q, k, v, out, lse, levels: list[_Level], scale):
     batch, q_heads, q_len, head_dim = q.shape
     acc_dtype = merge_dtype(q.dtype)
-    dq = torch.zeros(q.numel() // head_dim + 1, head_dim, dtype=acc_dtype, device=q.device)
+    n_q_rows = q.numel() // head_dim
+    dq = torch.zeros(n_q_rows + 1, head_dim, dtype=acc_dtype, device=q.device)
     dk = torch.zeros(k.numel() // head_dim + 1, head_dim, dtype=acc_dtype, device=q.device)
     dv = torch.zeros_like(dk)
-    # Padded with a zero row (dout) and a +inf row (lse) that the dump slots read: slots without a
-    # real query then have probability 0, hence no gradient.
-    dout_rows = torch.cat([dout.to(q.dtype).reshape(-1, head_dim), dout.new_zeros(1, head_dim, dtype=q.dtype)])
-    out_rows = torch.cat([out.reshape(-1, head_dim), out.new_zeros(1, head_dim)])
-    lse_rows = torch.cat([lse.reshape(-1), lse.new_full((1,), float("inf"))])
+    dout = dout.to(q.dtype)
+    lse_flat = lse.reshape(-1)
     for level in levels:
         q_l, k_l, v_l = _gather_level(level, q, k, v)
+        if level.segment_view:
+            do_l, o_l = _segment_view(dout, level.w), _segment_view(out, level.w)
+            lse_l = _segment_view(lse, level.w)
+        else:
+            # Slots without a real query read dout = 0 and lse = +inf: probability 0, no gradient.
+            no_query = level.q_dump == n_q_rows
+            do_l = _gather(dout, level.q_rows).masked_fill_(no_query[..., None], 0.0)
+            o_l = _gather(out, level.q_rows)
+            lse_l = lse_flat[level.q_rows].masked_fill_(no_query, float("inf"))
         for call in level.calls:
             qs, ks, vs, bias, _ = _call_inputs(level, call, q_l, k_l, v_l)
             if ks.shape[2] == 0 or qs.shape[2] == 0:
                 continue
-            dst = level.q_dump[call.rows][:, :, call.q_slots]
-            flat = dst.reshape(-1)
+            rows, q_slots, k_slots = call.rows, call.q_slots, call.k_slots
             g_q, g_k, g_v = attention_backward(
-                dout_rows.index_select(0, flat).view(qs.shape), qs, ks, vs,
-                out_rows.index_select(0, flat).view(qs.shape), lse_rows.index_select(0, flat).view(dst.shape),
-                is_causal=call.is_causal, scale=scale, attn_bias=bias,
+                do_l[rows][:, :, q_slots], qs, ks, vs, o_l[rows][:, :, q_slots],
+                lse_l[rows][:, :, q_slots].contiguous(), is_causal=call.is_causal, scale=scale, attn_bias=bias,
             )
-            kd = level.k_dump[call.rows][:, :, call.k_slots].reshape(-1)
-            dq.index_add_(0, flat, g_q.reshape(-1, head_dim).to(acc_dtype))
+            if level.segment_view:
+                _segment_add(dq[:-1].view(q.shape), g_q, level.w)
+                _segment_add(dk[:-1].view(k.shape), g_k, level.w)
+                _segment_add(dv[:-1].view(v.shape), g_v, level.w)
+                continue
+            dst = level.q_dump[rows][:, :, q_slots].reshape(-1)
+            kd = level.k_dump[rows][:, :, k_slots].reshape(-1)
+            dq.index_add_(0, dst, g_q.reshape(-1, head_dim).to(acc_dtype))
             dk.index_add_(0, kd, g_k.reshape(-1, head_dim).to(acc_dtype))
             dv.index_add_(0, kd, g_v.reshape(-1, head_dim).to(acc_dtype))
     return (dq[:-1].view(q.shape).to(q.dtype), dk[:-1].view(k.shape).to(k.dtype), dv[:-1].view(v.shape).to(v.dtype))
