@@ -1,0 +1,143 @@
+"""Training data for the examples: passkey samples generated on the fly, or real text from local
+files through `datasets`, tokenized and packed to the context length.
+
+Every dataset item is a dict of 1-D tensors of one length: input_ids, labels (already shifted:
+labels[t] is the token t+1 should predict, -100 where nothing is learned) and position_ids.
+Packing keeps document boundaries: positions restart at 0 at each document, which is how the
+attention implementations (ours, and sdpa through transformers) tell documents apart, and the
+label at the last token of a document is -100, so nothing learns across a boundary.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from passkey import IGNORE_INDEX, min_length, passkey_sample
+
+TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
+JSON_SUFFIXES = {".jsonl", ".json"}
+
+
+class PasskeyDataset(Dataset):
+    """Passkey samples packed into rows of `seq_len` tokens; item i is the same on every call
+    and every process (seeded by (seed, i)), so resuming replays exactly the data it would have seen.
+
+    Each row holds documents of random lengths between `min_doc_len` and `seq_len`, with the key at a
+    random depth: short documents keep the short-range skill, long ones teach the long range.
+    """
+
+    def __init__(self, tokenizer, seq_len: int, num_rows: int, *, min_doc_len: int | None = None, seed: int = 0):
+        self.tokenizer, self.seq_len, self.num_rows, self.seed = tokenizer, seq_len, num_rows, seed
+        self.min_doc_len = max(min_length(), min_doc_len or min_length())
+        if seq_len < self.min_doc_len:
+            raise ValueError(f"seq_len must be at least {self.min_doc_len} for passkey data, got {seq_len}")
+
+    def __len__(self):
+        return self.num_rows
+
+    def __getitem__(self, index):
+        rng = random.Random(f"{self.seed}:{index}")
+        docs, free = [], self.seq_len
+        while free >= self.min_doc_len:
+            length = rng.randint(self.min_doc_len, free)
+            # Leave no gap shorter than a document: the last document takes the rest.
+            if free - length < self.min_doc_len:
+                length = free
+            docs.append(passkey_sample(self.tokenizer, length, rng.random(), rng))
+            free -= length
+        input_ids = torch.cat([d["input_ids"] for d in docs])
+        labels = torch.cat([d["labels"] for d in docs])
+        position_ids = torch.cat([torch.arange(len(d["input_ids"])) for d in docs])
+        if free:  # a short tail: padding tokens that are their own document and learn nothing
+            input_ids = torch.cat([input_ids, torch.full((free,), self.tokenizer.pad_token_id)])
+            labels = torch.cat([labels, torch.full((free,), IGNORE_INDEX)])
+            position_ids = torch.cat([position_ids, torch.arange(free)])
+        return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+def find_text_files(paths: list[str]) -> list[str]:
+    """Expands directories (recursively, text and JSON-lines files only, sorted) and checks files exist."""
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES | JSON_SUFFIXES)
+        elif path.is_file():
+            files.append(str(path))
+        else:
+            raise ValueError(f"--data: no such file or directory: {path}")
+    if not files:
+        raise ValueError(f"--data: no text or JSON-lines files under {paths}")
+    return files
+
+
+def load_documents(files: list[str], *, text_field: str = "text", cache_dir: str | None = None):
+    """A `datasets.Dataset` with one document per row in column `text`: a whole file for text files,
+    one record's `text_field` for JSON lines."""
+    import datasets
+
+    text_files = [f for f in files if Path(f).suffix not in JSON_SUFFIXES]
+    json_files = [f for f in files if Path(f).suffix in JSON_SUFFIXES]
+    parts = []
+    if text_files:
+        parts.append(datasets.load_dataset("text", data_files=text_files, sample_by="document",
+                                           split="train", cache_dir=cache_dir))
+    if json_files:
+        records = datasets.load_dataset("json", data_files=json_files, split="train", cache_dir=cache_dir)
+        if text_field not in records.column_names:
+            raise ValueError(f"--text-field {text_field!r} is not a field of {json_files} (fields: {records.column_names})")
+        parts.append(records.select_columns([text_field]).rename_column(text_field, "text"))
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def pack_documents(token_lists, seq_len: int, *, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Concatenates tokenized documents and cuts them into rows of `seq_len` tokens.
+
+    A document that runs over a row boundary continues in the next row as a new document
+    (positions restart), so no row attends into another. Returns (rows, seq_len) tensors.
+    """
+    ids, labels, positions = [], [], []
+    for tokens in token_lists:
+        tokens = list(tokens)
+        while tokens:
+            room = seq_len - len(ids) % seq_len
+            piece, tokens = tokens[:room], tokens[room:]
+            ids += piece
+            labels += piece[1:] + [IGNORE_INDEX]
+            positions += range(len(piece))
+    tail = (-len(ids)) % seq_len
+    ids += [pad_token_id] * tail
+    labels += [IGNORE_INDEX] * tail
+    positions += list(range(tail))
+    shape = (-1, seq_len)
+    return {"input_ids": torch.tensor(ids).view(shape), "labels": torch.tensor(labels).view(shape),
+            "position_ids": torch.tensor(positions).view(shape)}
+
+
+class PackedTextDataset(Dataset):
+    """Local text or JSON-lines files, tokenized (eos after each document) and packed to `seq_len`."""
+
+    def __init__(self, tokenizer, files: list[str], seq_len: int, *, text_field: str = "text",
+                 max_rows: int | None = None, cache_dir: str | None = None):
+        docs = load_documents(files, text_field=text_field, cache_dir=cache_dir)
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+        def tokenize(batch):
+            return {"tokens": [bos + t + eos for t in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]}
+
+        tokens = docs.map(tokenize, batched=True, remove_columns=docs.column_names, desc="tokenizing")
+        self.rows = pack_documents(tokens["tokens"], seq_len, pad_token_id=tokenizer.pad_token_id)
+        if max_rows is not None:
+            self.rows = {k: v[:max_rows] for k, v in self.rows.items()}
+        if len(self.rows["input_ids"]) == 0:
+            raise ValueError("--data: the files hold no text")
+
+    def __len__(self):
+        return len(self.rows["input_ids"])
+
+    def __getitem__(self, index):
+        return {k: v[index] for k, v in self.rows.items()}

@@ -1,0 +1,391 @@
+"""Long-context fine-tuning with Accelerate: LoRA (LongLoRA-style) or full fine-tuning of a
+checkpoint converted by `hf-dilated convert`, on one process or under `accelerate launch` with
+data parallel x sequence parallel.
+
+    # one process
+    python examples/finetune_long_context.py --model ckpt-8k --attn dilated_ring --seq-len 8192 \
+        --data passkey --max-steps 200 --output-dir runs/ft
+    # 2 data-parallel replicas x 2 sequence-parallel ranks
+    accelerate launch --config_file examples/accelerate_configs/gpu_dp2_sp2.yaml \
+        examples/finetune_long_context.py --model ckpt-8k --attn dilated_ring --sp-size 2 ...
+
+Data: `--data passkey` generates passkey-retrieval rows locally; any other value is a list of
+local text / JSON-lines files or directories, tokenized and packed to --seq-len with document
+boundaries kept (see data.py).
+
+Output directory:
+    checkpoints/step-NNNNNN/   trainable.safetensors, optimizer.safetensors, trainer_state.json
+    adapter/                   the LoRA adapter (peft format; LoRA runs only)
+    model/                     the full checkpoint (LoRA merged in) with the tokenizer; loads with
+                               AutoModelForCausalLM.from_pretrained(path, attn_implementation=...)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from data import PackedTextDataset, PasskeyDataset, find_text_files  # noqa: E402
+from passkey import IGNORE_INDEX  # noqa: E402
+
+ATTENTION_CHOICES = ("dilated_ring", "ring", "block_sparse_ring", "sdpa", "dilated", "block_sparse")
+CHECKPOINT_DIR = "checkpoints"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="checkpoint directory (e.g. the output of `hf-dilated convert`)")
+    p.add_argument("--output-dir", required=True)
+    p.add_argument("--attn", choices=ATTENTION_CHOICES, default="dilated_ring",
+                   help="attention implementation (sdpa: dense, for comparison; single-process only)")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per training row")
+    p.add_argument("--data", nargs="+", default=["passkey"],
+                   help="'passkey' (generated) or local text / JSON-lines files and directories")
+    p.add_argument("--text-field", default="text", help="field holding the text in JSON-lines files")
+    p.add_argument("--num-rows", type=int, default=100_000, help="passkey rows to draw from (generated lazily)")
+    p.add_argument("--passkey-min-doc-len", type=int, default=None,
+                   help="shortest passkey document packed into a row (default: the shortest possible)")
+    p.add_argument("--max-rows", type=int, default=None, help="use at most this many packed text rows")
+    # What is trained.
+    p.add_argument("--full-finetune", action="store_true", help="train every weight instead of LoRA")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-alpha", type=int, default=32)
+    p.add_argument("--lora-dropout", type=float, default=0.0)
+    p.add_argument("--no-train-embeddings-norms", action="store_true",
+                   help="plain LoRA: do not also train the embeddings and norms (LongLoRA trains them)")
+    # Optimisation.
+    p.add_argument("--max-steps", type=int, required=True, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=1, help="rows per data-parallel replica per micro-step")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine schedule floor, as a fraction of --lr")
+    p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--mixed-precision", choices=("auto", "no", "bf16", "fp16"), default="auto",
+                   help="auto: bf16 on a GPU that has it, else float32")
+    p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--sp-size", type=int, default=1, help="sequence-parallel group size (divides the process count)")
+    p.add_argument("--sp-layout", choices=("zigzag", "contiguous"), default="zigzag")
+    p.add_argument("--seed", type=int, default=0)
+    # Checkpoints.
+    p.add_argument("--save-every", type=int, default=0, help="save a resumable checkpoint every N steps (0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, help="resumable checkpoints kept (oldest removed)")
+    p.add_argument("--resume", default=None, help="'auto' (latest in --output-dir) or a checkpoint directory")
+    p.add_argument("--no-final-model", action="store_true", help="skip writing adapter/ and model/ at the end")
+    p.add_argument("--log-file", default=None, help="append one JSON line per step (loss, lr, tokens/s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
+    for name in ("seq_len", "max_steps", "batch_size", "grad_accum", "sp_size", "lora_rank", "num_rows"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.attn in ("sdpa", "dilated", "block_sparse") and args.sp_size > 1:
+        raise SystemExit(f"--attn {args.attn} computes on one process; with --sp-size > 1 use dilated_ring, ring "
+                         "or block_sparse_ring")
+    return args
+
+
+# --- model --------------------------------------------------------------------------------------
+
+
+def load_model(args, dtype):
+    import hf_dilated  # noqa: F401  (registers the attention names)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.model)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and args.seq_len > limit:
+        raise SystemExit(f"--seq-len {args.seq_len} exceeds the checkpoint's context ({limit}); extend it first: "
+                         f"hf-dilated convert {args.model} NEW_DIR --context {args.seq_len}")
+    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation=args.attn, dtype=dtype)
+    model.config.use_cache = False
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.full_finetune:
+        return model
+    from peft import get_peft_model
+
+    lora = hf_dilated.lora_config(model, r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                  long_context=not args.no_train_embeddings_norms)
+    return get_peft_model(model, lora)
+
+
+def trainable_parameters(model) -> dict[str, torch.nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+
+def build_dataset(args, tokenizer):
+    if args.data == ["passkey"]:
+        return PasskeyDataset(tokenizer, args.seq_len, args.num_rows, min_doc_len=args.passkey_min_doc_len,
+                              seed=args.seed)
+    return PackedTextDataset(tokenizer, find_text_files(args.data), args.seq_len, text_field=args.text_field,
+                             max_rows=args.max_rows, cache_dir=os.path.join(args.output_dir, "datasets_cache"))
+
+
+def rows_for(dataset, step: int, micro: int, args, dp_rank: int, dp_size: int, generator_seed: int):
+    """The rows one data-parallel replica trains on at (step, micro-step): a function of those
+    numbers alone, so a resumed run sees exactly the data an uninterrupted one would have."""
+    start = (step * args.grad_accum + micro) * dp_size * args.batch_size + dp_rank * args.batch_size
+    epoch_len = len(dataset)
+    rows = []
+    for i in range(start, start + args.batch_size):
+        epoch, offset = divmod(i, epoch_len)
+        order = torch.randperm(epoch_len, generator=torch.Generator().manual_seed(generator_seed + epoch))
+        rows.append(dataset[int(order[offset])])
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+# --- checkpoints (all tensors as safetensors) ---------------------------------------------------
+
+
+def save_checkpoint(path: Path, model, optimizer, scheduler, step: int, args):
+    """Writes into a temporary directory and renames it into place: never a half-written checkpoint."""
+    from safetensors.torch import save_file
+
+    params = trainable_parameters(model)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({n: p.detach().contiguous().cpu() for n, p in params.items()}, str(tmp / "trainable.safetensors"))
+    state = optimizer.state_dict()
+    tensors = {}
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            value = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"state.{index}.{key}"] = value.detach().contiguous().cpu()
+    metadata = {"param_groups": json.dumps(state["param_groups"]), "param_names": json.dumps(list(params))}
+    save_file(tensors, str(tmp / "optimizer.safetensors"), metadata=metadata)
+    trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "args": vars(args)}
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str) + "\n")
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler) -> int:
+    """Restores trainable weights, optimizer and schedule; returns the step to continue from."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    params = trainable_parameters(model)
+    saved = load_file(str(path / "trainable.safetensors"))
+    if set(saved) != set(params):
+        missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
+        raise SystemExit(f"--resume {path}: the checkpoint does not match this model's trainable weights "
+                         f"(missing {missing[:3]}, unexpected {extra[:3]}); resume with the same LoRA/full settings")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(saved[name])
+    with safe_open(str(path / "optimizer.safetensors"), framework="pt") as f:
+        metadata = f.metadata()
+        state = {}
+        for key in f.keys():
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = f.get_tensor(key)
+    if json.loads(metadata["param_names"]) != list(params):
+        raise SystemExit(f"--resume {path}: trainable parameters differ in order or name from the checkpoint's")
+    optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
+    trainer_state = json.loads((path / "trainer_state.json").read_text())
+    scheduler.load_state_dict(trainer_state["scheduler"])
+    return int(trainer_state["step"])
+
+
+def find_resume(args) -> Path | None:
+    if args.resume is None:
+        return None
+    if args.resume != "auto":
+        path = Path(args.resume)
+        if not (path / "trainer_state.json").is_file():
+            raise SystemExit(f"--resume {path}: not a checkpoint directory (no trainer_state.json)")
+        return path
+    found = sorted(Path(args.output_dir, CHECKPOINT_DIR).glob("step-[0-9]*[0-9]"))
+    found = [p for p in found if (p / "trainer_state.json").is_file()]
+    return found[-1] if found else None
+
+
+def prune_checkpoints(args):
+    found = sorted(Path(args.output_dir, CHECKPOINT_DIR).glob("step-[0-9]*[0-9]"))
+    for old in found[: max(0, len(found) - args.keep_checkpoints)]:
+        shutil.rmtree(old)
+
+
+def save_final(model, tokenizer, args, accelerator):
+    """adapter/ (LoRA) and model/: the full checkpoint, LoRA merged, loadable with from_pretrained."""
+    model = accelerator.unwrap_model(model)
+    out = Path(args.output_dir)
+    if not args.full_finetune:
+        model.save_pretrained(out / "adapter")
+        model = model.merge_and_unload()
+    if getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_disable()
+    model.config.use_cache = True
+    tmp = out / "model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out / "model", ignore_errors=True)
+    os.replace(tmp, out / "model")
+
+
+# --- training -----------------------------------------------------------------------------------
+
+
+def mixed_precision(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+
+
+def token_loss_sum(logits, labels):
+    """Sum of next-token cross-entropies over labelled positions (labels already shifted)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def train(args) -> dict:
+    from accelerate import Accelerator
+    from transformers import AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
+
+    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, mixed_precision=mixed_precision(args.mixed_precision))
+    world, rank = accelerator.num_processes, accelerator.process_index
+    if world % args.sp_size:
+        raise SystemExit(f"--sp-size {args.sp_size} must divide the number of processes ({world})")
+    sp = None
+    if args.sp_size > 1:
+        from hf_dilated.distributed import setup_sequence_parallel
+
+        sp = setup_sequence_parallel(args.sp_size, layout=args.sp_layout)
+    dp_size, dp_rank = (sp.dp_size, sp.dp_rank) if sp else (world, rank)
+    torch.manual_seed(args.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    dtype = torch.bfloat16 if (not args.full_finetune and accelerator.mixed_precision == "bf16") else torch.float32
+    model = load_model(args, dtype)
+    dataset = build_dataset(args, tokenizer)
+    params = list(trainable_parameters(model).values())
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=min(args.warmup_steps, args.max_steps), num_training_steps=args.max_steps,
+        min_lr_rate=args.min_lr_ratio)
+
+    start_step = 0
+    resume_from = find_resume(args)
+    if resume_from is not None:
+        start_step = load_checkpoint(resume_from, model, optimizer, scheduler)
+        accelerator.print(f"resumed from {resume_from} at step {start_step}")
+    # The scheduler is stepped by hand once per optimizer step (a prepared one would step once per process).
+    model, optimizer = accelerator.prepare(model, optimizer)
+    model.train()
+
+    if accelerator.is_main_process:
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        n_train = sum(p.numel() for p in params)
+        n_all = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
+        accelerator.print(f"attn={args.attn} seq_len={args.seq_len} world={world} (dp={dp_size} x sp={args.sp_size}) "
+                          f"precision={accelerator.mixed_precision} trainable={n_train:,}/{n_all:,} parameters")
+    tokens_per_step = args.seq_len * args.batch_size * args.grad_accum * dp_size
+    progress = None
+    if accelerator.is_main_process and not args.no_progress:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=args.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
+    history = []
+    log = open(args.log_file, "a") if (args.log_file and accelerator.is_main_process) else None
+    for step in range(start_step, args.max_steps):
+        t0 = time.perf_counter()
+        step_loss = torch.zeros((), device=accelerator.device)
+        for micro in range(args.grad_accum):
+            # Seeded per (step, micro, rank): dropout replays identically after a resume.
+            torch.manual_seed(args.seed * 1_000_003 + (step * args.grad_accum + micro) * world + rank)
+            batch = rows_for(dataset, step, micro, args, dp_rank, dp_size, args.seed)
+            with accelerator.accumulate(model):
+                loss = forward_loss(model, batch, accelerator.device, sp)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                if accelerator.sync_gradients:
+                    scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            step_loss += loss.detach() / args.grad_accum
+        # Every rank holds its replica's loss (an SP group's ranks the same value): the mean over
+        # all processes is the mean over replicas.
+        if world > 1:
+            step_loss = accelerator.reduce(step_loss, reduction="mean")
+        seconds = time.perf_counter() - t0
+        record = {"step": step + 1, "loss": float(step_loss), "lr": scheduler.get_last_lr()[0],
+                  "tokens_per_s": tokens_per_step / seconds}
+        history.append(record)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if log is not None:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+        last = step + 1 == args.max_steps
+        if (args.save_every and (step + 1) % args.save_every == 0) or (last and args.save_every):
+            if accelerator.is_main_process:
+                save_checkpoint(Path(args.output_dir, CHECKPOINT_DIR, f"step-{step + 1:06d}"),
+                                accelerator.unwrap_model(model), optimizer, scheduler, step + 1, args)
+                prune_checkpoints(args)
+            accelerator.wait_for_everyone()
+    if progress is not None:
+        progress.close()
+    if log is not None:
+        log.close()
+    if not args.no_final_model:
+        if accelerator.is_main_process:
+            save_final(model, tokenizer, args, accelerator)
+        accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return {"history": history, "start_step": start_step}
+
+
+def forward_loss(model, batch, device, sp):
+    """The mean next-token loss over the labelled tokens of this replica's rows.
+
+    Under sequence parallelism each rank holds a shard of every row (global positions kept):
+    the rank's loss is its share (local sum / the rows' total label count) and `reduce_loss`
+    adds the shares, scaling gradients so that DDP's average over all processes stays right.
+    """
+    input_ids, labels, position_ids = (batch[k].to(device) for k in ("input_ids", "labels", "position_ids"))
+    if sp is None:
+        logits = model(input_ids=input_ids, position_ids=position_ids).logits
+        count = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        return token_loss_sum(logits, labels) / count
+    from hf_dilated.distributed import reduce_loss, shard_batch
+
+    # shard_batch shifts labels itself, so hand it the unshifted form of our (already shifted) labels.
+    unshifted = F.pad(labels[:, :-1], (1, 0), value=IGNORE_INDEX)
+    part = shard_batch(input_ids, unshifted, position_ids=position_ids, ignore_index=IGNORE_INDEX)
+    logits = model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits
+    return reduce_loss(token_loss_sum(logits, part["labels"]) / part["num_items_in_batch"].clamp(min=1))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = train(args)
+    if result["history"]:
+        last = result["history"][-1]
+        print(f"done: step {last['step']} loss {last['loss']:.4f} ({last['tokens_per_s']:.0f} tokens/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
