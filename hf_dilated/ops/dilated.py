@@ -100,11 +100,6 @@ def dilated_attention(
     seg, dil = check_dilated_config(segment_lengths, dilation_rates, mode)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    if dropout_p > 0.0:
-        raise NotImplementedError(
-            "dropout_p > 0 is not supported by the fused dilated kernel (the CPU flash kernel has no "
-            "dropout); pass dropout_p=0.0"
-        )
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     key = (tuple(q.shape[:3]), tuple(k.shape[:3]), str(q.device), tuple(seg), tuple(dil), mode, is_causal)
     levels = _PLANS.get(key, attention_mask, position_ids)
@@ -112,6 +107,8 @@ def dilated_attention(
         layout = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
         levels = plan_levels(layout, q.shape[2], q.shape[1], k.shape[1], seg, dil, mode, is_causal)
         _PLANS.put(key, attention_mask, position_ids, levels)
+    if dropout_p > 0.0:
+        return _dropout_attention(q, k, v, levels, scale, dropout_p)
     return _DilatedAttention.apply(q, k, v, levels, scale)
 
 
@@ -462,6 +459,41 @@ def _backward(dout, q, k, v, out, lse, levels: list[_Level], scale):
             dk.index_add_(0, kd, g_k.reshape(-1, head_dim).to(acc_dtype))
             dv.index_add_(0, kd, g_v.reshape(-1, head_dim).to(acc_dtype))
     return (dq[:-1].view(q.shape).to(q.dtype), dk[:-1].view(k.shape).to(k.dtype), dv[:-1].view(v.shape).to(v.dtype))
+
+
+def _dropout_attention(q, k, v, levels: list[_Level], scale: float, dropout_p: float):
+    """Dropout on the attention probabilities. The fused kernels have no dropout, so this path
+    materialises each call's scores (memory O(rows * q_slots * k_slots), i.e. O(N * w / r)) and
+    lets autograd differentiate plain torch ops. Probabilities are exp(s - m) / Z, with m the exact
+    log-sum-exp of the fused forward (a constant: it cancels) and Z summed over all levels."""
+    batch, q_heads, q_len, head_dim = q.shape
+    acc_dtype = merge_dtype(q.dtype)
+    with torch.no_grad():
+        _, m = _forward(q, k, v, levels, scale)
+    m_rows = torch.cat([m.reshape(-1).nan_to_num(neginf=0.0), m.new_zeros(1)])
+    numer = torch.zeros(batch * q_heads * q_len + 1, head_dim, dtype=acc_dtype, device=q.device)
+    denom = torch.zeros(batch * q_heads * q_len + 1, dtype=acc_dtype, device=q.device)
+    for level in levels:
+        q_l, k_l, v_l = _gather_level(level, q, k, v)
+        for call in level.calls:
+            qs, ks, vs, bias, _ = _call_inputs(level, call, q_l, k_l, v_l)
+            if ks.shape[2] == 0 or qs.shape[2] == 0:
+                continue
+            groups = qs.shape[1] // ks.shape[1]
+            ks, vs = ks.repeat_interleave(groups, 1), vs.repeat_interleave(groups, 1)
+            scores = (qs.to(acc_dtype) @ ks.to(acc_dtype).transpose(-1, -2)) * scale
+            if bias is not None:
+                scores = scores + bias.to(acc_dtype)
+            if call.is_causal:
+                n_q, n_k = scores.shape[-2:]
+                scores = scores.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+            dst = level.q_dump[call.rows][:, :, call.q_slots]
+            weights = torch.exp(scores - m_rows[dst][..., None])
+            dropped = torch.nn.functional.dropout(weights, p=dropout_p, training=True)
+            numer = numer.index_add(0, dst.reshape(-1), (dropped @ vs.to(acc_dtype)).reshape(-1, head_dim))
+            denom = denom.index_add(0, dst.reshape(-1), weights.sum(-1).reshape(-1))
+    out = numer[:-1] / denom[:-1].clamp(min=torch.finfo(acc_dtype).tiny)[:, None]
+    return out.view(batch, q_heads, q_len, head_dim).to(q.dtype)
 
 
 class _DilatedAttention(torch.autograd.Function):
