@@ -57,8 +57,8 @@ PROFILES = {
     ),
     "smoke": dict(
         lengths=[128, 256], dtypes=["float32"], warmup=0, repeats=2,
-        segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4], search=True, budget_gib=1 / 16,
-        search_start=256, search_max=512, search_timeout=30.0, bisect_steps=1,
+        segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4], search=True, budget_gib=6 / 1024,
+        search_start=256, search_max=1024, search_timeout=30.0, bisect_steps=1,
         e2e_lengths=[128], case_timeout=120.0, skip_variants=["flex"],
     ),
 }
@@ -115,7 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 class CaseRunner:
     """Runs each case in a fresh process forked from a server that has already imported torch and
-    hf_dilated (so a case costs milliseconds to start, not the seconds of those imports)."""
+    hf_dilated (so a case costs milliseconds to start, not the seconds of those imports). As with
+    any multiprocessing start method but fork, a script that drives it needs the
+    `if __name__ == "__main__":` guard (the `hf-dilated` command and `python -m` entry points have it)."""
 
     def __init__(self):
         # Read by glibc when the server process starts: large blocks go back to the OS when freed,
@@ -239,13 +241,14 @@ def _attempt_ok(r, pass_name, budget_bytes):
     """(fits, why not) for one attempt of the length search."""
     if r.get("unavailable"):
         return False, "unavailable"
-    if "error" in r:
-        return False, r.get("limit", "error: " + r["error"][:80])
     p = r.get("passes", {}).get(pass_name, {})
     if "unsupported" in p:
         return False, "unsupported"
-    if "error" in p:
-        return False, "memory" if "alloc" in p["error"] or "memory" in p["error"].lower() else "error: " + p["error"][:80]
+    error = r.get("error") or p.get("error")
+    if error:
+        if "limit" in r:
+            return False, r["limit"]
+        return False, "memory" if "allocate" in error or "out of memory" in error.lower() else "error: " + error[:80]
     total = p["inputs_bytes"] + p["peak_extra_bytes"]
     return (True, "") if total <= budget_bytes else (False, "memory")
 
@@ -255,7 +258,8 @@ def search_longest(s, runner, variant, dtype, pass_name) -> dict:
     tried = []
 
     def attempt(n):
-        spec = _kernel_spec(s, variant, n, dtype, [pass_name], warmup=0, repeats=1, budget_bytes=budget)
+        spec = _kernel_spec(s, variant, n, dtype, [pass_name], warmup=0, repeats=1, budget_bytes=budget,
+                            prewarm=True)
         r = runner.run(spec, s["search_timeout"])
         ok, why = _attempt_ok(r, pass_name, budget)
         tried.append({"n": n, "ok": ok, "why": why, "wall_s": round(r["wall_s"], 2)})
@@ -302,7 +306,7 @@ def run_million(s, runner) -> list[dict]:
     out = []
     modes = [m for m in s["variants"] if m in DILATED_MODES] or ["union"]
     for mode in modes:
-        spec = _kernel_spec(s, mode, MILLION, "float32", ["forward"], warmup=0, repeats=1,
+        spec = _kernel_spec(s, mode, MILLION, "float32", ["forward"], warmup=0, repeats=1, prewarm=True,
                             segment_lengths=TARGET_SEGMENTS, dilation_rates=TARGET_DILATIONS)
         r = runner.run(spec, max(s["case_timeout"], 3600.0))
         p = r.get("passes", {}).get("forward", {})

@@ -80,3 +80,94 @@ def test_layout_count_matches_dense_mask():
     j = np.arange(n)[None, :]
     want = sum(int(((j <= i) & layout[h][i // bs, j // bs]).sum()) for h in range(3))
     assert layout_pair_count(n, bs, layout) == want
+
+
+def test_counts_match_the_float64_reference_counts():
+    from reference import dilated_key_counts
+
+    for seg, dil in (([8, 16, 32], [1, 2, 4]), ([4, 12], [2, 6])):
+        for mode in ("union", "longnet", "head_groups"):
+            if mode == "union" and seg == [4, 12]:
+                continue  # not nested
+            want = int(dilated_key_counts(seg, dil, mode, 5, 1, 61, 61).sum())
+            assert dilated_pair_count(61, 5, seg, dil, mode) == want
+
+
+# --- the worker: every kernel variant runs, and reports the pairs its pattern makes visible ---
+
+KERNEL_SPEC = dict(kind="kernel", n=48, dtype="float32", device="cpu", batch=2, heads=4, kv_heads=2, head_dim=8,
+                   segment_lengths=[8, 16, 32], dilation_rates=[1, 2, 4], block_size=8,
+                   block_pattern={"type": "local", "window": 2}, passes=["forward", "backward"], warmup=0,
+                   repeats=2, threads=None)
+
+
+def expected_pairs(variant, spec):
+    import torch
+    from reference import base_visible, block_sparse_key_counts, dilated_key_counts
+
+    b, h, n = spec["batch"], spec["heads"], spec["n"]
+    if variant in ("sdpa", "flex", "ring"):
+        return int(base_visible(None, None, b, n, n).sum()) * h
+    if variant in ("union", "longnet", "head_groups", "dilated_ring"):
+        mode = "union" if variant == "dilated_ring" else variant
+        return int(dilated_key_counts(spec["segment_lengths"], spec["dilation_rates"], mode, h, b, n, n).sum())
+    blocks = -(-n // spec["block_size"])
+    bq, bk = torch.arange(blocks)[:, None], torch.arange(blocks)[None, :]
+    layout = ((bq - bk >= 0) & (bq - bk < spec["block_pattern"]["window"]))[None, None]
+    return int(block_sparse_key_counts(layout, spec["block_size"], h, b, n, n).sum())
+
+
+# flex is left out here: compiling it takes ~30 s on CPU (the bench covers it with --variants flex).
+@pytest.mark.parametrize("variant", ["sdpa", "union", "longnet", "head_groups", "block_sparse", "ring",
+                                     "dilated_ring"])
+def test_worker_runs_variant_and_counts_its_pairs(variant):
+    from hf_dilated.bench_worker import run_case
+
+    result = run_case(dict(KERNEL_SPEC, variant=variant))
+    assert "error" not in result and "unavailable" not in result, result
+    assert result["pairs"] == expected_pairs(variant, KERNEL_SPEC)
+    for name in ("forward", "backward"):
+        p = result["passes"][name]
+        assert len(p["times_s"]) == 2 and all(t > 0 for t in p["times_s"]), p
+        assert p["peak_extra_bytes"] >= 0 and p["inputs_bytes"] > 0
+
+
+def test_bench_smoke_writes_report_json_and_plots(tmp_path):
+    """`hf-dilated bench --smoke` end to end through the command's entry point (tiny shapes; each
+    case still runs in its own process)."""
+    from hf_dilated.cli import main
+
+    out = tmp_path / "bench"
+    argv = ["bench", "--smoke", "--threads", "1", "--out", str(out), "--variants", "union,block_sparse",
+            "--e2e-impls", "sdpa,dilated,not_an_implementation"]
+    assert main(argv) == 0
+    report = json.loads((out / "results.json").read_text())
+    md = (out / "report.md").read_text()
+    for png in ("time_vs_length.png", "memory_vs_length.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # sdpa is always measured: every ratio is to it, in the same run.
+    rows = {(r["variant"], r["n"], r["pass"]): r for r in report["kernel_rows"]}
+    for variant in ("sdpa", "union", "block_sparse"):
+        for n in (128, 256):
+            for pass_name in ("forward", "backward"):
+                row = rows[(variant, n, pass_name)]
+                assert row["median_s"] > 0 and row["pairs"] > 0, row
+                assert row["pairs_per_s"] == pytest.approx(row["pairs"] / row["median_s"])
+                want = row["pairs_per_s"] / rows[("sdpa", n, pass_name)]["pairs_per_s"]
+                assert row["ratio_to_sdpa"] == pytest.approx(want)
+    assert rows[("sdpa", 256, "forward")]["pairs"] == dense_pair_count(256, 8)
+    assert rows[("union", 256, "forward")]["pairs"] == dilated_pair_count(256, 8, [32, 64, 128], [1, 2, 4])
+    assert {e["variant"] for e in report["exponents"]} == {"sdpa", "union", "block_sparse"}
+    # The length search ran for each variant and pass; within a 6 MiB budget something fails.
+    assert len(report["search"]) == 6
+    assert any(s["first_failure"] for s in report["search"])
+    for s in report["search"]:
+        if s["longest"] and s["first_failure"]:
+            assert s["longest"] < s["first_failure"] and s["limited_by"] == "memory"
+    e2e = {r["spec"]["attn_implementation"]: r for r in report["e2e"]["rows"]}
+    assert e2e["sdpa"]["passes"]["backward"]["median_s"] > 0
+    assert e2e["dilated"]["passes"]["backward"]["median_s"] > 0
+    assert "not_an_implementation" in report["e2e"]["unavailable"]
+    for section in ("## Kernels", "## Growth with sequence length", "## Longest sequence", "## End to end",
+                    "not_an_implementation", report["machine"]["torch"]):
+        assert section in md
