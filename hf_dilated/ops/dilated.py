@@ -252,6 +252,9 @@ def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal
     k_table = table[pair_cls_t].transpose(0, 1)  # (R, P, L)
     k_real = k_table >= 0
     calls, q0 = _plan_calls(k_real, head_pair_t, tq_cls.shape[-1], decode, is_causal, prev_w, r, n_slots)
+    # Gather only the key slots some call reads (union levels >= 2 never read the last sub-segment).
+    k_end = max((n_slots if c.k_slots.stop is None else c.k_slots.stop) for c in calls) if calls else 0
+    k_table, k_real = k_table[..., :k_end], k_real[..., :k_end]
     # Gather only the query slots some call reads (union levels >= 2 skip the first sub-segment).
     jq_cls, q_real_cls, tq_cls = jq_cls[..., q0:], q_real_cls[..., q0:], tq_cls[..., q0:]
     jq = jq_cls[head_class].transpose(0, 1)  # (R, Hc, Lq)
