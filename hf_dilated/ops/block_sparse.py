@@ -24,7 +24,7 @@ and log-sum-exp (flash-style), so no probability matrix is kept.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,7 +35,7 @@ from .positions import token_layout
 from .validate import check_qkv, check_scale_dropout
 
 # Elements of gathered K plus V per fused call: bounds the transient memory of a call.
-_GATHER_BUDGET = 1 << 24
+_GATHER_BUDGET = 1 << 22
 # A group of off-diagonal lists is padded to its longest list; allow at most 1/8 of padding.
 _PAD_SLACK = 0.125
 
@@ -94,6 +94,7 @@ class _Structure:
     q_item: torch.Tensor
     q_slot: torch.Tensor
     item_blk: torch.Tensor  # (I,) row block id of each query item (row blocks holding queries)
+    plain: bool  # prefill of one unpadded document per row: item ids are block ids
     # token-level info the adaptive selection pools over
     real: torch.Tensor
     bnum: torch.Tensor
@@ -105,6 +106,8 @@ def _structure(batch, q_len, kv_len, bs, device, attention_mask, position_ids) -
     if bool((pos[real] < 0).any()):
         raise ValueError("position_ids: real (unmasked) tokens must have non-negative positions")
     bnum = torch.where(real, pos // bs, torch.zeros_like(pos))
+    if tl.plain:  # one unpadded document per row: blocks are tensor blocks, no search needed
+        return _plain_structure(batch, q_len, kv_len, bs, device, real, bnum)
     num_blocks = int(bnum.max()) + 1 if bool(real.any()) else 1
     # Row blocks: runs of real tokens sharing (document, block number); keys are non-decreasing.
     key = torch.where(real, doc * num_blocks + bnum, torch.full_like(doc, -1))
@@ -137,7 +140,32 @@ def _structure(batch, q_len, kv_len, bs, device, attention_mask, position_ids) -
         block_size=bs, num_blocks=num_blocks, R=R, null=null, blk_doc=blk_doc, blk_num=blk_num,
         blk_len=blk_len, k_b=k_b, k_t=k_t, k_blk=k_blk, k_slot=k_slot,
         q_b=k_b[is_q], q_t=k_t[is_q] - first_q, q_item=torch.searchsorted(item_blk, q_blk),
-        q_slot=k_slot[is_q], item_blk=item_blk, real=real, bnum=bnum,
+        q_slot=k_slot[is_q], item_blk=item_blk, plain=tl.plain and q_len == kv_len, real=real, bnum=bnum,
+    )
+
+
+def _plain_structure(batch, q_len, kv_len, bs, device, real, bnum) -> _Structure:
+    R = -(-kv_len // bs)
+    null = batch * R
+    t = torch.arange(kv_len, device=device)
+    k_b = torch.arange(batch, device=device).repeat_interleave(kv_len)
+    k_t = t.repeat(batch)
+    k_blk = k_b * R + k_t // bs
+    r = torch.arange(R, device=device)
+    blk_len = torch.clamp(kv_len - r * bs, max=bs).repeat(batch)
+    first_q = kv_len - q_len
+    is_q = k_t >= first_q
+    q_blk = k_blk[is_q]
+    first_item = first_q // bs
+    items_per_row = R - first_item
+    item_blk = (torch.arange(batch, device=device)[:, None] * R + r[None, first_item:]).reshape(-1)
+    q_item = k_b[is_q] * items_per_row + (q_blk % R) - first_item
+    tail = torch.zeros(1, dtype=torch.long, device=device)
+    return _Structure(
+        block_size=bs, num_blocks=R, R=R, null=null, blk_doc=torch.cat([torch.zeros(null, dtype=torch.long, device=device), tail - 1]),
+        blk_num=torch.cat([r.repeat(batch), tail]), blk_len=torch.cat([blk_len, tail]), k_b=k_b, k_t=k_t,
+        k_blk=k_blk, k_slot=k_t % bs, q_b=k_b[is_q], q_t=k_t[is_q] - first_q, q_item=q_item, q_slot=k_t[is_q] % bs,
+        item_blk=item_blk, plain=q_len == kv_len, real=real, bnum=bnum,
     )
 
 
@@ -204,201 +232,427 @@ def _adaptive_layout(pattern: AdaptivePattern, q, k, st: _Structure):
 
 @dataclass
 class _Call:
-    units: torch.Tensor  # item ids (shared layout) or item * q_heads + head (per-head layout)
-    per_head: bool
-    blocks: torch.Tensor  # (units, M) key block ids, padded with the null block
-    causal: bool
-    bias: torch.Tensor | None  # additive, broadcastable to (units, heads, block_size, M * block_size)
-    empty_rows: torch.Tensor | None  # (units, heads, 1) rows with no key: their lse is -inf
+    """One fused call. kind "gather": units (G,) attend the listed key blocks (G, M), gathered.
+    The view kinds need no copy: "window": each unit u in [u0, u1) attends blocks
+    [u - off - m + 1, u - off] (overlapping strided views); "fixed": the units [u0, u1), as one
+    run of queries, attend blocks [s, s + m) (causal: the run starts at block s = u0 = 0)."""
+
+    kind: str
+    first: bool  # first call touching these units: write the result, else merge into it
+    bias: torch.Tensor | None = None  # additive float32, broadcastable to the call's scores
+    units: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None
+    u0: int = 0
+    u1: int = 0
+    off: int = 0
+    s: int = 0
+    m: int = 0
+    causal: bool = False
+    b: int = 0  # batch row (plain plans; units and blocks are then block numbers of that row)
 
 
 @dataclass
 class _Plan:
     calls: list
     num_items: int
+    per_head: bool
+    plain: bool  # storage is q/k/v themselves, (batch, heads, R, bs, D); else gathered items
+    covered: bool = False  # the first calls write every row: no need to pre-fill the output
 
 
 def _plan(st: _Structure, rows, is_causal, q_heads, kv_heads, dim) -> _Plan:
     device = rows.device
-    bs, R = st.block_size, st.R
+    R = st.R
     I = st.item_blk.numel()
     lh = rows.shape[1]
     per_head = lh > 1
-    calls = []
     if I == 0:
-        return _Plan(calls, 0)
-    item_b, item_r = st.item_blk // R, st.item_blk % R
-    item_num = st.blk_num[st.item_blk]
+        return _Plan([], 0, per_head, False)
     r = torch.arange(R, device=device)
+    if st.plain and is_causal and not per_head:
+        # Prefill of one unpadded document per row: every row has the same R blocks.
+        allowed = rows[:R, 0, :R] & (r[None, :] <= r[:, None])
+        view_calls, left, band = _view_calls(allowed, st)
+        zeros = torch.zeros(R, dtype=torch.long, device=device)
+        row_calls = view_calls + _gather_calls(left, zeros, r, st, 1, False, is_causal, kv_heads, dim, False)
+        calls = [replace(c, b=b) for b in range(I // R) for c in row_calls]
+        return _Plan(calls, I, False, True, covered=band > 0)
+    item_b, item_r = st.item_blk // R, st.item_blk % R
     cand_blk = item_b[:, None] * R + r[None, :]
     cand = (st.blk_len[cand_blk] > 0) & (st.blk_doc[cand_blk] == st.blk_doc[st.item_blk][:, None])
-    cand &= r[None, :] != item_r[:, None]
     if is_causal:
-        cand &= r[None, :] < item_r[:, None]
+        cand &= r[None, :] <= item_r[:, None]
     knum = st.blk_num[cand_blk]
-    allowed = cand[:, None, :] & rows.gather(2, knum[:, None, :].expand(I, lh, R))  # (I, lh, R)
-    diag = rows.gather(2, item_num[:, None, None].expand(I, lh, 1))[..., 0]  # (I, lh)
-    slots = torch.arange(bs, device=device)
+    allowed = (cand[:, None, :] & rows.gather(2, knum[:, None, :].expand(I, lh, R))).reshape(I * lh, R)
+    calls = _gather_calls(allowed, item_b, item_r, st, lh, per_head, is_causal, kv_heads, dim, True)
+    return _Plan(calls, I, per_head, False)
 
-    # Diagonal: every query block against its own block, one grouped-query call.
-    has_diag = diag.any(1)
-    if bool(has_diag.any()):
-        units = has_diag.nonzero()[:, 0]
-        blocks = st.item_blk[units][:, None]
-        bias, empty = None, None
-        if not is_causal:  # trailing empty slots of a short block are only hidden by causality
-            valid = slots[None, :] < st.blk_len[blocks]
-            if not bool(valid.all()):
-                bias = _bias(valid, 1)
-        if per_head and not bool(diag[units].all()):
-            off = ~diag[units][:, :, None, None]  # (G, Hq, 1, 1)
-            head_bias = torch.zeros(off.shape, dtype=torch.float32, device=device).masked_fill(off, float("-inf"))
-            bias = head_bias if bias is None else bias + head_bias
-            empty = off[..., 0]
-        calls.append(_Call(units, False, blocks, is_causal, bias, empty))
 
-    # Off-diagonal: lists of earlier blocks, grouped by length.
-    flat = allowed.reshape(I * lh, R)
-    counts = flat.sum(-1)
-    order = torch.argsort(counts, descending=True, stable=True)
+def _view_calls(allowed, st: _Structure):
+    """Zero-copy calls for the regular parts of an (R, R) causal block layout of one row: the band
+    of full diagonals 0..w-1 (a dense causal head, then overlapping windows), full columns [0, g)
+    below the band (one run of queries against fixed keys), and further full diagonals.
+    Returns the calls, the (R, R) pairs left for gathered calls, and the band width w."""
+    R = allowed.shape[0]
+    left = allowed.clone()
+
+    def full_diagonal(d):
+        return d < R and bool(torch.diagonal(left, -d).all())
+
+    calls = []
+    band = 0
+    while full_diagonal(band):
+        band += 1
+    if band:
+        a = torch.arange(R, device=allowed.device)
+        left &= (a[:, None] - a[None, :]) >= band
+        head = band - 1 if band < R else R  # these blocks see all earlier ones: dense causal
+        if head:
+            calls.append(_Call("fixed", True, u0=0, u1=head, s=0, m=head, causal=True))
+        if head < R:
+            calls.append(_Call("window", True, _causal_bias(st.block_size, band), u0=head, u1=R, off=0, m=band))
+    lo = max(band, 1)
+    g = 0
+    while g < R - lo and bool(left[g + lo:, g].all()):
+        g += 1
+    if g:
+        left[g + lo - 1:, :g] = False
+        calls.append(_Call("fixed", False, u0=g + lo - 1, u1=R, s=0, m=g))
+    for d in range(lo, R):
+        if full_diagonal(d):
+            torch.diagonal(left, -d).fill_(False)
+            calls.append(_Call("window", False, u0=d, u1=R, off=d, m=1))
+    return calls, left, band
+
+
+def _causal_bias(bs, m):
+    """(1, 1, bs, m * bs): keys of the first m - 1 blocks visible, causal inside the last block."""
+    bias = torch.zeros(bs, m * bs, dtype=torch.float32)
+    bias[:, (m - 1) * bs:] = torch.full((bs, bs), float("-inf")).triu(1)
+    return bias[None, None]
+
+
+def _gather_calls(allowed, item_b, item_r, st, lh, per_head, is_causal, kv_heads, dim, may_write):
+    """Gathered calls for (I * lh, R) allowed row blocks: one call per group of units whose lists
+    have the same length (and diagonal flag), so lists are dense; a list longer than the gather
+    budget is cut into pieces merged by log-sum-exp."""
+    device = allowed.device
+    bs, R = st.block_size, st.R
+    unit_r = item_r.repeat_interleave(lh)
+    counts = allowed.sum(-1)
+    has_diag = allowed.gather(1, unit_r[:, None])[:, 0]
+    key = counts * 2 + has_diag.long()
+    order = torch.argsort(key, descending=True, stable=True)
     order = order[counts[order] > 0]
     if order.numel() == 0:
-        return _Plan(calls, I)
-    # r' in increasing order first, for every unit
-    lists = torch.argsort((~flat[order]).to(torch.int8), dim=-1, stable=True)
-    sorted_counts = counts[order].tolist()
-    per_unit = bs * dim * 2 * (1 if per_head else kv_heads)
+        return []
+    lists = torch.argsort((~allowed[order]).to(torch.int8), dim=-1, stable=True)  # allowed r' first, ascending
+    bounds = torch.cumsum(torch.unique_consecutive(key[order], return_counts=True)[1], 0).tolist()
+    per_block = bs * dim * 2 * (1 if per_head else kv_heads)  # gathered K+V elements per block
+    max_blocks = max(1, _GATHER_BUDGET // per_block)
+    slots = torch.arange(bs, device=device)
+    calls = []
     start = 0
-    n = len(sorted_counts)
-    while start < n:
-        m = sorted_counts[start]
-        cap = max(1, _GATHER_BUDGET // (m * per_unit))
-        end = start + 1
-        while end < n and end - start < cap and sorted_counts[end] >= m * (1 - _PAD_SLACK):
-            end += 1
-        unit = order[start:end]
-        item = unit // lh
-        cols = lists[start:end, :m]
-        used = torch.arange(m, device=device)[None, :] < counts[unit][:, None]
-        blocks = torch.where(used, item_b[item][:, None] * R + cols, torch.full_like(cols, st.null))
-        valid = slots[None, None, :] < st.blk_len[blocks][:, :, None]  # null block has length 0
-        bias = None if bool(valid.all()) else _bias(valid.reshape(len(unit), m * bs), 1)
-        units = unit if per_head else item
-        calls.append(_Call(units, per_head, blocks, False, bias, None))
+    for end in bounds:
+        m = int(counts[order[start]])
+        diag = bool(has_diag[order[start]]) and is_causal
+        piece = min(m, max_blocks)
+        chunk = max(1, _GATHER_BUDGET // (piece * per_block))
+        for lo in range(start, end, chunk):
+            hi = min(end, lo + chunk)
+            unit = order[lo:hi]
+            item = unit // lh
+            blocks = item_b[item][:, None] * R + lists[lo:hi, :m]
+            for p0 in range(0, m, piece):
+                part = blocks[:, p0:p0 + piece]
+                bias = _bias(part, st, slots, diag and p0 + piece >= m)
+                calls.append(_Call("gather", may_write and p0 == 0, bias, unit if per_head else item, part))
         start = end
-    return _Plan(calls, I)
+    return calls
 
 
-def _bias(valid, heads):
-    """(G, keys) bool -> additive float32 bias (G, heads=1, 1, keys)."""
-    bias = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device).masked_fill(~valid, float("-inf"))
-    return bias[:, None, None, :].expand(-1, heads, 1, -1)
+def _bias(blocks, st: _Structure, slots, causal_last: bool):
+    """Additive mask for a gathered call, or None: causal inside the query's own (last) block, and
+    -inf on the empty slots of short blocks (a short own block needs no mask: causality hides its
+    empty trailing slots from every real query)."""
+    g, m = blocks.shape
+    bs = st.block_size
+    valid = slots[None, None, :] < st.blk_len[blocks][:, :, None]  # (G, M, bs)
+    if causal_last:
+        valid[:, -1] = True
+    bias = None
+    if not bool(valid.all()):
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=blocks.device)
+        bias = bias.masked_fill(~valid, float("-inf")).view(g, 1, 1, m * bs)
+    if causal_last:
+        causal = _causal_bias(bs, m).to(blocks.device)
+        bias = causal if bias is None else bias + causal
+    return bias
+
+
+# ----------------------------------------------------------------------------------------------
+# Storage: where a call's inputs come from and its results go.
+#
+# Every storage keeps rows so that an output row (..., D) and its log-sum-exp (...) line up.
+
+
+class _Workspace:
+    """Reused gather buffers: a fresh multi-megabyte allocation per call costs more in page faults
+    than the copy itself on CPU."""
+
+    def __init__(self):
+        self.buffers = {}
+
+    def take(self, name, src, dim, index, shape):
+        size = list(src.shape)
+        size[dim] = index.numel()
+        numel = 1
+        for n in size:
+            numel *= n
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != src.dtype:
+            buf = self.buffers[name] = src.new_empty(max(numel, 1))
+        out = buf[:numel].view(size)
+        torch.index_select(src, dim, index, out=out)
+        return out.view(shape)
+
+
+class _PlainStorage:
+    """Plain prefill: q, k, v themselves viewed as (batch, heads, R, bs, D) (padded to whole
+    blocks when the length is not a multiple of bs). Rows of a call: (heads, n, bs, D)."""
+
+    def __init__(self, st: _Structure, plan: _Plan, q_shape, k_shape):
+        self.bs, self.R = st.block_size, st.R
+        self.q_heads, self.kv_heads = q_shape[1], k_shape[1]
+
+    def tokens(self, x):
+        batch, heads, length, dim = x.shape
+        pad = self.R * self.bs - length
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x.contiguous()
+        return x.view(batch, heads, self.R, self.bs, dim)
+
+    keys = queries = tokens
+
+    def accumulators(self, like, dtype, covered):
+        make = torch.empty if covered else torch.zeros
+        out = make(like.shape, dtype=dtype, device=like.device)
+        lse = torch.full(like.shape[:-1], float("-inf"), dtype=dtype, device=like.device)
+        return out, lse
+
+    def result(self, x, shape, keys=False):
+        batch, heads, length, dim = shape
+        return x.view(batch, heads, self.R * self.bs, dim)[:, :, :length]
+
+    def inputs(self, call: _Call, sources, ks, vs, ws: _Workspace):
+        bs = self.bs
+        kb, vb = ks[call.b], vs[call.b]  # (Hk, R, bs, D), contiguous
+        heads, _, _, dim = kb.shape
+        if call.kind == "window":
+            n, start = call.u1 - call.u0, call.u0 - call.off - call.m + 1
+            size, stride = (n, heads, call.m * bs, dim), (bs * dim, kb.stride(0), dim, 1)
+            kx = kb.as_strided(size, stride, kb.storage_offset() + start * bs * dim)
+            vx = vb.as_strided(size, stride, vb.storage_offset() + start * bs * dim)
+            return [x[call.b][:, call.u0:call.u1].transpose(0, 1) for x in sources], kx, vx
+        if call.kind == "fixed":
+            n = call.u1 - call.u0
+            kx = kb[:, call.s:call.s + call.m].reshape(1, heads, call.m * bs, dim)
+            vx = vb[:, call.s:call.s + call.m].reshape(1, heads, call.m * bs, dim)
+            return [x[call.b][:, call.u0:call.u1].reshape(1, -1, n * bs, dim) for x in sources], kx, vx
+        g, m = call.blocks.shape
+        idx = call.blocks.reshape(-1)
+        kx = ws.take("k", kb, 1, idx, (heads, g, m * bs, dim)).transpose(0, 1)
+        vx = ws.take("v", vb, 1, idx, (heads, g, m * bs, dim)).transpose(0, 1)
+        rows = [ws.take(f"q{i}", x[call.b], 1, call.units, (-1, g, bs, dim)).transpose(0, 1) for i, x in enumerate(sources)]
+        return rows, kx, vx
+
+    def rows(self, call: _Call, x, lse=None):
+        """Kernel output (and lse) -> rows."""
+        if call.kind == "fixed":
+            n = call.u1 - call.u0
+            return x[0].view(x.shape[1], n, self.bs, -1), None if lse is None else lse[0].view(-1, n, self.bs)
+        return x.transpose(0, 1), None if lse is None else lse.transpose(0, 1)
+
+    def lse_to_kernel(self, call: _Call, lse):
+        rows = self.read(call, lse)
+        if call.kind == "fixed":
+            return rows.reshape(1, rows.shape[0], -1)
+        return rows.transpose(0, 1).contiguous()
+
+    def read(self, call: _Call, x):
+        if call.kind == "gather":
+            return x[call.b].index_select(1, call.units)
+        return x[call.b][:, call.u0:call.u1]
+
+    def write(self, call: _Call, x, rows):
+        if call.kind == "gather":
+            x[call.b].index_copy_(1, call.units, rows)
+        else:
+            x[call.b][:, call.u0:call.u1] = rows
+
+    def add(self, call: _Call, x, rows):
+        if call.kind == "gather":
+            x[call.b].index_add_(1, call.units, rows)
+        else:
+            x[call.b][:, call.u0:call.u1] += rows
+
+    def add_keys(self, call: _Call, dkb, dk):
+        bs, dkb = self.bs, dkb[call.b]
+        if call.kind == "window":  # overlapping windows: fold block by block
+            start, n = call.u0 - call.off - call.m + 1, call.u1 - call.u0
+            for j in range(call.m):
+                dkb[:, start + j:start + j + n] += dk[:, :, j * bs:(j + 1) * bs].transpose(0, 1)
+        elif call.kind == "fixed":
+            dkb[:, call.s:call.s + call.m] += dk[0].view(dk.shape[1], call.m, bs, -1)
+        else:
+            g, m = call.blocks.shape
+            dkb.index_add_(1, call.blocks.reshape(-1), dk.transpose(0, 1).reshape(dk.shape[1], g * m, bs, -1))
+
+
+class _ItemStorage:
+    """General case: tokens regrouped into row blocks. Shared layout: query items (I, bs, Hq, D)
+    and key blocks (B*R + 1, bs, Hk, D) (the last one all-zero, for padding); rows of a call are
+    (G, bs, Hq, D), lse rows (G, bs, Hq). Per-head layout: one row per (item, head) and per
+    (block, kv head): items (I*Hq, bs, D), key blocks ((B*R + 1)*Hk, bs, D)."""
+
+    def __init__(self, st: _Structure, plan: _Plan, q_shape, k_shape):
+        self.st, self.plan, self.bs = st, plan, st.block_size
+        self.q_heads, self.kv_heads = q_shape[1], k_shape[1]
+        self.q_index = (st.q_item * self.bs + st.q_slot, st.q_b * q_shape[2] + st.q_t)
+        self.k_index = (st.k_blk * self.bs + st.k_slot, st.k_b * k_shape[2] + st.k_t)
+
+    def _scatter(self, x, index, num_rows):
+        batch, heads, length, dim = x.shape
+        slots_of, tokens_of = index
+        tok = x.transpose(1, 2).reshape(batch * length, heads, dim).index_select(0, tokens_of)
+        out = x.new_zeros(num_rows * self.bs, heads, dim)
+        out.index_copy_(0, slots_of, tok)
+        out = out.view(num_rows, self.bs, heads, dim)
+        if self.plan.per_head:
+            out = out.transpose(1, 2).reshape(num_rows * heads, self.bs, dim)
+        return out
+
+    def queries(self, x):
+        return self._scatter(x, self.q_index, self.plan.num_items)
+
+    def keys(self, x):
+        return self._scatter(x, self.k_index, self.st.null + 1)
+
+    def accumulators(self, like, dtype, covered):
+        out = torch.zeros(like.shape, dtype=dtype, device=like.device)
+        lse = torch.full(like.shape[:-1], float("-inf"), dtype=dtype, device=like.device)
+        return out, lse
+
+    def result(self, xi, shape, keys=False):
+        """Blocked rows back to a (B, H, L, D) tensor, zeros where no token maps."""
+        batch, heads, length, dim = shape
+        slots_of, tokens_of = self.k_index if keys else self.q_index
+        if self.plan.per_head:
+            xi = xi.view(-1, heads, self.bs, dim).transpose(1, 2)
+        rows = xi.reshape(-1, heads, dim).index_select(0, slots_of)
+        out = xi.new_zeros(batch * length, heads, dim)
+        out.index_copy_(0, tokens_of, rows)
+        return out.view(batch, length, heads, dim).transpose(1, 2)
+
+    def inputs(self, call: _Call, sources, kb, vb, ws: _Workspace):
+        g, m = call.blocks.shape
+        q_heads, kv_heads = self.q_heads, self.kv_heads
+        if self.plan.per_head:
+            bs, dim = kb.shape[1], kb.shape[2]
+            kv_head = (call.units % q_heads) // (q_heads // kv_heads)
+            idx = (call.blocks * kv_heads + kv_head[:, None]).reshape(-1)
+            kx = ws.take("k", kb, 0, idx, (g, 1, m * bs, dim))
+            vx = ws.take("v", vb, 0, idx, (g, 1, m * bs, dim))
+            return [ws.take(f"q{i}", x, 0, call.units, (g, 1, bs, dim)) for i, x in enumerate(sources)], kx, vx
+        bs, dim = kb.shape[1], kb.shape[3]
+        idx = call.blocks.reshape(-1)
+        kx = ws.take("k", kb, 0, idx, (g, m * bs, kv_heads, dim)).transpose(1, 2)
+        vx = ws.take("v", vb, 0, idx, (g, m * bs, kv_heads, dim)).transpose(1, 2)
+        rows = [ws.take(f"q{i}", x, 0, call.units, (g, bs, q_heads, dim)).transpose(1, 2) for i, x in enumerate(sources)]
+        return rows, kx, vx
+
+    def rows(self, call: _Call, x, lse=None):
+        if self.plan.per_head:
+            return x[:, 0], None if lse is None else lse[:, 0]
+        return x.transpose(1, 2), None if lse is None else lse.transpose(1, 2)
+
+    def lse_to_kernel(self, call: _Call, lse):
+        rows = lse.index_select(0, call.units)
+        return (rows[:, None] if self.plan.per_head else rows.transpose(1, 2)).contiguous()
+
+    def read(self, call: _Call, x):
+        return x.index_select(0, call.units)
+
+    def write(self, call: _Call, x, rows):
+        x.index_copy_(0, call.units, rows)
+
+    def add(self, call: _Call, x, rows):
+        x.index_add_(0, call.units, rows)
+
+    def add_keys(self, call: _Call, dkb, dk):
+        g, m = call.blocks.shape
+        if self.plan.per_head:
+            q_heads, kv_heads = self.q_heads, self.kv_heads
+            kv_head = (call.units % q_heads) // (q_heads // kv_heads)
+            dkb.index_add_(0, (call.blocks * kv_heads + kv_head[:, None]).reshape(-1), dk.reshape(g * m, self.bs, -1))
+        else:
+            dkb.index_add_(0, call.blocks.reshape(-1), dk.transpose(1, 2).reshape(g * m, self.bs, self.kv_heads, -1))
 
 
 # ----------------------------------------------------------------------------------------------
 # The kernel
 
 
-def _gather(call: _Call, items, kb, vb, q_heads):
-    """Dense 4-D batches for one call: queries-like tensors from `items` (I, bs, Hq, D) and keys,
-    values from the blocked kb, vb (B*R + 1, bs, Hk, D). Returns (q-like list, k, v)."""
-    g, m = call.blocks.shape
-    bs, kv_heads, dim = kb.shape[1], kb.shape[2], kb.shape[3]
-    if not call.per_head:
-        kx = kb[call.blocks].view(g, m * bs, kv_heads, dim).transpose(1, 2)
-        vx = vb[call.blocks].view(g, m * bs, kv_heads, dim).transpose(1, 2)
-        return [x[call.units].transpose(1, 2) for x in items], kx, vx
-    item, head = call.units // q_heads, call.units % q_heads
-    kv_head = (head // (q_heads // kv_heads))[:, None]
-    kx = kb[call.blocks, :, kv_head].reshape(g, 1, m * bs, dim)
-    vx = vb[call.blocks, :, kv_head].reshape(g, 1, m * bs, dim)
-    return [x[item, :, head][:, None] for x in items], kx, vx
-
-
-def _lse_rows(call: _Call, lse, q_heads):
-    """The (units, heads, bs) slice of an (I, bs, Hq) log-sum-exp tensor."""
-    if not call.per_head:
-        return lse[call.units].transpose(1, 2).contiguous()
-    return lse[call.units // q_heads, :, call.units % q_heads][:, None].contiguous()
-
-
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, st: _Structure, plan: _Plan, scale: float):
-        batch, q_heads, q_len, dim = q.shape
-        kv_heads = k.shape[1]
-        bs = st.block_size
+        store = (_PlainStorage if plan.plain else _ItemStorage)(st, plan, q.shape, k.shape)
         acc = merge_dtype(q.dtype)
-        qi = q.new_zeros(plan.num_items, bs, q_heads, dim)
-        qi[st.q_item, st.q_slot] = q[st.q_b, :, st.q_t]
-        kb = k.new_zeros(st.null + 1, bs, kv_heads, dim)
-        vb = v.new_zeros(st.null + 1, bs, kv_heads, dim)
-        kb[st.k_blk, st.k_slot] = k[st.k_b, :, st.k_t]
-        vb[st.k_blk, st.k_slot] = v[st.k_b, :, st.k_t]
-
-        out_acc = torch.zeros(plan.num_items, bs, q_heads, dim, dtype=acc, device=q.device)
-        lse_acc = torch.full((plan.num_items, bs, q_heads), float("-inf"), dtype=acc, device=q.device)
+        qs, ks, vs = store.queries(q), store.keys(k), store.keys(v)
+        out_acc, lse_acc = store.accumulators(qs, acc, plan.covered)
+        ws = _Workspace()
         for call in plan.calls:
-            (qx,), kx, vx = _gather(call, [qi], kb, vb, q_heads)
-            bias = None if call.bias is None else call.bias.to(q.dtype)
+            (qx,), kx, vx = store.inputs(call, [qs], ks, vs, ws)
+            bias = None if call.bias is None else call.bias.to(device=q.device, dtype=q.dtype)
             out, lse = attention_forward(qx, kx, vx, is_causal=call.causal, scale=scale, attn_bias=bias)
-            if call.empty_rows is not None:  # fully masked rows come back with lse 0: no key is -inf
-                lse = lse.masked_fill(call.empty_rows, float("-inf"))
+            out, lse = store.rows(call, out, lse)
             out, lse = out.to(acc), lse.to(acc)
-            if call.per_head:
-                item, head = call.units // q_heads, call.units % q_heads
-                merged = merge_partial(out_acc[item, :, head], lse_acc[item, :, head], out[:, 0], lse[:, 0])
-                out_acc[item, :, head], lse_acc[item, :, head] = merged
-            else:
-                merged = merge_partial(out_acc[call.units], lse_acc[call.units], out.transpose(1, 2), lse.transpose(1, 2))
-                out_acc[call.units], lse_acc[call.units] = merged
-
-        out_items = out_acc.to(q.dtype)
-        result = q.new_zeros(q.shape)
-        result[st.q_b, :, st.q_t] = out_items[st.q_item, st.q_slot]
-        ctx.save_for_backward(qi, kb, vb, out_items, lse_acc)
-        ctx.st, ctx.plan, ctx.scale = st, plan, scale
-        ctx.shapes = (q.shape, k.shape)
-        return result
+            if not call.first:  # these rows already hold other keys' partial result
+                out, lse = merge_partial(store.read(call, out_acc), store.read(call, lse_acc), out, lse)
+            store.write(call, out_acc, out)
+            store.write(call, lse_acc, lse)
+        out_rows = out_acc.to(q.dtype)
+        ctx.save_for_backward(qs, ks, vs, out_rows, lse_acc)
+        ctx.st, ctx.plan, ctx.scale, ctx.shapes = st, plan, scale, (q.shape, k.shape)
+        return store.result(out_rows, q.shape)
 
     @staticmethod
     def backward(ctx, dout):
-        qi, kb, vb, out_items, lse_acc = ctx.saved_tensors
+        qs, ks, vs, out_rows, lse_acc = ctx.saved_tensors
         st, plan, scale = ctx.st, ctx.plan, ctx.scale
         q_shape, k_shape = ctx.shapes
-        q_heads, kv_heads = q_shape[1], k_shape[1]
-        acc = merge_dtype(qi.dtype)
-        bs = st.block_size
-        slots = torch.arange(bs, device=qi.device)
-        dout_items = torch.zeros_like(qi)
-        dout_items[st.q_item, st.q_slot] = dout[st.q_b, :, st.q_t].to(qi.dtype)
+        store = (_PlainStorage if plan.plain else _ItemStorage)(st, plan, q_shape, k_shape)
+        acc = merge_dtype(qs.dtype)
+        dout_rows = store.queries(dout.to(qs.dtype))
         # A row that saw no key (lse -inf) gets probability exp(s - inf) = 0 in every call.
         lse_bwd = torch.where(torch.isfinite(lse_acc), lse_acc, torch.full_like(lse_acc, float("inf")))
-        dqi = torch.zeros(qi.shape, dtype=acc, device=qi.device)
-        dkb = torch.zeros(kb.shape, dtype=acc, device=qi.device)
-        dvb = torch.zeros(kb.shape, dtype=acc, device=qi.device)
+        lse_bwd = lse_bwd.to(torch.float64 if qs.dtype == torch.float64 else torch.float32)
+        dqs = torch.zeros(qs.shape, dtype=acc, device=qs.device)
+        dks = torch.zeros(ks.shape, dtype=acc, device=qs.device)
+        dvs = torch.zeros(ks.shape, dtype=acc, device=qs.device)
+        ws = _Workspace()
         for call in plan.calls:
-            (qx, ox, dox), kx, vx = _gather(call, [qi, out_items, dout_items], kb, vb, q_heads)
-            lse = _lse_rows(call, lse_bwd, q_heads).to(torch.float64 if qi.dtype == torch.float64 else torch.float32)
-            bias = None if call.bias is None else call.bias.to(qi.dtype)
-            dq, dk, dv = attention_backward(dox, qx, kx, vx, ox, lse, is_causal=call.causal, scale=scale, attn_bias=bias)
-            g, m = call.blocks.shape
-            if call.per_head:
-                item, head = call.units // q_heads, call.units % q_heads
-                kv_head = head // (q_heads // kv_heads)
-                dqi.index_put_((item[:, None], slots[None, :], head[:, None]), dq[:, 0].to(acc), accumulate=True)
-                idx = (call.blocks[:, :, None], slots[None, None, :], kv_head[:, None, None])
-                dkb.index_put_(idx, dk.reshape(g, m, bs, -1).to(acc), accumulate=True)
-                dvb.index_put_(idx, dv.reshape(g, m, bs, -1).to(acc), accumulate=True)
-            else:
-                dqi.index_add_(0, call.units, dq.transpose(1, 2).to(acc))
-                blocks = call.blocks.reshape(-1)
-                dkb.index_add_(0, blocks, dk.transpose(1, 2).reshape(g * m, bs, kv_heads, -1).to(acc))
-                dvb.index_add_(0, blocks, dv.transpose(1, 2).reshape(g * m, bs, kv_heads, -1).to(acc))
-        dq_out = qi.new_zeros(q_shape)
-        dq_out[st.q_b, :, st.q_t] = dqi[st.q_item, st.q_slot].to(qi.dtype)
-        dk_out = kb.new_zeros(k_shape)
-        dv_out = kb.new_zeros(k_shape)
-        dk_out[st.k_b, :, st.k_t] = dkb[st.k_blk, st.k_slot].to(kb.dtype)
-        dv_out[st.k_b, :, st.k_t] = dvb[st.k_blk, st.k_slot].to(kb.dtype)
-        return dq_out, dk_out, dv_out, None, None, None
+            (qx, ox, dox), kx, vx = store.inputs(call, [qs, out_rows, dout_rows], ks, vs, ws)
+            bias = None if call.bias is None else call.bias.to(device=qs.device, dtype=qs.dtype)
+            dq, dk, dv = attention_backward(
+                dox, qx, kx, vx, ox, store.lse_to_kernel(call, lse_bwd), is_causal=call.causal, scale=scale,
+                attn_bias=bias,
+            )
+            store.add(call, dqs, store.rows(call, dq)[0].to(acc))
+            store.add_keys(call, dks, dk.to(acc))
+            store.add_keys(call, dvs, dv.to(acc))
+        return (
+            store.result(dqs.to(qs.dtype), q_shape),
+            store.result(dks.to(qs.dtype), k_shape, keys=True),
+            store.result(dvs.to(qs.dtype), k_shape, keys=True),
+            None, None, None,
+        )
