@@ -382,8 +382,11 @@ def _gather_level(level: _Level, q, k, v):
 def _forward(q, k, v, levels: list[_Level], scale):
     batch, q_heads, q_len, head_dim = q.shape
     acc_dtype = merge_dtype(q.dtype)
-    # One extra dump row receives the slots that hold no real query.
-    acc_out = torch.zeros(batch * q_heads * q_len + 1, head_dim, dtype=acc_dtype, device=q.device)
+    # One extra dump row receives the slots that hold no real query. A first level of plain
+    # segments over every head writes every row, so it needs no zero-fill.
+    covered = bool(levels) and levels[0].segment_view and levels[0].heads.numel() == q_heads
+    alloc = torch.empty if covered else torch.zeros
+    acc_out = alloc(batch * q_heads * q_len + 1, head_dim, dtype=acc_dtype, device=q.device)
     acc_lse = torch.full((batch * q_heads * q_len + 1,), float("-inf"), dtype=acc_dtype, device=q.device)
     fresh = True  # nothing merged yet: the first call writes instead of merging
     for level in levels:
