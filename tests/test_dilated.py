@@ -249,7 +249,7 @@ def test_bf16_gradients_small(case):
 
 
 GRADCHECK_CASES = [
-    Case(mode=m, segment_lengths=(2, 4), dilation_rates=(1, 2), q_heads=2, kv_heads=1, kv_len=9, head_dim=4, seed=3)
+    Case(mode=m, segment_lengths=(2, 4), dilation_rates=(1, 2), q_heads=2, kv_heads=1, kv_len=6, head_dim=2, seed=3)
     for m in MODES
 ] + [
     Case(mode=m, segment_lengths=(2, 4), dilation_rates=(1, 2), q_heads=3, kv_heads=1, kv_len=10, q_len=4,
@@ -262,13 +262,16 @@ GRADCHECK_CASES = [
 
 @pytest.mark.parametrize("case", GRADCHECK_CASES, ids=[f"{c.mode}-{c.layout}-{c.seed}" for c in GRADCHECK_CASES])
 def test_gradcheck_float64(case):
+    # Full Jacobians on the smallest cases; the larger ones use gradcheck's fast mode (random
+    # projections of the Jacobian) to keep the kernel-call count down.
+    fast = case.kv_len > 6
     q, k, v, mask, pos, real_query = make_inputs(case, torch.float64)
     rows = real_query[:, None, :, None].expand(case.batch, case.q_heads, q.shape[2], case.head_dim)
 
     def fn(q, k, v):  # padded query slots are unspecified: check real rows only
         return kernel(case, q, k, v, mask, pos)[rows]
 
-    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-6, rtol=1e-4)
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-6, rtol=1e-4, fast_mode=fast)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,19 +413,119 @@ def test_non_causal_matches_reference_or_is_refused():
         assert (out.double() - ref).abs().max().item() < F32_TOL, mode
 
 
-def test_dropout_is_applied_or_refused():
-    case = Case(mode="union", segment_lengths=(4, 8), dilation_rates=(1, 2), q_heads=2, kv_len=20)
-    q, k, v, mask, pos, _ = make_inputs(case, torch.float32)
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_is_applied_or_refused(mode):
+    case = Case(mode=mode, segment_lengths=(4, 8), dilation_rates=(1, 2), q_heads=2, kv_len=20, layout="left",
+                batch=2, seed=51)
+    q, k, v, mask, pos, real_query = make_inputs(case, torch.float32)
+    p = 0.5
+    torch.manual_seed(0)
     try:
-        dropped = kernel(case, q, k, v, mask, pos, dropout_p=0.5)
+        dropped = kernel(case, q, k, v, mask, pos, dropout_p=p)
     except ValueError as err:
         assert "dropout_p" in str(err)
         return
-    plain = kernel(case, q, k, v, mask, pos)
+    plain = kernel(case, q, k, v, mask, pos).detach()
+    rows = real_query[:, None, :, None]
     assert torch.isfinite(dropped).all()
-    assert (dropped - plain).abs().max().item() > 1e-3  # dropout_p is not silently ignored
+    assert ((dropped - plain) * rows).abs().max().item() > 1e-3  # dropout_p is not silently ignored
     dropped.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    # Dropout acts on the attention probabilities: a query whose K is the single key j gets
+    # v_j / (1 - p) or 0. Head 0 at the first real token (level 1 has r=1) is such a query.
+    counts = dilated_key_counts([4, 8], [1, 2], mode, 2, 2, case.kv_len, case.kv_len, attention_mask=mask)
+    single = (counts.sum(-1) == 1) & real_query[:, None, :]
+    assert single.any()
+    draws = torch.stack([kernel(case, q, k, v, mask, pos, dropout_p=p).detach() for _ in range(200)])
+    kept = torch.isclose(draws[:, single], plain[single] / (1 - p), atol=1e-5).all(-1)
+    dropped_out = (draws[:, single] == 0).all(-1)
+    assert (kept | dropped_out).all()
+    assert 0.3 < kept.float().mean().item() < 0.7
+    # Unbiased: the mean over draws approaches the output without dropout.
+    mean, std = draws.mean(0), draws.std(0)
+    err = ((mean - plain).abs() - 5 * std / 200 ** 0.5) * rows
+    assert err.max().item() < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs as Hugging Face hands them over, and the kernel's plan cache
+
+
+def test_non_contiguous_inputs():
+    # Hugging Face passes q/k/v as transposes of (batch, seq, heads, head_dim) projections.
+    case = Case(mode="union", segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4), q_heads=4, kv_heads=2,
+                kv_len=37, batch=2, layout="pad_packed", seed=61)
+    _, _, _, mask, pos, real_query = make_inputs(case)
+    g = torch.Generator().manual_seed(61)
+    for mode in MODES:
+        base = [torch.randn(2, 37, h, 16, generator=g) for h in (4, 2, 2)]
+        leaves = [t.requires_grad_() for t in base]
+        # transposed, and sliced in head_dim (a strided last dimension for q)
+        views = [leaves[0].transpose(1, 2)[..., ::2], leaves[1].transpose(1, 2)[..., :8],
+                 leaves[2].transpose(1, 2)[..., 8:]]
+        assert not any(t.is_contiguous() for t in views)
+        out = dilated_attention(*views, [4, 8, 16], [1, 2, 4], mode=mode, attention_mask=mask, position_ids=pos)
+        refs = [t.detach().double().requires_grad_() for t in views]
+        ref = dilated_reference(*refs, [4, 8, 16], [1, 2, 4], mode, attention_mask=mask, position_ids=pos)
+        rows = real_query[:, None, :, None]
+        assert ((out.double() - ref) * rows).abs().max().item() < F32_TOL, mode
+        grad_out = torch.randn(ref.shape, generator=g, dtype=torch.float64) * rows
+        out.backward(grad_out.float())
+        ref.backward(grad_out)
+        for view_grad, r in zip(
+            [leaves[0].grad.transpose(1, 2)[..., ::2], leaves[1].grad.transpose(1, 2)[..., :8],
+             leaves[2].grad.transpose(1, 2)[..., 8:]], refs,
+        ):
+            assert (view_grad.double() - r.grad).abs().max().item() < F32_TOL, mode
+
+
+def test_bool_and_integer_masks_agree():
+    case = Case(mode="longnet", segment_lengths=(4, 8), dilation_rates=(1, 2), q_heads=2, kv_len=25, batch=2,
+                layout="left", seed=62)
+    q, k, v, mask, pos, real_query = make_inputs(case)
+    a = kernel(case, q, k, v, mask.long(), pos)
+    b = kernel(case, q, k, v, mask.bool(), pos)
+    c = kernel(case, q, k, v, mask.int(), pos)
+    rows = real_query[:, None, :, None]
+    assert torch.equal(a * rows, b * rows) and torch.equal(a * rows, c * rows)
+
+
+def test_inference_mode():
+    # Pipelines and servers run under torch.inference_mode(): masks built there are inference
+    # tensors (no version counter).
+    case = Case(mode="union", segment_lengths=(4, 8), dilation_rates=(1, 2), q_heads=2, kv_len=20, batch=2,
+                layout="pad_packed", seed=63)
+    q, k, v, mask, pos, real_query = make_inputs(case)
+    expected = kernel(case, q, k, v, mask, pos).detach()
+    with torch.inference_mode():
+        q_i, k_i, v_i, mask_i, pos_i = (t.detach().clone() for t in (q, k, v, mask, pos))
+        out = kernel(case, q_i, k_i, v_i, mask_i, pos_i)
+        again = kernel(case, q_i, k_i, v_i, mask_i, pos_i)
+    rows = real_query[:, None, :, None]
+    assert torch.equal(out * rows, expected * rows) and torch.equal(again * rows, expected * rows)
+
+
+def test_result_follows_mask_and_position_contents():
+    # Plans may be cached, but a mask or position tensor changed in place, or a new tensor with
+    # other contents, must give the result for the new contents.
+    case = Case(mode="union", segment_lengths=(4, 8), dilation_rates=(1, 2), q_heads=2, kv_len=20, seed=64)
+    q, k, v, _, _, _ = make_inputs(case)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    refs = [t.double() for t in (q, k, v)]
+    mask = torch.ones(1, 20, dtype=torch.long)
+    pos = torch.arange(20)[None].clone()
+    for step in range(4):
+        out = kernel(case, q, k, v, mask, pos)
+        ref = dilated_reference(*refs, [4, 8], [1, 2], attention_mask=mask, position_ids=pos)
+        rows = mask.bool()[:, None, :, None]
+        assert ((out.double() - ref) * rows).abs().max().item() < F32_TOL, step
+        mask[0, step] = 0  # in place
+        pos[0, 10:] = torch.arange(10) + step  # in place: a second document
+    for start in range(3):  # fresh tensors, same shapes
+        pos = torch.cat([torch.arange(start, start + 7), torch.arange(13)])[None]
+        out = kernel(case, q, k, v, None, pos)
+        ref = dilated_reference(*refs, [4, 8], [1, 2], position_ids=pos)
+        assert (out.double() - ref).abs().max().item() < F32_TOL, start
 
 
 # ---------------------------------------------------------------------------------------------
