@@ -419,19 +419,25 @@ def _segment_view(t: torch.Tensor, w: int) -> torch.Tensor:
     return t.unflatten(2, (t.shape[2] // w, w)).transpose(1, 2).flatten(0, 1)
 
 
-def _segment_add(target: torch.Tensor, grad: torch.Tensor, w: int) -> None:
-    """target (batch, heads, n, d) += grad laid out as _segment_view(target, w), in place."""
+def _segment_add(target: torch.Tensor, grad: torch.Tensor, w: int, overwrite: bool = False) -> None:
+    """target (batch, heads, n, d) += grad laid out as _segment_view(target, w), in place
+    (or = grad, when `overwrite`)."""
     b, h, n, d = target.shape
-    target.view(b, h, n // w, w, d).transpose(1, 2).add_(grad.view(b, n // w, h, w, d))
+    view = target.view(b, h, n // w, w, d).transpose(1, 2)
+    grad = grad.reshape(b, n // w, h, w, d)
+    view.copy_(grad) if overwrite else view.add_(grad)
 
 
 def _backward(dout, q, k, v, out, lse, levels: list[_Level], scale):
     batch, q_heads, q_len, head_dim = q.shape
     acc_dtype = merge_dtype(q.dtype)
     n_q_rows = q.numel() // head_dim
-    dq = torch.zeros(n_q_rows + 1, head_dim, dtype=acc_dtype, device=q.device)
-    dk = torch.zeros(k.numel() // head_dim + 1, head_dim, dtype=acc_dtype, device=q.device)
-    dv = torch.zeros_like(dk)
+    # A first level of plain segments over every head writes every gradient row: no zero-fill.
+    fresh = bool(levels) and levels[0].segment_view and levels[0].heads.numel() == q_heads
+    alloc = torch.empty if fresh else torch.zeros
+    dq = alloc(n_q_rows + 1, head_dim, dtype=acc_dtype, device=q.device)
+    dk = alloc(k.numel() // head_dim + 1, head_dim, dtype=acc_dtype, device=q.device)
+    dv = alloc(k.numel() // head_dim + 1, head_dim, dtype=acc_dtype, device=q.device)
     dout = dout.to(q.dtype)
     lse_flat = lse.reshape(-1)
     for level in levels:
@@ -455,9 +461,10 @@ def _backward(dout, q, k, v, out, lse, levels: list[_Level], scale):
                 lse_l[rows][:, :, q_slots].contiguous(), is_causal=call.is_causal, scale=scale, attn_bias=bias,
             )
             if level.segment_view:
-                _segment_add(dq[:-1].view(q.shape), g_q, level.w)
-                _segment_add(dk[:-1].view(k.shape), g_k, level.w)
-                _segment_add(dv[:-1].view(v.shape), g_v, level.w)
+                _segment_add(dq[:-1].view(q.shape), g_q, level.w, overwrite=fresh)
+                _segment_add(dk[:-1].view(k.shape), g_k, level.w, overwrite=fresh)
+                _segment_add(dv[:-1].view(v.shape), g_v, level.w, overwrite=fresh)
+                fresh = False
                 continue
             dst = level.q_dump[rows][:, :, q_slots].reshape(-1)
             kd = level.k_dump[rows][:, :, k_slots].reshape(-1)
