@@ -31,7 +31,7 @@ from .bench_count import dense_pair_count, dilated_pair_count, layout_pair_count
 
 DILATED_MODES = ("union", "longnet", "head_groups")
 # Every kernel variant the benchmark knows, in report order.
-KERNEL_VARIANTS = ("sdpa", "flex", "union", "longnet", "head_groups", "block_sparse", "ring", "dilated_ring")
+KERNEL_VARIANTS = ("sdpa", "flex", "union", "longnet", "head_groups", "block_sparse", "ring", "dilated_ring", "auto")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -190,6 +190,20 @@ def _build_dilated_ring(spec, q, k, v):
     return fn, spec["batch"] * dilated_pair_count(spec["n"], spec["heads"], seg, dil, "union"), None
 
 
+def _build_auto(spec, q, k, v):
+    """create_attention("auto") as DilatedMultiheadAttention uses it by default (its own pattern:
+    dense up to the device's dense_max_len, dilated beyond; the run's segment_lengths do not apply)."""
+    from .nn import create_attention
+
+    attn = create_attention("auto")
+    kind, cfg = attn.choose(spec["n"], q.device)
+    if kind == "dense":
+        pairs = dense_pair_count(spec["n"], spec["heads"])
+    else:
+        pairs = dilated_pair_count(spec["n"], spec["heads"], cfg["segment_lengths"], cfg["dilation_rates"], "union")
+    return attn, spec["batch"] * pairs, None
+
+
 BUILDERS = {
     "sdpa": _build_sdpa,
     "flex": _build_flex,
@@ -199,6 +213,7 @@ BUILDERS = {
     "block_sparse": _build_block_sparse,
     "ring": _build_ring,
     "dilated_ring": _build_dilated_ring,
+    "auto": _build_auto,
 }
 
 

@@ -106,7 +106,7 @@ def expected_pairs(variant, spec):
     from reference import base_visible, block_sparse_key_counts, dilated_key_counts
 
     b, h, n = spec["batch"], spec["heads"], spec["n"]
-    if variant in ("sdpa", "flex", "ring"):
+    if variant in ("sdpa", "flex", "ring", "auto"):  # auto: dense up to its first segment (>= 4096)
         return int(base_visible(None, None, b, n, n).sum()) * h
     if variant in ("union", "longnet", "head_groups", "dilated_ring"):
         mode = "union" if variant == "dilated_ring" else variant
@@ -119,7 +119,7 @@ def expected_pairs(variant, spec):
 
 # flex is left out here: compiling it takes ~30 s on CPU (the bench covers it with --variants flex).
 @pytest.mark.parametrize("variant", ["sdpa", "union", "longnet", "head_groups", "block_sparse", "ring",
-                                     "dilated_ring"])
+                                     "dilated_ring", "auto"])
 def test_worker_runs_variant_and_counts_its_pairs(variant):
     from hf_dilated.bench_worker import run_case
 
