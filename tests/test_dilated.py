@@ -490,6 +490,20 @@ def test_bool_and_integer_masks_agree():
     assert torch.equal(a * rows, b * rows) and torch.equal(a * rows, c * rows)
 
 
+@pytest.mark.parametrize("pad", [0, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_mask_of_batch_one_broadcasts(mode, pad):
+    # The argument checks accept a (1, kv_len) mask for any batch: it must mean the same mask
+    # for every row, exactly as the expanded (batch, kv_len) mask.
+    case = Case(mode=mode, segment_lengths=(4, 8), dilation_rates=(1, 2), q_heads=2, kv_len=16, batch=2, seed=65)
+    q, k, v, _, _, _ = make_inputs(case)
+    mask = torch.ones(1, 16, dtype=torch.long)
+    mask[0, :pad] = 0
+    ref = dilated_reference(*(t.detach().double() for t in (q, k, v)), [4, 8], [1, 2], mode, attention_mask=mask)
+    out = kernel(case, q, k, v, mask, None)
+    assert (out.double() - ref)[:, :, pad:].abs().max().item() < F32_TOL
+
+
 def test_inference_mode():
     # Pipelines and servers run under torch.inference_mode(): masks built there are inference
     # tensors (no version counter).
