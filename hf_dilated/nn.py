@@ -266,6 +266,10 @@ _RUN = {
 # --- the drop-in module -----------------------------------------------------------------------
 
 
+def _keep_off_fused_fast_path(module, args):
+    return None
+
+
 class DilatedMultiheadAttention(nn.Module):
     """Drop-in for `torch.nn.MultiheadAttention` computing one of our attention variants.
 
@@ -336,6 +340,10 @@ class DilatedMultiheadAttention(nn.Module):
         self.bias_k = self.bias_v = None
         self.add_zero_attn = False
         self._reset_parameters()
+        # nn.TransformerEncoderLayer in eval mode skips self_attn.forward and computes dense attention
+        # from in_proj_weight itself (its "fast path") unless a module has a forward hook: this one
+        # keeps our attention in use wherever the module is dropped in.
+        self.register_forward_pre_hook(_keep_off_fused_fast_path)
 
     def _reset_parameters(self):
         # nn.MultiheadAttention's initialisation.
@@ -359,6 +367,9 @@ class DilatedMultiheadAttention(nn.Module):
                              "(that is an O(N^2) matrix); call with need_weights=False")
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+        if any(t.is_nested for t in (query, key, value)):
+            raise ValueError("nested tensors are not supported (nn.TransformerEncoder makes them from a padding "
+                             "mask in eval mode): build it with enable_nested_tensor=False")
         batched = query.dim() == 3
         if not batched:
             if query.dim() != 2 or key.dim() != 2 or value.dim() != 2:

@@ -63,6 +63,20 @@ def test_non_causal_unbatched_and_cross_attention_dims():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_inside_transformer_encoder_layer_eval_uses_our_attention():
+    """nn.TransformerEncoderLayer's eval fast path would compute dense attention from the weights;
+    ours must stay in use (the pattern here is not dense: 40 tokens, first segment 8)."""
+    torch.manual_seed(7)
+    layer = nn.TransformerEncoderLayer(E, H, dim_feedforward=64, dropout=0.0, batch_first=True)
+    layer.self_attn = DilatedMultiheadAttention(E, H, batch_first=True, attention="dilated",
+                                                segment_lengths=[8, 16, 64], dilation_rates=[1, 2, 4])
+    x = torch.randn(2, 40, E)
+    want = layer.train()(x, is_causal=True)  # training mode never takes the fast path
+    with torch.no_grad():
+        got = layer.eval()(x, is_causal=True)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_state_dict_loads_both_ways():
     ours = DilatedMultiheadAttention(E, H, **COVERING)
     ref = nn.MultiheadAttention(E, H)
