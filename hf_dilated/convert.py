@@ -173,6 +173,6 @@ def describe(directory) -> str:
         f"dilation_rates={cfg.dilation_rates}",
         f"  decode keys/query:  <= {sum(w // r for w, r in zip(cfg.segment_lengths, cfg.dilation_rates))}",
         f"  block-sparse:       block_size={cfg.block_size} pattern={json.dumps(cfg.pattern, sort_keys=True)}",
-        f"  ring layout:        {cfg.ring_layout}",
+        f"  ring layout:        {cfg.ring_layout or 'that of the active sequence-parallel group'}",
     ]
     return "\n".join(lines)
