@@ -200,6 +200,20 @@ def test_decode_steps_pass_one_query_against_the_cache(checkpoints, monkeypatch)
     assert shapes[layers:] == [(1, 50 + s) for s in range(1, 5) for _ in range(layers)]
 
 
+def test_static_cache_generate_equals_dynamic_cache(checkpoints):
+    # A static cache hands the attention max_cache_len keys, most still empty: they must be dropped.
+    model = load(checkpoints["tiny-llama"][1], "dilated")
+    ids = torch.cat([torch.zeros(1, 7, dtype=torch.long), tokens(1, 43, seed=30)], dim=1).repeat(2, 1)
+    ids[0, :7] = tokens(1, 7, seed=31)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0
+    with torch.no_grad():
+        dynamic = _greedy(model, ids, attention_mask=mask, new=8)
+        static = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                pad_token_id=0, cache_implementation="static")
+    assert torch.equal(static, dynamic)
+
+
 @pytest.mark.parametrize("preset", FAMILIES)
 def test_set_attn_implementation_and_save_roundtrip(checkpoints, preset, tmp_path):
     base, long = checkpoints[preset]

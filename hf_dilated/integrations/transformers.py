@@ -71,14 +71,12 @@ def padding_mask(
     attention_mask=None,
     q_length=None,
     q_offset=None,
-    cache_position=None,
     use_vmap=False,
     device=None,
     **kwargs,
 ):
     """AttentionMaskInterface entry: returns the 2-D padding mask (batch, seen + q_len) as bool, or None.
 
-    transformers >= 5.x passes `q_length`/`q_offset`; older 5.x releases pass `cache_position`.
     A static cache hands a `kv_length` larger than the tokens seen so far: the mask then covers
     only the seen tokens and the attention function drops the empty cache slots beyond it.
     """
@@ -101,8 +99,6 @@ def padding_mask(
         if not bool(attention_mask.all()):
             return attention_mask.to(torch.bool)
     else:
-        if q_length is None:  # transformers 5.0-style call
-            q_length, q_offset, device = cache_position.shape[0], cache_position[0], cache_position.device
         seen = int(q_offset) + int(q_length)
     # No padding: None, unless a static cache holds empty slots beyond the tokens seen so far.
     return None if seen == kv_length else torch.ones(batch_size, seen, dtype=torch.bool, device=device)
