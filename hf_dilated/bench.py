@@ -44,10 +44,10 @@ PASS_LABEL = {"forward": "fwd", "backward": "fwd+bwd"}
 # "smoke" is for the test suite (tiny everything, every section exercised).
 PROFILES = {
     "full": dict(
-        lengths=[4096, 8192, 16384, 32768], dtypes=["float32", "bfloat16"], warmup=1, repeats=5,
+        lengths=[4096, 8192, 16384, 32768], dtypes=["float32", "bfloat16"], warmup=1, repeats=3,
         segment_lengths=TARGET_SEGMENTS, dilation_rates=TARGET_DILATIONS, search=True, budget_gib=4.0,
         search_start=4096, search_max=1 << 21, search_timeout=120.0, bisect_steps=3,
-        e2e_lengths=[4096, 16384], case_timeout=900.0, skip_variants=[],
+        e2e_lengths=[4096, 16384], case_timeout=1800.0, skip_variants=[],
     ),
     "quick": dict(
         lengths=[1024, 4096], dtypes=["float32"], warmup=1, repeats=3,
@@ -609,10 +609,11 @@ def write_markdown(report: dict, path: Path) -> str:
                          f"{_mib(p['peak_extra_bytes'])} |")
             else:
                 L.append(f"| {impl} | {n} | {r.get('unavailable') or r.get('error') or p.get('error')} | - | - | - |")
-        if e2e["unavailable"]:
-            L.append("")
-            for name, why in e2e["unavailable"].items():
-                L.append(f"- `{name}` unavailable: {why}")
+        L.append("")
+        for name, why in e2e["unavailable"].items():
+            L.append(f"- `{name}` unavailable: {why}")
+        L.append("- transformers' `eager` and `flex_attention` are not run: eager materialises the N x N weights "
+                 "per layer, and FlexAttention has no CPU backward; the kernel table has compiled `flex` forward.")
         L.append("")
 
     L.append("## Multi-process (ring attention over a process group)\n")
@@ -636,6 +637,9 @@ def write_plots(report: dict, out: Path) -> list[str]:
 
     written = []
     rows = [r for r in report["kernel_rows"] if "median_s" in r]
+    palette = plt.get_cmap("tab10")
+    color = {v: palette(i % 10) for i, v in enumerate(KERNEL_VARIANTS)}  # same colour in every panel
+    dash = {"float32": "-", "bfloat16": "--", "float16": ":"}
     for key, ylabel, fname, scale in (("median_s", "time (ms)", "time_vs_length.png", 1e3),
                                       ("peak_extra_bytes", "peak extra memory (MiB)", "memory_vs_length.png", 2**-20)):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -646,8 +650,8 @@ def write_plots(report: dict, out: Path) -> list[str]:
                     series.setdefault((r["variant"], r["dtype"]), []).append((r["n"], r[key] * scale))
             for (variant, dtype), pts in sorted(series.items()):
                 pts.sort()
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                        linestyle="-" if dtype == "float32" else "--", label=f"{variant} ({dtype})")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color[variant],
+                        linestyle=dash[dtype], label=f"{variant} ({dtype})")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length N")
