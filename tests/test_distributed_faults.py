@@ -38,6 +38,10 @@ def disagreeing_ranks(rank, world):
         hd.ring_attention(q, k, v, group=group, layout="zigzag" if rank == 0 else "contiguous")
     except ValueError as e:
         errors["layout"] = str(e)
+    try:  # positions 0..n-1 on every rank: the model's default, not global positions
+        hd.ring_attention(q, k, v, group=group, position_ids=torch.arange(8)[None])
+    except ValueError as e:
+        errors["positions"] = str(e)
     # The group is still usable after the errors: a correct call goes through.
     out = hd.ring_attention(q, k, v, group=group)
     errors["after"] = bool(torch.isfinite(out).all())
@@ -50,6 +54,7 @@ def test_disagreeing_ranks_get_a_clear_error():
         assert "disagree on 'q'" in errs["shape"], errs
         assert "disagree on 'dilation_rates'" in errs["config"], errs
         assert "disagree on 'layout'" in errs["layout"], errs
+        assert "global" in errs["positions"] and "shard_batch" in errs["positions"], errs
         assert errs["after"] is True
 
 

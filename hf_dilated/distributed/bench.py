@@ -122,16 +122,19 @@ def run(kernel: str, world: int, cfg: dict) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="per-rank time, peak memory and bytes sent of the SP kernels")
-    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--segment-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    p.add_argument("--segment-lengths", type=int, nargs="+", default=None,
+                   help="default: seq_len/8, seq_len/4, seq_len/2, seq_len")
     p.add_argument("--dilation-rates", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--procs", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--kernels", nargs="+", default=["ring", "dilated_ring"], choices=["ring", "dilated_ring"])
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args(argv)
+    if args.segment_lengths is None:
+        args.segment_lengths = [args.seq_len // 8, args.seq_len // 4, args.seq_len // 2, args.seq_len]
     cfg = dict(seq_len=args.seq_len, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
                segment_lengths=args.segment_lengths, dilation_rates=args.dilation_rates, reps=args.reps)
     print(f"global length {args.seq_len}, batch 1, {args.heads} query / {args.kv_heads} kv heads, head_dim "

@@ -50,11 +50,16 @@ class Exchange:
             ops.append(dist.P2POp(dist.irecv, buf, self._global[peer], self.group, tag))
         return dist.batch_isend_irecv(ops) if ops else []
 
-    def ring_shift(self, t: torch.Tensor, tag: int = 0):
-        """Sends `t` to the next rank and receives the previous rank's into a new buffer."""
-        buf = torch.empty_like(t)
+    def ring_shift(self, tensors, tag: int = 0):
+        """Sends each of `tensors` to the next rank and receives the previous rank's into new
+        buffers; returns (buffers, works)."""
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
-        return buf, self.start({nxt: t.contiguous()}, {prv: buf}, tag)
+        bufs, works = [], []
+        for i, t in enumerate(tensors):
+            buf = torch.empty_like(t)
+            works += self.start({nxt: t.contiguous()}, {prv: buf}, tag=2 * tag + i if len(tensors) > 1 else tag)
+            bufs.append(buf)
+        return bufs, works
 
 
 def wait_all(works) -> None:
@@ -135,9 +140,24 @@ def sequence_parallel_tokens(what: str, q, k, v, *, attention_mask, position_ids
     if any(flags["positions"]) and not all(flags["positions"]):
         raise ValueError(f"{what}: position_ids given on some ranks of the group and not on others "
                          f"(per rank: {flags['positions']}); pass them on every rank or on none")
-    return global_tokens(q.shape[0], n, attention_mask=attention_mask, position_ids=position_ids, group=group,
-                         layout=layout, device=q.device, any_mask=any(flags["mask"]),
-                         any_positions=all(flags["positions"]))
+    tokens = global_tokens(q.shape[0], n, attention_mask=attention_mask, position_ids=position_ids, group=group,
+                           layout=layout, device=q.device, any_mask=any(flags["mask"]),
+                           any_positions=all(flags["positions"]))
+    if all(flags["positions"]) and tokens.world > 1 and layout == "zigzag":
+        _check_not_local_default(what, tokens, n)
+    return tokens
+
+
+def _check_not_local_default(what: str, tokens: GlobalTokens, n: int) -> None:
+    # transformers models fill in position_ids = 0..n-1 when none are passed. Under sequence
+    # parallelism that means every rank numbers its own shard from 0, which in the zigzag layout
+    # puts documents starting at position n/2 in the middle of the sequence: never a real input.
+    local = torch.arange(n, device=tokens.positions.device)
+    if all(bool((tokens.positions[:, tokens.rank_index(r)] == local).all()) for r in range(tokens.world)):
+        raise ValueError(
+            f"{what}: position_ids are 0..{n - 1} on every rank, the model's default when no position_ids "
+            "are passed; under sequence parallelism pass the *global* positions of the rank's tokens "
+            "(hf_dilated.distributed.shard_batch returns them)")
 
 
 # --- windowed attention: exchange only the keys some query needs ------------------------------
@@ -202,7 +222,7 @@ class _GatherWindows(torch.autograd.Function):
         kv = torch.stack([k, v])
         sends = {d: kv[:, m].contiguous() for d, m in plan.need_by.items() if m.any()}
         recvs = {s: kv.new_empty((2, int(m.sum()), kv.shape[-1])) for s, m in plan.need_from.items() if m.any()}
-        wait_all(exchange.start(sends, recvs, tag=2))
+        wait_all(exchange.start(sends, recvs, tag=10))
         placements = _placements(plan, kv.device)
         outs = []
         for (lo, end), (mine, remote) in zip(plan.windows, placements):
@@ -232,7 +252,7 @@ class _GatherWindows(torch.autograd.Function):
             for s, (bi, hi, cols, entries) in remote.items():
                 dsend[s][:, entries] += dwin[:, bi, hi, cols]
         recvs = {d: dkv.new_empty((2, int(m.sum()), dkv.shape[-1])) for d, m in plan.need_by.items() if m.any()}
-        wait_all(exchange.start(dsend, recvs, tag=3))
+        wait_all(exchange.start(dsend, recvs, tag=11))
         for d, buf in recvs.items():
             dkv[:, plan.need_by[d]] += buf
         return dkv[0], dkv[1], None, None

@@ -80,7 +80,7 @@ class _RingAttention(torch.autograd.Function):
         acc = merge_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
+        kv = (k, v)  # K and V travel as two messages: no stacked copy
         for step, piece in enumerate(pieces):
             if step + 1 < len(pieces):  # post the next hop before computing on the block in hand
                 kv_next, works = exchange.ring_shift(kv, tag=0)
@@ -109,8 +109,8 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, _EMPTY_ROW_LSE)).to(
             torch.float32 if q.dtype != torch.float64 else torch.float64)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv = torch.zeros((2,) + tuple(k.shape), dtype=acc, device=k.device)  # travels with its block
-        kv = torch.stack([k, v])
+        dkv = [torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2)]  # travels with its block
+        kv = (k, v)
         dkv_works = []
         for step, piece in enumerate(pieces):
             if step + 1 < len(pieces):
