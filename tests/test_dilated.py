@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_dilated.ops import dilated_attention
-from reference import base_visible, dilated_key_counts, dilated_reference
+from reference import dilated_key_counts, dilated_reference
 
 MODES = ("union", "longnet", "head_groups")
 F32_TOL = 1e-4  # SPEC: float32 vs float64 reference, forward and gradients
