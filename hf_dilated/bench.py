@@ -697,7 +697,11 @@ def targets(s, rows) -> list[dict]:
 
 def main(args) -> int:
     t_start = time.perf_counter()
-    s = _settings(args)
+    try:
+        s = _settings(args)
+    except (TypeError, ValueError) as e:
+        print(f"hf-dilated bench: error: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runner = CaseRunner()
