@@ -28,10 +28,13 @@ class PasskeyDataset(Dataset):
 
     Each row holds documents of random lengths between `min_doc_len` and `seq_len`, with the key at a
     random depth: short documents keep the short-range skill, long ones teach the long range.
+    learn_repeat: also learn the key's short-range repeat (see passkey.passkey_sample).
     """
 
-    def __init__(self, tokenizer, seq_len: int, num_rows: int, *, min_doc_len: int | None = None, seed: int = 0):
+    def __init__(self, tokenizer, seq_len: int, num_rows: int, *, min_doc_len: int | None = None, seed: int = 0,
+                 learn_repeat: bool = True):
         self.tokenizer, self.seq_len, self.num_rows, self.seed = tokenizer, seq_len, num_rows, seed
+        self.learn_repeat = learn_repeat
         self.min_doc_len = max(min_length(), min_doc_len or min_length())
         if seq_len < self.min_doc_len:
             raise ValueError(f"seq_len must be at least {self.min_doc_len} for passkey data, got {seq_len}")
@@ -47,7 +50,7 @@ class PasskeyDataset(Dataset):
             # Leave no gap shorter than a document: the last document takes the rest.
             if free - length < self.min_doc_len:
                 length = free
-            docs.append(passkey_sample(self.tokenizer, length, rng.random(), rng))
+            docs.append(passkey_sample(self.tokenizer, length, rng.random(), rng, learn_repeat=self.learn_repeat))
             free -= length
         input_ids = torch.cat([d["input_ids"] for d in docs])
         labels = torch.cat([d["labels"] for d in docs])
@@ -89,7 +92,8 @@ def load_documents(files: list[str], *, text_field: str = "text", cache_dir: str
         records = datasets.load_dataset("json", data_files=json_files, split="train", cache_dir=cache_dir)
         if text_field not in records.column_names:
             raise ValueError(f"--text-field {text_field!r} is not a field of {json_files} (fields: {records.column_names})")
-        parts.append(records.select_columns([text_field]).rename_column(text_field, "text"))
+        records = records.select_columns([text_field])
+        parts.append(records if text_field == "text" else records.rename_column(text_field, "text"))
     return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
 

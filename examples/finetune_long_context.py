@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-rows", type=int, default=100_000, help="passkey rows to draw from (generated lazily)")
     p.add_argument("--passkey-min-doc-len", type=int, default=None,
                    help="shortest passkey document packed into a row (default: the shortest possible)")
+    p.add_argument("--no-learn-repeat", action="store_true",
+                   help="passkey: learn the answer only, not also the key's short-range repeat")
     p.add_argument("--max-rows", type=int, default=None, help="use at most this many packed text rows")
     # What is trained.
     p.add_argument("--full-finetune", action="store_true", help="train every weight instead of LoRA")
@@ -81,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     # Checkpoints.
     p.add_argument("--save-every", type=int, default=0, help="save a resumable checkpoint every N steps (0: only at the end)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="resumable checkpoints kept (oldest removed)")
+    p.add_argument("--stop-after-steps", type=int, default=None,
+                   help="end this run after N more steps (a checkpoint is saved), e.g. to fit a time slot; "
+                        "--resume auto continues with the same schedule")
     p.add_argument("--resume", default=None, help="'auto' (latest in --output-dir) or a checkpoint directory")
     p.add_argument("--no-final-model", action="store_true", help="skip writing adapter/ and model/ at the end")
     p.add_argument("--log-file", default=None, help="append one JSON line per step (loss, lr, tokens/s)")
@@ -93,6 +98,8 @@ def parse_args(argv=None):
     for name in ("seq_len", "max_steps", "batch_size", "grad_accum", "sp_size", "lora_rank", "num_rows"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.stop_after_steps is not None and args.stop_after_steps < 1:
+        raise SystemExit(f"--stop-after-steps must be >= 1, got {args.stop_after_steps}")
     if args.attn in ("sdpa", "dilated", "block_sparse") and args.sp_size > 1:
         raise SystemExit(f"--attn {args.attn} computes on one process; with --sp-size > 1 use dilated_ring, ring "
                          "or block_sparse_ring")
@@ -134,7 +141,7 @@ def trainable_parameters(model) -> dict[str, torch.nn.Parameter]:
 def build_dataset(args, tokenizer):
     if args.data == ["passkey"]:
         return PasskeyDataset(tokenizer, args.seq_len, args.num_rows, min_doc_len=args.passkey_min_doc_len,
-                              seed=args.seed)
+                              seed=args.seed, learn_repeat=not args.no_learn_repeat)
     return PackedTextDataset(tokenizer, find_text_files(args.data), args.seq_len, text_field=args.text_field,
                              max_rows=args.max_rows, cache_dir=os.path.join(args.output_dir, "datasets_cache"))
 
@@ -233,7 +240,7 @@ def save_final(model, tokenizer, args, accelerator):
     if not args.full_finetune:
         model.save_pretrained(out / "adapter")
         model = model.merge_and_unload()
-    if getattr(model, "is_gradient_checkpointing", False):
+    if args.gradient_checkpointing:
         model.gradient_checkpointing_disable()
     model.config.use_cache = True
     tmp = out / "model.tmp"
@@ -307,15 +314,17 @@ def train(args) -> dict:
         progress = tqdm(total=args.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
     history = []
     log = open(args.log_file, "a") if (args.log_file and accelerator.is_main_process) else None
-    for step in range(start_step, args.max_steps):
+    end_step = args.max_steps if args.stop_after_steps is None else min(args.max_steps, start_step + args.stop_after_steps)
+    for step in range(start_step, end_step):
         t0 = time.perf_counter()
         step_loss = torch.zeros((), device=accelerator.device)
+        step_hits = torch.zeros(2, device=accelerator.device)  # right, labelled
         for micro in range(args.grad_accum):
             # Seeded per (step, micro, rank): dropout replays identically after a resume.
             torch.manual_seed(args.seed * 1_000_003 + (step * args.grad_accum + micro) * world + rank)
             batch = rows_for(dataset, step, micro, args, dp_rank, dp_size, args.seed)
             with accelerator.accumulate(model):
-                loss = forward_loss(model, batch, accelerator.device, sp)
+                loss, hits, count = forward_loss(model, batch, accelerator.device, sp)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -324,22 +333,26 @@ def train(args) -> dict:
                     scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             step_loss += loss.detach() / args.grad_accum
+            step_hits += torch.stack([hits.float(), count.float()])
         # Every rank holds its replica's loss (an SP group's ranks the same value): the mean over
         # all processes is the mean over replicas.
         if world > 1:
             step_loss = accelerator.reduce(step_loss, reduction="mean")
+            step_hits = accelerator.reduce(step_hits, reduction="sum") / args.sp_size
         seconds = time.perf_counter() - t0
-        record = {"step": step + 1, "loss": float(step_loss), "lr": scheduler.get_last_lr()[0],
+        record = {"step": step + 1, "loss": float(step_loss), "accuracy": float(step_hits[0] / step_hits[1].clamp(min=1)),
+                  "lr": scheduler.get_last_lr()[0],
                   "tokens_per_s": tokens_per_step / seconds}
         history.append(record)
         if progress is not None:
             progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            progress.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['accuracy']:.2f}",
+                                 tok_s=f"{record['tokens_per_s']:.0f}")
         if log is not None:
             log.write(json.dumps(record) + "\n")
             log.flush()
-        last = step + 1 == args.max_steps
-        if (args.save_every and (step + 1) % args.save_every == 0) or (last and args.save_every):
+        stopping = step + 1 == end_step and end_step < args.max_steps
+        if (args.save_every and (step + 1) % args.save_every == 0) or stopping:
             if accelerator.is_main_process:
                 save_checkpoint(Path(args.output_dir, CHECKPOINT_DIR, f"step-{step + 1:06d}"),
                                 accelerator.unwrap_model(model), optimizer, scheduler, step + 1, args)
@@ -349,7 +362,7 @@ def train(args) -> dict:
         progress.close()
     if log is not None:
         log.close()
-    if not args.no_final_model:
+    if not args.no_final_model and end_step == args.max_steps:
         if accelerator.is_main_process:
             save_final(model, tokenizer, args, accelerator)
         accelerator.wait_for_everyone()
@@ -358,7 +371,8 @@ def train(args) -> dict:
 
 
 def forward_loss(model, batch, device, sp):
-    """The mean next-token loss over the labelled tokens of this replica's rows.
+    """The mean next-token loss over the labelled tokens of this replica's rows, with the number
+    of those tokens predicted right and their count (for the logged accuracy).
 
     Under sequence parallelism each rank holds a shard of every row (global positions kept):
     the rank's loss is its share (local sum / the rows' total label count) and `reduce_loss`
@@ -368,14 +382,22 @@ def forward_loss(model, batch, device, sp):
     if sp is None:
         logits = model(input_ids=input_ids, position_ids=position_ids).logits
         count = (labels != IGNORE_INDEX).sum().clamp(min=1)
-        return token_loss_sum(logits, labels) / count
+        return token_loss_sum(logits, labels) / count, token_hits(logits, labels), count
     from hf_dilated.distributed import reduce_loss, shard_batch
 
     # shard_batch shifts labels itself, so hand it the unshifted form of our (already shifted) labels.
     unshifted = F.pad(labels[:, :-1], (1, 0), value=IGNORE_INDEX)
     part = shard_batch(input_ids, unshifted, position_ids=position_ids, ignore_index=IGNORE_INDEX)
     logits = model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits
-    return reduce_loss(token_loss_sum(logits, part["labels"]) / part["num_items_in_batch"].clamp(min=1))
+    count = part["num_items_in_batch"].clamp(min=1)
+    hits = token_hits(logits, part["labels"])
+    torch.distributed.all_reduce(hits, group=sp.sp_group)  # the group's shards hold one row set between them
+    return reduce_loss(token_loss_sum(logits, part["labels"]) / count), hits, count
+
+
+def token_hits(logits, labels):
+    """How many labelled tokens the model's argmax predicts right (logged as accuracy)."""
+    return ((logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
 
 
 def main(argv=None) -> int:

@@ -28,12 +28,16 @@ def min_length() -> int:
     return 1 + len(INTRO) + len(KEY_SENTENCE.format(key="0" * KEY_DIGITS)) + len(QUESTION) + KEY_DIGITS
 
 
-def passkey_sample(tokenizer, length: int, depth: float, rng: random.Random) -> dict:
+def passkey_sample(tokenizer, length: int, depth: float, rng: random.Random, *, learn_repeat: bool = False) -> dict:
     """One sample of exactly `length` tokens, the key sentence after `depth` (0..1) of the filler.
 
     Returns input_ids (the whole text, answer included) and labels shifted for next-token
     prediction (labels[t] is the token t+1 should predict, IGNORE_INDEX everywhere but the five
     positions that predict the answer digits), plus the key itself.
+
+    learn_repeat: also label the key's repeat inside the key sentence ("Remember it. 71432 is ..."),
+    a short-range copy of the same key that trains the copying the long-range answer needs.
+    Evaluation never uses it.
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
@@ -53,4 +57,8 @@ def passkey_sample(tokenizer, length: int, depth: float, rng: random.Random) -> 
     labels = [IGNORE_INDEX] * length
     for t in range(length - KEY_DIGITS - 1, length - 1):
         labels[t] = ids[t + 1]
+    if learn_repeat:
+        repeat = 1 + len(INTRO) + cut + key_sentence.index(key, KEY_DIGITS + len("The pass key is "))
+        for t in range(repeat - 1, repeat + KEY_DIGITS - 1):
+            labels[t] = ids[t + 1]
     return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "key": key}

@@ -1,0 +1,240 @@
+"""The examples run end to end: the fine-tuning script (one process, and two processes under
+`accelerate launch` with sequence parallelism), resume, the merged checkpoint, packing, and the
+passkey evaluation. Real scripts in real subprocesses, on a tiny Llama built from the tiny-llama
+preset with the examples' byte-level tokenizer (nothing downloaded)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from byte_tokenizer import build_byte_tokenizer  # noqa: E402
+from data import PackedTextDataset, PasskeyDataset, pack_documents  # noqa: E402
+from passkey import IGNORE_INDEX, INTRO, KEY_DIGITS, min_length, passkey_sample  # noqa: E402
+
+SEQ_LEN = 256  # 4x the tiny model's 64-token "pretraining" context: three dilated levels
+TIMEOUT = 300
+
+
+def run(cmd, **kwargs):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "ACCELERATE_DISABLE_RICH": "1"}
+    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT,
+                          **kwargs)
+    if proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_log(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Llama (tiny-llama preset, byte vocabulary, 64-token context), converted to SEQ_LEN
+    tokens with `hf-dilated convert`."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_dilated  # noqa: F401
+    from hf_dilated.model_configs import build_model_config
+
+    root = tmp_path_factory.mktemp("examples")
+    tokenizer = build_byte_tokenizer()
+    config = build_model_config("tiny-llama")
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    config.max_position_embeddings = 64
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    run(["hf-dilated", "convert", root / "base", root / "long", "--attn", "dilated_ring", "--context", SEQ_LEN])
+    return root
+
+
+def finetune_cmd(checkpoint, out, *extra, python=(sys.executable,)):
+    return [*python, EXAMPLES / "finetune_long_context.py", "--model", checkpoint / "long", "--output-dir", out,
+            "--attn", "dilated_ring", "--seq-len", SEQ_LEN, "--max-steps", 2, "--lr", "1e-2", "--warmup-steps", 0,
+            "--save-every", 1, "--no-progress", "--log-file", out / "log.jsonl", *extra]
+
+
+@pytest.fixture(scope="module")
+def single_run(checkpoint):
+    out = checkpoint / "single"
+    run(finetune_cmd(checkpoint, out))
+    return out
+
+
+def test_two_steps_single_process(single_run):
+    log = read_log(single_run / "log.jsonl")
+    assert [r["step"] for r in log] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) and r["tokens_per_s"] > 0 for r in log)
+    assert log[1]["loss"] != log[0]["loss"]  # the first step changed the weights
+    for path in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json", "model/model.safetensors",
+                 "model/config.json", "model/tokenizer.json", "checkpoints/step-000002/trainable.safetensors",
+                 "checkpoints/step-000002/optimizer.safetensors"):
+        assert (single_run / path).is_file(), path
+    adapter = json.loads((single_run / "adapter/adapter_config.json").read_text())
+    assert set(adapter["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert {"embed_tokens", "norm"} <= set(adapter["modules_to_save"])
+
+
+def test_sequence_parallel_two_processes_matches_single_process(checkpoint, single_run):
+    out = checkpoint / "sp2"
+    run(["accelerate", "launch", "--config_file", EXAMPLES / "accelerate_configs/cpu_2proc.yaml",
+         "--main_process_port", free_port(), *finetune_cmd(checkpoint, out, "--sp-size", 2, "--no-final-model", python=())])
+    single, sp = read_log(single_run / "log.jsonl"), read_log(out / "log.jsonl")
+    assert [r["step"] for r in sp] == [1, 2]
+    for a, b in zip(single, sp):  # step 2's loss also checks step 1's gradients
+        assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(a["loss"])), (a, b)
+        assert a["accuracy"] == b["accuracy"]
+    w_single = load_trainable(single_run / "checkpoints/step-000002")
+    w_sp = load_trainable(out / "checkpoints/step-000002")
+    assert w_single.keys() == w_sp.keys()
+    for name in w_single:
+        torch.testing.assert_close(w_sp[name], w_single[name], atol=1e-4, rtol=1e-3, msg=name)
+
+
+def load_trainable(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "trainable.safetensors"))
+
+
+def test_resume_continues_exactly(checkpoint, single_run):
+    out = checkpoint / "resumed"
+    run(finetune_cmd(checkpoint, out, "--stop-after-steps", 1))
+    assert not (out / "model").exists()  # an interrupted run writes no final model
+    assert [r["step"] for r in read_log(out / "log.jsonl")] == [1]
+    proc = run(finetune_cmd(checkpoint, out, "--resume", "auto"))
+    assert "resumed from" in proc.stdout + proc.stderr
+    log, reference = read_log(out / "log.jsonl"), read_log(single_run / "log.jsonl")
+    assert [r["step"] for r in log] == [1, 2]
+    assert log[1]["loss"] == pytest.approx(reference[1]["loss"], rel=1e-6, abs=1e-6)
+    resumed, straight = load_trainable(out / "checkpoints/step-000002"), load_trainable(single_run / "checkpoints/step-000002")
+    for name in straight:
+        torch.testing.assert_close(resumed[name], straight[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_merged_checkpoint_equals_base_plus_adapter(checkpoint, single_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import hf_dilated  # noqa: F401
+
+    sample = passkey_sample(build_byte_tokenizer(), SEQ_LEN, 0.3, random.Random(5))
+    ids = sample["input_ids"][None]
+    base = AutoModelForCausalLM.from_pretrained(checkpoint / "long", attn_implementation="dilated_ring")
+    with_adapter = PeftModel.from_pretrained(base, single_run / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(single_run / "model", attn_implementation="dilated_ring").eval()
+    assert merged.config.hf_dilated == base.config.hf_dilated
+    with torch.no_grad():
+        expected = with_adapter(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+        untrained = AutoModelForCausalLM.from_pretrained(checkpoint / "long", attn_implementation="dilated_ring")(input_ids=ids).logits
+    assert (expected - untrained).abs().max() > 1e-3  # the adapter does something
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_eval_passkey_writes_table_and_plot(checkpoint, single_run):
+    out = checkpoint / "eval"
+    proc = run([sys.executable, EXAMPLES / "eval_passkey.py", "--model", single_run / "model", "--attn", "dilated_ring",
+                "sdpa", "--lengths", min_length(), SEQ_LEN, "--depths", 0, 1, "--samples", 2, "--output-dir", out])
+    results = json.loads((out / "passkey.json").read_text())
+    assert {(r["attn"], r["length"], r["depth"]) for r in results} == {
+        (a, n, d) for a in ("dilated_ring", "sdpa") for n in (min_length(), SEQ_LEN) for d in (0.0, 1.0)}
+    assert all(r["samples"] == 2 and 0 <= r["correct"] <= 2 for r in results)
+    table = (out / "passkey.md").read_text()
+    assert table.count("\n") == 2 + 4 and "| dilated_ring | 256 |" in table and table in proc.stdout
+    assert (out / "passkey.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_seq_len_beyond_the_checkpoint_context_asks_for_a_conversion(checkpoint, tmp_path):
+    cmd = finetune_cmd(checkpoint, tmp_path, "--seq-len", 2 * SEQ_LEN)
+    cmd[cmd.index("--model") + 1] = checkpoint / "base"
+    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0 and "hf-dilated convert" in proc.stderr
+
+
+# --- data (in process) ---------------------------------------------------------------------------
+
+
+def test_passkey_sample_format():
+    tokenizer = build_byte_tokenizer()
+    for length, depth in ((min_length(), 0.0), (500, 0.5), (1000, 1.0), (1000, 0.25)):
+        s = passkey_sample(tokenizer, length, depth, random.Random(length))
+        assert s["input_ids"].shape == s["labels"].shape == (length,)
+        answer = s["labels"][s["labels"] != IGNORE_INDEX]
+        assert tokenizer.decode(answer) == s["key"] and len(s["key"]) == KEY_DIGITS
+        # labels are shifted: the last five tokens are the answer, predicted from the five before
+        assert torch.equal(s["labels"][-KEY_DIGITS - 1:-1], s["input_ids"][-KEY_DIGITS:])
+        text = tokenizer.decode(s["input_ids"][1:])
+        assert text.endswith(f"The pass key is {s['key']}")
+        filler = length - min_length()
+        where = text.index(f"The pass key is {s['key']}. Remember it.") - len(INTRO)
+        assert abs(where - depth * filler) <= 60  # the nearest sentence boundary
+    with pytest.raises(ValueError, match="length"):
+        passkey_sample(tokenizer, min_length() - 1, 0.5, random.Random(0))
+    with pytest.raises(ValueError, match="depth"):
+        passkey_sample(tokenizer, 500, 1.5, random.Random(0))
+
+
+def test_passkey_rows_pack_documents_deterministically():
+    tokenizer = build_byte_tokenizer()
+    data = PasskeyDataset(tokenizer, 1024, 10, seed=3)
+    row = data[7]
+    assert all(torch.equal(row[k], data[7][k]) for k in row)  # item i never changes (resume relies on it)
+    starts = (row["position_ids"] == 0).nonzero().flatten().tolist()
+    assert starts[0] == 0 and len(starts) >= 1
+    assert (row["position_ids"][1:] - row["position_ids"][:-1] != 1).nonzero().flatten().add(1).tolist() == starts[1:]
+    # the answer, and the key's short-range repeat in the key sentence
+    assert (row["labels"] != IGNORE_INDEX).sum() == 2 * KEY_DIGITS * len(starts)
+    plain = PasskeyDataset(tokenizer, 1024, 10, seed=3, learn_repeat=False)[7]
+    assert (plain["labels"] != IGNORE_INDEX).sum() == KEY_DIGITS * len(starts)
+
+
+def test_pack_documents_keeps_boundaries():
+    rows = pack_documents([[1, 2, 3], [4, 5, 6, 7, 8], [9]], 4, pad_token_id=0)
+    assert rows["input_ids"].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 0, 0, 0]]
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 0], [0, 1, 2, 3], [0, 0, 1, 2]]
+    assert rows["labels"].tolist() == [[2, 3, -100, -100], [6, 7, 8, -100], [-100, -100, -100, -100]]
+
+
+def test_packed_text_dataset_from_text_and_jsonl(tmp_path):
+    tokenizer = build_byte_tokenizer()
+    (tmp_path / "a.txt").write_text("first document\nwith two lines\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "second"}) + "\n" + json.dumps({"text": "third doc"}) + "\n")
+    data = PackedTextDataset(tokenizer, [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")], 16,
+                             cache_dir=str(tmp_path / "cache"))
+    ids = torch.cat([data[i]["input_ids"] for i in range(len(data))])
+    positions = torch.cat([data[i]["position_ids"] for i in range(len(data))])
+    text = tokenizer.decode([t for t in ids.tolist() if t != tokenizer.pad_token_id])
+    for doc in ("first document\nwith two lines\n", "second", "third doc"):
+        assert f"<|bos|>{doc}<|eos|>" in text
+    # every document (bos) starts at position 0, and no label crosses into the next document
+    bos = (ids == tokenizer.bos_token_id).nonzero().flatten()
+    assert (positions[bos] == 0).all()
+    labels = torch.cat([data[i]["labels"] for i in range(len(data))])
+    eos = (ids == tokenizer.eos_token_id).nonzero().flatten()
+    assert (labels[eos] == IGNORE_INDEX).all()
+    with pytest.raises(ValueError, match="text_field|--text-field"):
+        PackedTextDataset(tokenizer, [str(tmp_path / "b.jsonl")], 16, text_field="body", cache_dir=str(tmp_path / "c2"))
