@@ -47,19 +47,19 @@ PROFILES = {
         lengths=[4096, 8192, 16384, 32768], dtypes=["float32", "bfloat16"], warmup=1, repeats=3,
         segment_lengths=TARGET_SEGMENTS, dilation_rates=TARGET_DILATIONS, search=True, budget_gib=4.0,
         search_start=4096, search_max=1 << 21, search_timeout=120.0, bisect_steps=3,
-        e2e_lengths=[4096, 16384], case_timeout=1800.0, skip_variants=[],
+        e2e_lengths=[4096, 16384], case_timeout=1800.0, skip_variants=[], distributed=True,
     ),
     "quick": dict(
         lengths=[1024, 4096], dtypes=["float32"], warmup=1, repeats=3,
         segment_lengths=[256, 512, 1024, 2048, 4096], dilation_rates=[1, 2, 4, 8, 16], search=False,
         budget_gib=0.25, search_start=2048, search_max=1 << 16, search_timeout=20.0, bisect_steps=0,
-        e2e_lengths=[1024], case_timeout=120.0, skip_variants=["flex"],
+        e2e_lengths=[1024], case_timeout=120.0, skip_variants=["flex"], distributed=False,
     ),
     "smoke": dict(
         lengths=[128, 256], dtypes=["float32"], warmup=0, repeats=2,
         segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4], search=True, budget_gib=6 / 1024,
         search_start=256, search_max=1024, search_timeout=30.0, bisect_steps=1,
-        e2e_lengths=[128], case_timeout=120.0, skip_variants=["flex"],
+        e2e_lengths=[128], case_timeout=120.0, skip_variants=["flex"], distributed=False,
     ),
 }
 SKIP_REASON = {"flex": "FlexAttention compiles for ~30 s per shape on CPU; name it in --variants to include it"}
@@ -104,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--bisect-steps", type=int)
     p.add_argument("--million", action="store_true",
                    help="also run issue 2's memory check: a float32 forward at 1,048,576 tokens per dilated mode")
+    p.add_argument("--distributed", action=argparse.BooleanOptionalAction, default=None,
+                   help="ring / dilated_ring on 1 and 2 gloo processes via hf_dilated.distributed.bench "
+                        "(default: on, off with --quick)")
     p.add_argument("--e2e", action=argparse.BooleanOptionalAction, default=True, help="tiny-Llama rows")
     p.add_argument("--e2e-lengths", type=_ints)
     p.add_argument("--e2e-impls", type=_names, help="attn_implementations (default: sdpa + all registered)")
@@ -166,7 +169,7 @@ def _settings(args) -> dict:
     s = dict(PROFILES[profile], profile=profile)
     for key in ("lengths", "dtypes", "warmup", "repeats", "segment_lengths", "dilation_rates", "search",
                 "budget_gib", "search_start", "search_max", "search_timeout", "bisect_steps", "e2e_lengths",
-                "case_timeout"):
+                "case_timeout", "distributed"):
         value = getattr(args, key, None)
         if value is not None:
             s[key] = value
@@ -617,7 +620,18 @@ def write_markdown(report: dict, path: Path) -> str:
         L.append("")
 
     L.append("## Multi-process (ring attention over a process group)\n")
-    L.append(report["distributed_note"] + "\n")
+    dist = report["distributed"]
+    L.append(dist["note"] + "\n")
+    if dist["rows"]:
+        L.append("| kernel | processes | time / step (s) | peak MiB above inputs | sent per rank (MiB) |")
+        L.append("|---|---:|---:|---:|---:|")
+        for r in dist["rows"]:
+            if "error" in r:
+                L.append(f"| {r['kernel']} | {r['processes']} | {r['error']} | - | - |")
+            else:
+                L.append(f"| {r['kernel']} | {r['processes']} | {r['time_s']:.3f} | {r['peak_mib']:.1f} | "
+                         f"{r['sent_mib']:.2f} |")
+        L.append("")
     text = "\n".join(L)
     path.write_text(text)
     return text
@@ -669,14 +683,33 @@ def write_plots(report: dict, out: Path) -> list[str]:
     return written
 
 
-def distributed_note(s, runner) -> str:
+def run_distributed(s) -> dict:
+    """ring and dilated_ring over 1 and 2 gloo processes, through hf_dilated.distributed.bench."""
     try:
-        from .distributed import bench as dist_bench  # noqa: F401
-    except ImportError:
-        return ("hf_dilated.distributed.bench is not available in this build, so no multi-process figures are "
-                "included.")
-    return ("Not run from here: multi-process timings start one process per rank and take minutes; run "
-            "`python -m hf_dilated.distributed.bench` for ring / dilated_ring over a gloo (CPU) or NCCL group.")
+        from .distributed import bench as dist_bench
+    except ImportError as e:
+        return {"note": f"hf_dilated.distributed.bench is not available in this build ({e})", "rows": []}
+    if not s["distributed"]:
+        return {"note": "Not run (off with --quick; pass --distributed, or run `python -m "
+                        "hf_dilated.distributed.bench` for more process counts).", "rows": []}
+    n = max(n for n in s["lengths"] if n <= 8192) if min(s["lengths"]) <= 8192 else 8192
+    n -= n % 4
+    seg = [w for w in s["segment_lengths"] if w < n] + [n]
+    cfg = dict(seq_len=n, heads=s["heads"], kv_heads=s["kv_heads"], head_dim=s["head_dim"], segment_lengths=seg,
+               dilation_rates=[2**g for g in range(len(seg))], reps=max(1, s["repeats"]))
+    rows = []
+    for kernel in ("ring", "dilated_ring"):
+        for world in (1, 2):
+            try:
+                r = dist_bench.run(kernel, world, cfg)
+                rows.append(dict(r, kernel=kernel, processes=world))
+            except Exception as e:  # noqa: BLE001 - a failed row is reported, not fatal
+                rows.append({"kernel": kernel, "processes": world, "error": f"{type(e).__name__}: {e}"})
+            _say(f"  {kernel} x{world}: {rows[-1]}")
+    return {"note": (f"Global length {n}, float32 forward + backward, gloo on this CPU, dilated levels "
+                     f"segment_lengths={seg}, dilation_rates={cfg['dilation_rates']}; worst rank. With as many "
+                     "processes as cores the times include contention; compare memory and bytes sent across "
+                     "process counts. More: `python -m hf_dilated.distributed.bench`."), "rows": rows, "config": cfg}
 
 
 def targets(s, rows) -> list[dict]:
@@ -728,6 +761,9 @@ def main(args) -> int:
     if s["million"]:
         _say("million-token forward:")
         million = run_million(s, runner)
+    if s["distributed"]:
+        _say("multi-process:")
+    distributed = run_distributed(s)
     e2e = None
     if s["e2e"]:
         _say("end to end:")
@@ -744,7 +780,7 @@ def main(args) -> int:
         "search": search,
         "million": million,
         "e2e": e2e,
-        "distributed_note": distributed_note(s, runner),
+        "distributed": distributed,
     }
     report["elapsed_s"] = time.perf_counter() - t_start
     (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
