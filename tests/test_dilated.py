@@ -51,7 +51,7 @@ def make_inputs(case: Case, dtype=torch.float32, device="cpu"):
     if case.layout in ("left", "right", "pad_packed"):
         mask = torch.ones(case.batch, n, dtype=torch.long)
         for b in range(case.batch):
-            pad = rng.randint(1 if b == 0 else 0, n // 3) if n > 1 else 0
+            pad = rng.randint(1 if b == 0 else 0, max(1, n // 3)) if n > 1 else 0
             if case.layout == "right" and b == 0:  # row 0 keeps a real query slot
                 pad = min(pad, q_len - 1)
             if pad:
