@@ -224,3 +224,52 @@ def test_kernels_four_ranks_and_dp_sp_grid():
             BLOCK_CASES[3]]
     runs = [(4, [four]), (2, [[RING_CASES[2], DILATED_CASES[0]], [RING_CASES[3], DILATED_CASES[2]]])]
     check(launch(run_cases, 4, runs), runs)
+
+
+def grid_and_batch_helpers(rank, world):
+    """Child: the DP x SP grid, shard_batch, gather_sequence (and its gradient), reduce_loss."""
+    import torch.distributed as dist
+
+    import hf_dilated.distributed as hd
+
+    sp = hd.setup_sequence_parallel(2, layout="zigzag")
+    assert hd.get_sequence_parallel_group() is sp.sp_group
+    ranks_sp = dist.get_process_group_ranks(sp.sp_group)
+    ranks_dp = dist.get_process_group_ranks(sp.dp_group)
+    ids = torch.arange(100, 130).view(1, 30) + 1000 * sp.dp_rank  # 30 tokens: padded to 32 (4 chunks)
+    batch = hd.shard_batch(ids, labels=ids)
+    # gather_sequence rebuilds the sequence; its backward hands every rank the gradient of its slice
+    x = batch["input_ids"].double().requires_grad_()
+    full = hd.gather_sequence(x, seq_len=30)
+    weights = torch.arange(30, dtype=torch.double)
+    (full * weights).sum().backward()
+    gathered_pos = hd.gather_sequence(batch["position_ids"])
+    gathered_labels = hd.gather_sequence(batch["labels"])
+    loss = hd.reduce_loss(torch.tensor(float(sp.sp_rank + 1), requires_grad=True), grad_reduction="mean")
+    return dict(ranks_sp=ranks_sp, ranks_dp=ranks_dp, sp_rank=sp.sp_rank, dp_rank=sp.dp_rank,
+                full=full.detach(), grad=x.grad, input_ids=batch["input_ids"], pos=gathered_pos,
+                labels=gathered_labels, items=int(batch["num_items_in_batch"]), loss=loss.item(),
+                state=(hd.get_sequence_parallel_layout(), sp.sp_size, sp.dp_size))
+
+
+def test_grid_shard_batch_gather_and_loss_helpers():
+    from hf_dilated.distributed.layout import shard
+
+    outcomes = launch(grid_and_batch_helpers, 4)
+    for o in outcomes:
+        r, res = o["rank"], o["result"]
+        assert res["ranks_sp"] == [r - r % 2, r - r % 2 + 1] and res["ranks_dp"] == [r % 2, r % 2 + 2]
+        assert (res["sp_rank"], res["dp_rank"], res["state"]) == (r % 2, r // 2, ("zigzag", 2, 2))
+        ids = torch.arange(100, 130).view(1, 30) + 1000 * (r // 2)
+        padded = torch.cat([ids, torch.zeros(1, 2, dtype=ids.dtype)], dim=1)
+        assert torch.equal(res["input_ids"], shard(padded, 2, r % 2, "zigzag"))
+        assert torch.equal(res["full"], ids.double())
+        # zigzag: rank 0 holds tokens 0-7 and 24-31, rank 1 tokens 8-23; the padding gets no gradient.
+        # Both ranks of the group backpropagate the same sum: a shard's gradient is the sum over ranks.
+        weights = torch.cat([torch.arange(30, dtype=torch.double), torch.zeros(2, dtype=torch.double)])
+        assert torch.equal(res["grad"][0], 2 * shard(weights[None], 2, r % 2, "zigzag")[0])
+        assert torch.equal(res["pos"][0], torch.arange(32))  # global positions, continuing into the padding
+        want_labels = torch.cat([ids[0, 1:], torch.full((3,), -100)])  # shifted before sharding
+        assert torch.equal(res["labels"][0], want_labels)
+        assert res["items"] == 29
+        assert res["loss"] == 3.0  # 1 + 2 over the SP group

@@ -20,7 +20,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 from .layout import check_layout, padded_length, shard, unshard
 
@@ -193,17 +192,33 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
     return out
 
 
+class _AllGather(torch.autograd.Function):
+    """All-gather whose backward is a reduce-scatter (each shard's gradient summed over ranks)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x, group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty_like(grad[0])
+        dist.reduce_scatter(out, [g.contiguous() for g in grad.unbind(0)], group=ctx.group)
+        return out, None
+
+
 def gather_sequence(x: torch.Tensor, *, seq_len: int | None = None, group=None, layout: str | None = None,
                     dim: int = 1) -> torch.Tensor:
     """The global tensor from every rank's shard of `x` (sequence along `dim`), in sequence order,
-    trimmed to `seq_len` when given (to drop shard_batch's padding). Differentiable: as for
-    torch.distributed.nn.functional.all_gather, the gradient of a shard is the *sum* over ranks of
-    the gradients flowing into its slice."""
+    trimmed to `seq_len` when given (to drop shard_batch's padding). Differentiable: the gradient
+    of a shard is the *sum* over ranks of the gradients flowing into its slice."""
     group, layout = _default_group_layout(group, layout)
     world, _ = group_size_rank(group)
     if world > 1:
-        shards = dist_fn.all_gather(x.contiguous(), group=group)
-        x = unshard(list(shards), layout, dim=dim)
+        parts = _AllGather.apply(x.contiguous(), group)
+        x = unshard(list(parts.unbind(0)), layout, dim=dim)
     if seq_len is not None:
         x = x.narrow(dim, 0, seq_len)
     return x
