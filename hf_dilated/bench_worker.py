@@ -1,18 +1,20 @@
-"""One benchmark case, run in a fresh process: `python -m hf_dilated.bench_worker SPEC_JSON`.
+"""One benchmark case, run in a fresh process.
 
-`hf_dilated.bench` starts one process per case so that the resident-memory peak of a case is its
-own, and a case that runs out of memory or time cannot poison the next. The process prints one
-JSON line (the result) on stdout.
+`hf_dilated.bench` forks one process per case (`child_main`, from a fork server that has imported
+torch and hf_dilated) so that the resident-memory peak of a case is its own, and a case that runs
+out of memory or time cannot poison the next. By hand: `python -m hf_dilated.bench_worker SPEC_JSON`
+prints the result as one JSON line.
 
-Memory on CPU: the peak resident set size beyond a baseline. The parent sets
-MALLOC_MMAP_THRESHOLD_ so that glibc hands every large block back to the OS when it is freed, and
-the high-water mark is reset (/proc/self/clear_refs) right before the measured calls, so the
-figure is the peak of the measured calls alone. On CUDA: torch.cuda.max_memory_allocated beyond
-the memory allocated at the baseline.
+Memory on CPU: the peak resident set size beyond a baseline taken after the inputs are allocated
+and the warm-up calls are done. MALLOC_MMAP_THRESHOLD_ (set by the parent) makes glibc hand every
+large block back to the OS when it is freed, and the high-water mark is reset
+(/proc/self/clear_refs) right before the measured calls, so the figure is the peak of the
+measured calls alone. On CUDA: torch.cuda.max_memory_allocated beyond the allocation at the baseline.
 
 Spec keys: kind ("kernel" or "e2e"), variant / attn_implementation, n, dtype, device, batch, heads,
-kv_heads, head_dim, segment_lengths, dilation_rates, block_size, passes (["forward", "backward"]),
-warmup, repeats, threads, budget_bytes (optional: hard limit on memory beyond the imports).
+kv_heads, head_dim, segment_lengths, dilation_rates, block_size, block_pattern, passes
+(["forward", "backward"]), warmup, repeats, threads, prewarm (run once on 256 tokens first),
+budget_bytes (optional: hard limit on memory beyond the imports, inputs included).
 """
 from __future__ import annotations
 
