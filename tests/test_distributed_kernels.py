@@ -273,3 +273,38 @@ def test_grid_shard_batch_gather_and_loss_helpers():
         assert torch.equal(res["labels"][0], want_labels)
         assert res["items"] == 29
         assert res["loss"] == 3.0  # 1 + 2 over the SP group
+
+
+def traffic(rank, world):
+    """Child: bytes sent per rank by one forward + backward of each kernel on 32 tokens."""
+    import hf_dilated.distributed as hd
+
+    group = hd.setup_sequence_parallel(world).sp_group
+    g = torch.Generator().manual_seed(0)
+    heads, n = 4, 32 // world
+    q, k, v = (torch.randn(1, heads, n, 8, generator=g).requires_grad_() for _ in range(3))
+    calls = {
+        "ring": lambda: hd.ring_attention(q, k, v, group=group),
+        # 2 ranks, zigzag: chunks of 8 tokens, so 8-token segments never cross a rank boundary
+        "within_chunks": lambda: hd.dilated_ring_attention(q, k, v, [8], [1], group=group),
+        "dense_as_dilated": lambda: hd.dilated_ring_attention(q, k, v, [32], [1], group=group),
+        "rate_4": lambda: hd.dilated_ring_attention(q, k, v, [32], [4], group=group),
+        "local_blocks": lambda: hd.block_sparse_ring_attention(q, k, v, {"type": "local", "window": 1},
+                                                               block_size=8, group=group),
+    }
+    sent = {}
+    for name, call in calls.items():
+        hd.reset_bytes_sent()
+        call().sum().backward()
+        sent[name] = sum(hd.bytes_sent().values())
+    return sent
+
+
+def test_sparse_kernels_send_only_what_is_visible():
+    for o in launch(traffic, 2):
+        sent = o["result"]
+        assert sent["ring"] > 0
+        assert sent["within_chunks"] == 0 and sent["local_blocks"] == 0  # nothing crosses a rank
+        assert sent["dense_as_dilated"] > 0
+        # one query head per kv head, dilation 4: each head needs a quarter of the remote keys
+        assert sent["rate_4"] * 4 == sent["dense_as_dilated"], sent
