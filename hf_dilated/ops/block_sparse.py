@@ -30,7 +30,7 @@ import torch
 
 from .backend import attention_backward, attention_forward
 from .block_patterns import AdaptivePattern, CustomPattern, _check_int, make_pattern
-from .merge import merge_dtype, merge_partial
+from .merge import merge_dtype
 from .positions import token_layout
 from .validate import check_qkv, check_scale_dropout
 
@@ -605,6 +605,15 @@ class _ItemStorage:
 # The kernel
 
 
+def _merge_into(out_acc, lse_acc, out, lse):
+    """merge.py's rule (merge_partial), in place: (out_acc, lse_acc) becomes the merge of itself
+    and (out, lse); a part with lse -inf contributes nothing, two empty parts give (0, -inf)."""
+    new_lse = torch.logaddexp(lse_acc, lse)
+    safe = torch.where(torch.isfinite(new_lse), new_lse, torch.zeros_like(new_lse))
+    out_acc.mul_(torch.exp(lse_acc - safe).unsqueeze(-1)).addcmul_(out, torch.exp(lse - safe).unsqueeze(-1))
+    lse_acc.copy_(new_lse)
+
+
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, st: _Structure, plan: _Plan, scale: float):
@@ -619,10 +628,16 @@ class _BlockSparseAttention(torch.autograd.Function):
             out, lse = attention_forward(qx, kx, vx, is_causal=call.causal, scale=scale, attn_bias=bias)
             out, lse = store.rows(call, out, lse)
             out, lse = out.to(acc), lse.to(acc)
-            if not call.first:  # these rows already hold other keys' partial result
-                out, lse = merge_partial(store.read(call, out_acc), store.read(call, lse_acc), out, lse)
-            store.write(call, out_acc, out)
-            store.write(call, lse_acc, lse)
+            if call.first:
+                store.write(call, out_acc, out)
+                store.write(call, lse_acc, lse)
+            elif call.kind == "gather":  # these rows already hold other keys' partial result
+                prev_out, prev_lse = store.read(call, out_acc), store.read(call, lse_acc)
+                _merge_into(prev_out, prev_lse, out, lse)
+                store.write(call, out_acc, prev_out)
+                store.write(call, lse_acc, prev_lse)
+            else:  # a view of the accumulators: merge in place
+                _merge_into(store.read(call, out_acc), store.read(call, lse_acc), out, lse)
         out_rows = out_acc.to(q.dtype)
         ctx.save_for_backward(qs, ks, vs, out_rows, lse_acc)
         ctx.st, ctx.plan, ctx.scale, ctx.shapes = st, plan, scale, (q.shape, k.shape)
