@@ -38,6 +38,13 @@ def disagreeing_ranks(rank, world):
         hd.ring_attention(q, k, v, group=group, layout="zigzag" if rank == 0 else "contiguous")
     except ValueError as e:
         errors["layout"] = str(e)
+    try:  # different kernels
+        if rank == 0:
+            hd.ring_attention(q, k, v, group=group)
+        else:
+            hd.block_sparse_ring_attention(q, k, v, {"type": "local", "window": 1}, block_size=2, group=group)
+    except ValueError as e:
+        errors["kernel"] = str(e)
     try:  # positions 0..n-1 on every rank: the model's default, not global positions
         hd.ring_attention(q, k, v, group=group, position_ids=torch.arange(8)[None])
     except ValueError as e:
@@ -54,6 +61,7 @@ def test_disagreeing_ranks_get_a_clear_error():
         assert "disagree on 'q'" in errs["shape"], errs
         assert "disagree on 'dilation_rates'" in errs["config"], errs
         assert "disagree on 'layout'" in errs["layout"], errs
+        assert "not all calling" in errs["kernel"], errs
         assert "global" in errs["positions"] and "shard_batch" in errs["positions"], errs
         assert errs["after"] is True
 

@@ -15,6 +15,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+_SIGNATURE_SIZE = 64
 _DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
@@ -47,11 +48,21 @@ def check_same_on_all_ranks(group, what: str, flags: dict | None = None, **field
             sig = [value]
         names.append(name)
         rows.append(sig)
-    flat = torch.tensor([int(bool(f)) for f in flags.values()] + [x for sig in rows for x in sig], dtype=torch.int64)
+    # Fixed size, so that even ranks running different kernels exchange matching messages; the
+    # first entry says which kernel and which fields the rest describes.
+    body = [int(bool(f)) for f in flags.values()] + [x for sig in rows for x in sig]
+    if len(body) + 1 > _SIGNATURE_SIZE:
+        raise AssertionError(f"signature of {what} too long ({len(body)} entries)")
+    head = [fingerprint((what, list(flags), names))]
+    flat = torch.tensor(head + body + [0] * (_SIGNATURE_SIZE - 1 - len(body)), dtype=torch.int64)
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat, group=group)
-    start = len(flags)
+    if any(g[0] != flat[0] for g in gathered):
+        raise ValueError(
+            f"{what}: the ranks of the sequence-parallel group are not all calling {what} (or not with the "
+            "same set of arguments); every rank must run the same attention kernel at the same point")
+    start = 1 + len(flags)
     for name, sig, value in zip(names, rows, fields.values()):
         stop = start + len(sig)
         per_rank = [g[start:stop].tolist() for g in gathered]
@@ -62,7 +73,7 @@ def check_same_on_all_ranks(group, what: str, flags: dict | None = None, **field
                 "the same shapes and configuration."
             )
         start = stop
-    return {name: [bool(g[i]) for g in gathered] for i, name in enumerate(flags)}
+    return {name: [bool(g[1 + i]) for g in gathered] for i, name in enumerate(flags)}
 
 
 def _describe(value) -> str:
