@@ -60,7 +60,7 @@ def _flex_forward(q, k, v, pattern: GlobalLocalPattern, block_size: int):
     return lambda: compiled(q, k, v, block_mask=block_mask)
 
 
-def run_block_sparse_bench(n=32768, heads=8, head_dim=64, block_size=256, global_blocks=1, window=4,
+def run_block_sparse_bench(n=32768, heads=8, head_dim=64, block_size=256, global_blocks=1, window=5,
                            dtype=torch.float32, repeats=2, flex=True, backward=False, device="cpu", log=print):
     """Returns result rows: variant, mode, seconds (median), spread, useful pairs, pairs/s, ratio."""
     torch.manual_seed(0)
@@ -148,7 +148,7 @@ def main(argv=None):
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--global-blocks", type=int, default=1)
-    parser.add_argument("--window", type=int, default=4)
+    parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
