@@ -9,18 +9,26 @@ numbers restart with its positions); a key is still visible only from its own do
 causally and never when it is padding. num_blocks = 1 + the largest block number of a real token.
 Padding tokens have no block; their outputs are 0.
 
-How it is computed. Tokens are regrouped into "row blocks" (one per document and block number,
-each holding at most block_size tokens, packed from slot 0 in sequence order). A query row block
-then needs its own row block (the diagonal: causal inside the block) and a list of earlier row
-blocks of its document (off-diagonal: fully visible). The diagonal of every query block is one
-fused call; off-diagonal lists are grouped by length, their K/V blocks gathered into dense batches
-(at most ~12% padding, masked by an additive bias) and each batch is one fused call. The two
-partial results of a row merge in float32 by log-sum-exp, so the softmax runs over every allowed
-key at once. Work and gathered memory grow with the number of allowed blocks, never with N^2.
-When the layout is shared by all heads the calls are grouped-query attention calls (K/V never
-repeated); a per-head layout (adaptive, or a custom layout with a head axis) batches
-(query block, head) pairs instead. The backward replays the same calls with the merged output
-and log-sum-exp (flash-style), so no probability matrix is kept.
+How it is computed. Only allowed blocks are computed, each by PyTorch's fused attention with its
+log-sum-exp (backend.py); a query row's partial results merge in float32 by log-sum-exp, so the
+softmax runs over every allowed key at once. Work and gathered memory grow with the number of
+allowed blocks, never with N^2.
+- Plain prefill (one unpadded document per row, shared layout, causal): q, k, v are used in place,
+  viewed as blocks. The regular parts of the layout run as zero-copy strided calls: the band of
+  full diagonals (own block causal, earlier band blocks as overlapping windows), full columns such
+  as global blocks (all later queries as one run against fixed keys), further full diagonals
+  (dilated strides). Irregular leftovers are gathered as below.
+- Otherwise tokens are regrouped into "row blocks" (one per document and block number, at most
+  block_size tokens packed from slot 0 in sequence order). Each query row block has a list of
+  allowed row blocks of its document; lists of equal length are batched, their K/V blocks gathered
+  into dense batches (a list longer than the gather budget is cut into pieces), with an additive
+  mask only for causality inside the query's own block and for the empty slots of short blocks.
+  A layout shared by all heads gives grouped-query calls (K/V never repeated); a per-head layout
+  (adaptive, or a custom layout with a head axis) batches (query block, head) pairs instead.
+The backward replays the same calls with the merged output and log-sum-exp (flash-style), so no
+probability matrix is kept. No real query row is ever fully masked inside a call (each call's keys
+include an earlier real key or the query itself), so the backend's lse-0 convention for empty rows
+never enters a merge; rows with no allowed key at all get output 0 and lse -inf.
 """
 from __future__ import annotations
 
@@ -36,8 +44,6 @@ from .validate import check_qkv, check_scale_dropout
 
 # Elements of gathered K plus V per fused call: bounds the transient memory of a call.
 _GATHER_BUDGET = 1 << 22
-# A group of off-diagonal lists is padded to its longest list; allow at most 1/8 of padding.
-_PAD_SLACK = 0.125
 
 
 def block_sparse_attention(q, k, v, pattern, *, block_size, is_causal=True, scale=None, attention_mask=None,
