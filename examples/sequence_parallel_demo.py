@@ -76,7 +76,7 @@ def main(argv=None):
             f"--sp {args.sp} needs several processes, but `accelerate launch --cpu` started one: without an "
             "mpirun configuration Accelerate runs CPU jobs as a single process. Launch with "
             "`accelerate launch --multi_gpu --num_processes N examples/sequence_parallel_demo.py ...` "
-            "(torchrun; this script stays on CPU/gloo) or with `torchrun --nproc-per-node N ...`.")
+            "(torchrun; this script stays on CPU/gloo) or with `torchrun --standalone --nproc-per-node N ...`.")
     if world % args.sp:
         raise SystemExit(f"--sp {args.sp} must divide the number of processes ({world})")
     if args.sp > 1:

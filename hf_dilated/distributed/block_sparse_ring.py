@@ -14,7 +14,7 @@ import torch
 
 from ..ops.block_patterns import AdaptivePattern, CustomPattern, _check_int, make_pattern
 from ..ops.validate import check_qkv, check_scale_dropout
-from .exchange import Exchange, GlobalTokens, plan_windows, sequence_parallel_tokens, windowed_attention
+from .exchange import Exchange, GlobalTokens, plan_windows, prepare_call, windowed_attention
 from .groups import group_size_rank
 from .layout import check_layout
 
@@ -90,14 +90,17 @@ def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, lay
             "pools whole blocks of queries and keys that may lie on several ranks); use a static pattern "
             "(local, dilated, global_local, hierarchical, custom) or a single process")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    tokens = sequence_parallel_tokens("block_sparse_ring_attention", q, k, v, attention_mask=attention_mask,
-                                      position_ids=position_ids, group=group, layout=layout, scale=scale,
-                                      pattern=pattern.to_dict(), block_size=block_size)
-    if tokens.real.any() and bool((tokens.positions[tokens.real] < 0).any()):
-        raise ValueError("position_ids: real (unmasked) tokens must have non-negative positions")
     q_heads, kv_heads = q.shape[1], k.shape[1]
-    plan = plan_windows(tokens, lambda qi: block_sparse_needed_keys(tokens, qi, pattern, block_size, q_heads,
-                                                                    kv_heads))
+
+    def build(tokens):
+        if tokens.real.any() and bool((tokens.positions[tokens.real] < 0).any()):
+            raise ValueError("position_ids: real (unmasked) tokens must have non-negative positions")
+        return plan_windows(tokens, lambda qi: block_sparse_needed_keys(tokens, qi, pattern, block_size, q_heads,
+                                                                        kv_heads))
+
+    plan = prepare_call("block_sparse_ring_attention", q, k, v, attention_mask=attention_mask,
+                        position_ids=position_ids, group=group, layout=layout, build=build, scale=scale,
+                        pattern=pattern.to_dict(), block_size=block_size)
 
     def kernel(qc, kw, vw, attention_mask, position_ids):
         return block_sparse_attention(qc, kw, vw, pattern, block_size=block_size, scale=scale,

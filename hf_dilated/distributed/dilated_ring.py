@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.validate import check_dilated_config, check_qkv, check_scale_dropout
-from .exchange import Exchange, GlobalTokens, plan_windows, sequence_parallel_tokens, windowed_attention
+from .exchange import Exchange, GlobalTokens, plan_windows, prepare_call, windowed_attention
 from .groups import group_size_rank
 from .layout import check_layout
 
@@ -86,11 +86,14 @@ def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: st
     if dropout_p:
         raise ValueError(f"dropout_p: dilated_ring_attention does not implement attention dropout, got {dropout_p}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    tokens = sequence_parallel_tokens("dilated_ring_attention", q, k, v, attention_mask=attention_mask,
-                                      position_ids=position_ids, group=group, layout=layout, scale=scale,
-                                      segment_lengths=seg, dilation_rates=dil, mode=mode)
     q_heads, kv_heads = q.shape[1], k.shape[1]
-    plan = plan_windows(tokens, lambda qi: dilated_needed_keys(tokens, qi, q_heads, kv_heads, seg, dil, mode))
+
+    def build(tokens):
+        return plan_windows(tokens, lambda qi: dilated_needed_keys(tokens, qi, q_heads, kv_heads, seg, dil, mode))
+
+    plan = prepare_call("dilated_ring_attention", q, k, v, attention_mask=attention_mask, position_ids=position_ids,
+                        group=group, layout=layout, build=build, scale=scale, segment_lengths=seg,
+                        dilation_rates=dil, mode=mode)
 
     def kernel(qc, kw, vw, attention_mask, position_ids):
         return dilated_attention(qc, kw, vw, seg, dil, mode=mode, scale=scale, attention_mask=attention_mask,

@@ -10,6 +10,7 @@ build any visibility pattern, for its own queries or for a peer's, without furth
 """
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 
@@ -120,11 +121,51 @@ def global_tokens(batch: int, n_local: int, *, attention_mask, position_ids, gro
     return GlobalTokens(positions, real, doc, plain, local_index, world, rank, layout)
 
 
-def sequence_parallel_tokens(what: str, q, k, v, *, attention_mask, position_ids, group, layout: str,
-                             **config) -> GlobalTokens:
+class _PlanCache:
+    """The last few call plans, keyed by shapes, configuration and the identity (object and
+    version) of the local attention_mask / position_ids: a model's layers all pass the same
+    tensors, so every layer after the first skips the metadata gather and the planning. A rank
+    uses its cached plan only when every rank of the group has one (agreed in the signature
+    message), so the ranks always run the same collectives."""
+
+    def __init__(self, size: int = 4):
+        self.size, self.entries = size, []
+
+    @staticmethod
+    def _ident(t):
+        return None if t is None else (weakref.ref(t), t._version)
+
+    @staticmethod
+    def _same(ident, t):
+        if ident is None or t is None:
+            return ident is None and t is None
+        return ident[0]() is t and ident[1] == t._version
+
+    @staticmethod
+    def cacheable(*tensors) -> bool:
+        return all(t is None or not t.is_inference() for t in tensors)
+
+    def get(self, key, mask, pos):
+        if not self.cacheable(mask, pos):
+            return None
+        for k, m, p, value in self.entries:
+            if k == key and self._same(m, mask) and self._same(p, pos):
+                return value
+        return None
+
+    def put(self, key, mask, pos, value):
+        if self.cacheable(mask, pos):
+            self.entries = [(key, self._ident(mask), self._ident(pos), value)] + self.entries[: self.size - 1]
+
+
+_PLANS = _PlanCache()
+
+
+def prepare_call(what: str, q, k, v, *, attention_mask, position_ids, group, layout: str, build, **config):
     """The prologue every ring kernel runs before its first exchange: checks that the ranks agree
-    on shapes, dtype, layout and configuration (faults.py), then gathers the token metadata."""
-    from .faults import check_same_on_all_ranks
+    on shapes, dtype, layout and configuration (faults.py), gathers the token metadata and returns
+    build(tokens), the kernel's plan (or the cached plan of an earlier layer with the same inputs)."""
+    from .faults import check_same_on_all_ranks, fingerprint
     from .layout import chunks_per_rank
 
     if q.shape[2] != k.shape[2]:
@@ -134,9 +175,14 @@ def sequence_parallel_tokens(what: str, q, k, v, *, attention_mask, position_ids
     if n % chunks_per_rank(layout):
         raise ValueError(f"{what}: the local length ({n}) must be a multiple of {chunks_per_rank(layout)} for "
                          f"layout {layout!r}; pad the global sequence to layout.padded_length() (shard_batch does)")
+    key = (what, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), layout, id(group), fingerprint(config))
+    cached = _PLANS.get(key, attention_mask, position_ids)
     flags = check_same_on_all_ranks(group, what, flags={"mask": attention_mask is not None,
-                                                        "positions": position_ids is not None},
+                                                        "positions": position_ids is not None,
+                                                        "cached": cached is not None},
                                     q=q, k=k, v=v, layout=layout, **config)
+    if all(flags["cached"]):
+        return cached
     if any(flags["positions"]) and not all(flags["positions"]):
         raise ValueError(f"{what}: position_ids given on some ranks of the group and not on others "
                          f"(per rank: {flags['positions']}); pass them on every rank or on none")
@@ -145,7 +191,9 @@ def sequence_parallel_tokens(what: str, q, k, v, *, attention_mask, position_ids
                            any_positions=all(flags["positions"]))
     if all(flags["positions"]) and tokens.world > 1 and layout == "zigzag":
         _check_not_local_default(what, tokens, n)
-    return tokens
+    value = build(tokens)
+    _PLANS.put(key, attention_mask, position_ids, value)
+    return value
 
 
 def _check_not_local_default(what: str, tokens: GlobalTokens, n: int) -> None:
@@ -180,6 +228,8 @@ class WindowPlan:
     need_from: dict  # src rank -> bool (batch, kv_heads, n_local): entries of src's tokens needed here
     need_by: dict  # dst rank -> bool (batch, kv_heads, n_local): entries of this rank's tokens dst needs
     tokens: GlobalTokens
+    inputs: list = None  # per window: (attention_mask or None, position_ids or None), built once
+    placements: list = None  # per window: where local and received entries go (see _placements)
 
 
 def plan_windows(tokens: GlobalTokens, needed_keys) -> WindowPlan:
@@ -210,7 +260,14 @@ def plan_windows(tokens: GlobalTokens, needed_keys) -> WindowPlan:
                     need_from[s] = need_r[:, :, tokens.rank_index(s)]
         else:
             need_by[r] = need_r[:, :, tokens.local_index]
-    return WindowPlan(chunks, windows, need_from, need_by, tokens)
+    plan = WindowPlan(chunks, windows, need_from, need_by, tokens)
+    plan.inputs = []
+    for lo, hi in windows:  # the same tensor objects on every layer: the kernel's plan cache hits
+        real = tokens.real[:, lo:hi]
+        plan.inputs.append((None if bool(real.all()) else real,
+                            None if tokens.plain and lo == 0 else tokens.positions[:, lo:hi]))
+    plan.placements = _placements(plan, tokens.positions.device)
+    return plan
 
 
 class _GatherWindows(torch.autograd.Function):
@@ -223,7 +280,7 @@ class _GatherWindows(torch.autograd.Function):
         sends = {d: kv[:, m].contiguous() for d, m in plan.need_by.items() if m.any()}
         recvs = {s: kv.new_empty((2, int(m.sum()), kv.shape[-1])) for s, m in plan.need_from.items() if m.any()}
         wait_all(exchange.start(sends, recvs, tag=10))
-        placements = _placements(plan, kv.device)
+        placements = plan.placements
         outs = []
         for (lo, end), (mine, remote) in zip(plan.windows, placements):
             win = kv.new_zeros(kv.shape[:3] + (end - lo, kv.shape[-1]))
@@ -283,12 +340,8 @@ def windowed_attention(q, k, v, plan: WindowPlan, exchange: Exchange, kernel):
     """Runs kernel(q_chunk, k_window, v_window, attention_mask=..., position_ids=...) for every local
     chunk over its window and concatenates the chunks' outputs (this rank's shard of the output)."""
     wins = _GatherWindows.apply(k, v, plan, exchange)
-    tokens = plan.tokens
     outs = []
-    for i, ((start, end), (lo, hi)) in enumerate(zip(plan.chunks, plan.windows)):
-        real = tokens.real[:, lo:hi]
-        mask = None if bool(real.all()) else real
-        positions = None if tokens.plain and lo == 0 else tokens.positions[:, lo:hi]
+    for i, ((start, end), (mask, positions)) in enumerate(zip(plan.chunks, plan.inputs)):
         outs.append(kernel(q[:, :, start:end], wins[2 * i], wins[2 * i + 1], attention_mask=mask,
                            position_ids=positions))
     return torch.cat(outs, dim=2)

@@ -20,7 +20,7 @@ import torch
 from ..ops.backend import attention_backward, attention_forward
 from ..ops.merge import merge_dtype, merge_partial
 from ..ops.validate import check_qkv, check_scale_dropout
-from .exchange import Exchange, GlobalTokens, sequence_parallel_tokens, wait_all
+from .exchange import Exchange, GlobalTokens, prepare_call, wait_all
 from .groups import group_size_rank
 from .layout import check_layout, chunks_per_rank, rank_chunks
 
@@ -159,8 +159,7 @@ def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", scale=None, a
         return dilated_attention(q, k, v, [kv_len], [1], scale=scale, attention_mask=attention_mask,
                                  position_ids=position_ids)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    tokens = sequence_parallel_tokens("ring_attention", q, k, v, attention_mask=attention_mask,
-                                      position_ids=position_ids, group=group, layout=layout, scale=scale)
-    pieces = ring_pieces(tokens, q.dtype)
+    pieces = prepare_call("ring_attention", q, k, v, attention_mask=attention_mask, position_ids=position_ids,
+                          group=group, layout=layout, scale=scale, build=lambda t: ring_pieces(t, q.dtype))
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Exchange(group, "ring"),
                                 pieces, scale)
