@@ -106,7 +106,8 @@ def dilated_attention(
     if levels is None:
         layout = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
         levels = plan_levels(layout, q.shape[2], q.shape[1], k.shape[1], seg, dil, mode, is_causal)
-        _PLANS.put(key, attention_mask, position_ids, levels)
+        if _PlanCache.cacheable(attention_mask) and _PlanCache.cacheable(position_ids):
+            _PLANS.put(key, attention_mask, position_ids, levels)
     if dropout_p > 0.0:
         return _dropout_attention(q, k, v, levels, scale, dropout_p)
     return _DilatedAttention.apply(q, k, v, levels, scale)
@@ -114,7 +115,13 @@ def dilated_attention(
 
 class _PlanCache:
     """The last few plans, keyed by shapes, configuration and the *identity* (object and version)
-    of the mask and position tensors: every layer of a model reuses the plan of the first."""
+    of the mask and position tensors: every layer of a model reuses the plan of the first.
+    Inference-mode tensors carry no version counter, so plans built from them are not cached
+    (writes through `.data` or shared numpy memory also bypass the counter: don't do that)."""
+
+    @staticmethod
+    def cacheable(t) -> bool:
+        return t is None or not t.is_inference()
 
     def __init__(self, size: int = 4):
         self.size, self.entries = size, []
@@ -130,6 +137,8 @@ class _PlanCache:
         return ident[0]() is t and ident[1] == t._version
 
     def get(self, key, mask, pos):
+        if not (self.cacheable(mask) and self.cacheable(pos)):
+            return None
         for entry in self.entries:
             k, m, p, levels = entry
             if k == key and self._same(m, mask) and self._same(p, pos):

@@ -23,7 +23,7 @@ class TokenLayout:
 
 def token_layout(batch: int, kv_len: int, device, attention_mask=None, position_ids=None) -> TokenLayout:
     if attention_mask is not None:
-        real = attention_mask.to(device=device, dtype=torch.bool)
+        real = attention_mask.to(device=device, dtype=torch.bool).expand(batch, kv_len)
     else:
         real = torch.ones(batch, kv_len, dtype=torch.bool, device=device)
     if position_ids is not None:
