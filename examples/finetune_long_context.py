@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mixed-precision", choices=("auto", "no", "bf16", "fp16"), default="auto",
                    help="auto: bf16 on a GPU that has it, else float32")
     p.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--cpu", action="store_true", help="train on CPU even when a GPU is present")
     p.add_argument("--sp-size", type=int, default=1, help="sequence-parallel group size (divides the process count)")
     p.add_argument("--sp-layout", choices=("zigzag", "contiguous"), default="zigzag")
     p.add_argument("--seed", type=int, default=0)
@@ -269,10 +270,17 @@ def train(args) -> dict:
     from accelerate import Accelerator
     from transformers import AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
 
-    accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum, mixed_precision=mixed_precision(args.mixed_precision))
+    # Without CUDA, cpu=True makes processes started by torchrun (accelerate's multi-GPU launcher)
+    # join one gloo group instead of each running alone.
+    accelerator = Accelerator(cpu=args.cpu or not torch.cuda.is_available(), gradient_accumulation_steps=args.grad_accum,
+                              mixed_precision=mixed_precision(args.mixed_precision))
     world, rank = accelerator.num_processes, accelerator.process_index
     if world % args.sp_size:
-        raise SystemExit(f"--sp-size {args.sp_size} must divide the number of processes ({world})")
+        hint = ""
+        if world == 1 and os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":
+            hint = (": `accelerate launch --cpu` starts a single process unless mpirun is configured; use "
+                    "--config_file examples/accelerate_configs/cpu_2proc.yaml (torchrun) instead")
+        raise SystemExit(f"--sp-size {args.sp_size} must divide the number of processes ({world}){hint}")
     sp = None
     if args.sp_size > 1:
         from hf_dilated.distributed import setup_sequence_parallel
@@ -317,6 +325,7 @@ def train(args) -> dict:
     end_step = args.max_steps if args.stop_after_steps is None else min(args.max_steps, start_step + args.stop_after_steps)
     for step in range(start_step, end_step):
         t0 = time.perf_counter()
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step trains with
         step_loss = torch.zeros((), device=accelerator.device)
         step_hits = torch.zeros(2, device=accelerator.device)  # right, labelled
         for micro in range(args.grad_accum):
@@ -341,7 +350,7 @@ def train(args) -> dict:
             step_hits = accelerator.reduce(step_hits, reduction="sum") / args.sp_size
         seconds = time.perf_counter() - t0
         record = {"step": step + 1, "loss": float(step_loss), "accuracy": float(step_hits[0] / step_hits[1].clamp(min=1)),
-                  "lr": scheduler.get_last_lr()[0],
+                  "lr": lr,
                   "tokens_per_s": tokens_per_step / seconds}
         history.append(record)
         if progress is not None:
@@ -403,7 +412,7 @@ def token_hits(logits, labels):
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = train(args)
-    if result["history"]:
+    if result["history"] and int(os.environ.get("RANK", "0")) == 0:
         last = result["history"][-1]
         print(f"done: step {last['step']} loss {last['loss']:.4f} ({last['tokens_per_s']:.0f} tokens/s)")
     return 0

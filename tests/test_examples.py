@@ -33,7 +33,8 @@ def run(cmd, **kwargs):
     proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT,
                           **kwargs)
     if proc.returncode != 0:
-        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[:4000]}\n...\n{proc.stderr[-3000:]}")
     return proc
 
 
