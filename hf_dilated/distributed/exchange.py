@@ -175,7 +175,9 @@ def prepare_call(what: str, q, k, v, *, attention_mask, position_ids, group, lay
     if n % chunks_per_rank(layout):
         raise ValueError(f"{what}: the local length ({n}) must be a multiple of {chunks_per_rank(layout)} for "
                          f"layout {layout!r}; pad the global sequence to layout.padded_length() (shard_batch does)")
-    key = (what, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), layout, id(group), fingerprint(config))
+    # The group by its members and this rank's place in it (a plan depends on nothing else of it).
+    members = (tuple(dist.get_process_group_ranks(group)), dist.get_rank(group))
+    key = (what, tuple(q.shape), tuple(k.shape), q.dtype, str(q.device), layout, members, fingerprint(config))
     cached = _PLANS.get(key, attention_mask, position_ids)
     flags = check_same_on_all_ranks(group, what, flags={"mask": attention_mask is not None,
                                                         "positions": position_ids is not None,
