@@ -53,16 +53,17 @@ PROFILES = {
         lengths=[1024, 4096], dtypes=["float32"], warmup=1, repeats=3,
         segment_lengths=[256, 512, 1024, 2048, 4096], dilation_rates=[1, 2, 4, 8, 16], search=False,
         budget_gib=0.25, search_start=2048, search_max=1 << 16, search_timeout=20.0, bisect_steps=0,
-        e2e_lengths=[1024], case_timeout=120.0, skip_variants=["flex"], distributed=False,
+        e2e_lengths=[1024], case_timeout=120.0, skip_variants=["flex", "flex_union"], distributed=False,
     ),
     "smoke": dict(
         lengths=[128, 256], dtypes=["float32"], warmup=0, repeats=2,
         segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4], search=True, budget_gib=6 / 1024,
         search_start=256, search_max=1024, search_timeout=30.0, bisect_steps=1,
-        e2e_lengths=[128], case_timeout=120.0, skip_variants=["flex"], distributed=False,
+        e2e_lengths=[128], case_timeout=120.0, skip_variants=["flex", "flex_union"], distributed=False,
     ),
 }
-SKIP_REASON = {"flex": "FlexAttention compiles for ~30 s per shape on CPU; name it in --variants to include it"}
+SKIP_REASON = {v: "FlexAttention compiles for ~30 s per shape on CPU; name it in --variants to include it"
+               for v in ("flex", "flex_union")}
 
 
 def _ints(text: str) -> list[int]:

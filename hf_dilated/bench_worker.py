@@ -33,7 +33,9 @@ from .bench_count import dense_pair_count, dilated_pair_count, layout_pair_count
 
 DILATED_MODES = ("union", "longnet", "head_groups")
 # Every kernel variant the benchmark knows, in report order.
-KERNEL_VARIANTS = ("sdpa", "flex", "union", "longnet", "head_groups", "block_sparse", "ring", "dilated_ring", "auto")
+KERNEL_VARIANTS = ("sdpa", "flex", "union", "flex_union", "longnet", "head_groups", "block_sparse", "ring",
+                   "dilated_ring", "auto")
+FLEX_MASK_LIMIT = 1 << 28
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -140,6 +142,37 @@ def _build_flex(spec, q, k, v):
     return fn, spec["batch"] * dense_pair_count(n, spec["heads"]), no_backward
 
 
+def _build_flex_union(spec, q, k, v):
+    """The "union" pattern as a FlexAttention mask (what a user would otherwise write), compiled."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as e:  # pragma: no cover - old torch
+        raise Unavailable(f"torch {torch.__version__} has no FlexAttention ({e})")
+    n, seg, dil = spec["n"], spec["segment_lengths"], spec["dilation_rates"]
+    if spec["heads"] * n * n > FLEX_MASK_LIMIT:
+        # create_block_mask evaluates the mask on the whole (heads, N, N) grid; its compiled
+        # construction (_compile=True) fails to build for this mask in torch 2.13 on CPU.
+        raise Unavailable(f"flex_union stops at heads x N^2 <= 2^28 (create_block_mask materialises the "
+                          f"(heads, N, N) mask; N={n} would need {spec['heads'] * n * n / 2**30:.1f} Gi entries)")
+
+    def union(b, h, q_idx, kv_idx):
+        visible = q_idx < 0  # all False, as a tensor
+        for w, r in zip(seg, dil):
+            o = h % r
+            level = ((q_idx // w) == (kv_idx // w)) & ((q_idx % w) % r == o) & ((kv_idx % w) % r == o)
+            visible = visible | level
+        return visible & (q_idx >= kv_idx)
+
+    block_mask = create_block_mask(union, None, spec["heads"], n, n, device=q.device)
+    compiled = torch.compile(flex_attention)
+
+    def fn(q, k, v):
+        return compiled(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+    no_backward = f"FlexAttention has no CPU backward (torch {torch.__version__})" if q.device.type == "cpu" else None
+    return fn, spec["batch"] * dilated_pair_count(n, spec["heads"], seg, dil, "union"), no_backward
+
+
 def _build_dilated(spec, q, k, v):
     from .ops import dilated_attention
     mode, seg, dil = spec["variant"], spec["segment_lengths"], spec["dilation_rates"]
@@ -210,6 +243,7 @@ BUILDERS = {
     "sdpa": _build_sdpa,
     "flex": _build_flex,
     "union": _build_dilated,
+    "flex_union": _build_flex_union,
     "longnet": _build_dilated,
     "head_groups": _build_dilated,
     "block_sparse": _build_block_sparse,
