@@ -31,7 +31,7 @@ def levels_of_heads(q_heads: int, num_levels: int, mode: str) -> list[list[int]]
 
 
 def dilated_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, q_heads: int, kv_heads: int,
-                        segment_lengths, dilation_rates, mode: str) -> torch.Tensor:
+                        segment_lengths, dilation_rates, mode: str, memo: dict | None = None) -> torch.Tensor:
     """bool (batch, kv_heads, seq_len): key j is needed for kv head hk when, for some query head h
     of hk, some level g it reads, and some query i of `query_index`, j is in V_g(h, i): both
     selected for h at g, same level-g segment, same document, j real and not after i."""
@@ -49,10 +49,15 @@ def dilated_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, q_heads
         heads = [h for h in range(q_heads) if g in levels[h]]
         if not heads:
             continue
-        offset = (p % w) % r
-        # One id per (batch row, document, level-g segment).
-        _, group = torch.unique(torch.stack([rows, doc, p // w]).flatten(1), dim=1, return_inverse=True)
-        group = group.view(batch, seq_len)
+        if memo is not None and g in memo:  # independent of the queries: computed once per call
+            offset, group = memo[g]
+        else:
+            offset = (p % w) % r
+            # One id per (batch row, document, level-g segment).
+            _, group = torch.unique(torch.stack([rows, doc, p // w]).flatten(1), dim=1, return_inverse=True)
+            group = group.view(batch, seq_len)
+            if memo is not None:
+                memo[g] = (offset, group)
         for o in sorted({h % r for h in heads}):
             selected = offset == o
             queries = selected & is_query
@@ -89,7 +94,9 @@ def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: st
     q_heads, kv_heads = q.shape[1], k.shape[1]
 
     def build(tokens):
-        return plan_windows(tokens, lambda qi: dilated_needed_keys(tokens, qi, q_heads, kv_heads, seg, dil, mode))
+        memo = {}
+        return plan_windows(tokens, lambda qi: dilated_needed_keys(tokens, qi, q_heads, kv_heads, seg, dil, mode,
+                                                                   memo))
 
     plan = prepare_call("dilated_ring_attention", q, k, v, attention_mask=attention_mask, position_ids=position_ids,
                         group=group, layout=layout, build=build, scale=scale, segment_lengths=seg,
