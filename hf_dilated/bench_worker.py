@@ -142,6 +142,19 @@ def _build_flex(spec, q, k, v):
     return fn, spec["batch"] * dense_pair_count(n, spec["heads"]), no_backward
 
 
+def union_mask_mod(segment_lengths, dilation_rates):
+    """FlexAttention mask_mod of SPEC's "union" pattern for one plain document (positions = indices)."""
+    def union(b, h, q_idx, kv_idx):
+        visible = q_idx < 0  # all False, as a tensor
+        for w, r in zip(segment_lengths, dilation_rates):
+            o = h % r
+            level = ((q_idx // w) == (kv_idx // w)) & ((q_idx % w) % r == o) & ((kv_idx % w) % r == o)
+            visible = visible | level
+        return visible & (q_idx >= kv_idx)
+
+    return union
+
+
 def _build_flex_union(spec, q, k, v):
     """The "union" pattern as a FlexAttention mask (what a user would otherwise write), compiled."""
     try:
@@ -155,15 +168,7 @@ def _build_flex_union(spec, q, k, v):
         raise Unavailable(f"flex_union stops at heads x N^2 <= 2^28 (create_block_mask materialises the "
                           f"(heads, N, N) mask; N={n} would need {spec['heads'] * n * n / 2**30:.1f} Gi entries)")
 
-    def union(b, h, q_idx, kv_idx):
-        visible = q_idx < 0  # all False, as a tensor
-        for w, r in zip(seg, dil):
-            o = h % r
-            level = ((q_idx // w) == (kv_idx // w)) & ((q_idx % w) % r == o) & ((kv_idx % w) % r == o)
-            visible = visible | level
-        return visible & (q_idx >= kv_idx)
-
-    block_mask = create_block_mask(union, None, spec["heads"], n, n, device=q.device)
+    block_mask = create_block_mask(union_mask_mod(seg, dil), None, spec["heads"], n, n, device=q.device)
     compiled = torch.compile(flex_attention)
 
     def fn(q, k, v):

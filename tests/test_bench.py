@@ -93,6 +93,23 @@ def test_counts_match_the_float64_reference_counts():
             assert dilated_pair_count(61, 5, seg, dil, mode) == want
 
 
+def test_flex_union_mask_is_the_union_pattern():
+    """The FlexAttention comparator computes SPEC's union set (checked on the mask itself; running
+    the compiled kernel takes ~30 s, so the bench does that)."""
+    import torch
+    from reference import dilated_key_counts
+
+    from hf_dilated.bench_worker import union_mask_mod
+
+    seg, dil, heads, n = [8, 16, 32], [1, 2, 4], 5, 70
+    mask_mod = union_mask_mod(seg, dil)
+    h = torch.arange(heads)[:, None, None]
+    i = torch.arange(n)[None, :, None]
+    j = torch.arange(n)[None, None, :]
+    want = dilated_key_counts(seg, dil, "union", heads, 1, n, n)[0] > 0
+    assert torch.equal(mask_mod(0, h, i, j), want)
+
+
 # --- the worker: every kernel variant runs, and reports the pairs its pattern makes visible ---
 
 KERNEL_SPEC = dict(kind="kernel", n=48, dtype="float32", device="cpu", batch=2, heads=4, kv_heads=2, head_dim=8,
