@@ -91,7 +91,11 @@ class Attention:
             dil = [2**g for g in range(levels)]
         # The pattern is dense on this input when every position lies in the first segment and
         # that level has no dilation ("union" only: "longnet" counts keys once per level).
-        dense = cfg["mode"] == "union" and dil[0] == 1 and position_ids is None and seq_len <= seg[0]
+        if position_ids is None:
+            span = seq_len
+        else:  # local shards under sequence parallelism do not show the global positions
+            span = int(position_ids.max()) + 1 if world == 1 and position_ids.numel() else None
+        dense = cfg["mode"] == "union" and dil[0] == 1 and span is not None and span <= seg[0]
         if world > 1:
             if dense:
                 return "ring", {"group": group, "layout": layout}

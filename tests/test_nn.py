@@ -193,8 +193,10 @@ def test_auto_rule():
     auto = create_attention("auto", segment_lengths=[16, 32], dilation_rates=[1, 2])
     assert auto.choose(16, cpu)[0] == "dense" and auto.choose(17, cpu)[0] == "dilated"
     assert create_attention("auto", segment_lengths=[16, 32], dilation_rates=[2, 4]).choose(8, cpu)[0] == "dilated"
-    # Position ids may place tokens beyond the first segment whatever the length: dilated.
-    assert auto.choose(8, cpu, position_ids=torch.arange(8)[None])[0] == "dilated"
+    # With position ids it is the positions that must fit in the first segment.
+    assert auto.choose(8, cpu, position_ids=torch.arange(8)[None])[0] == "dense"
+    assert auto.choose(8, cpu, position_ids=torch.arange(8)[None] + 10)[0] == "dilated"
+    assert auto.choose(40, cpu, position_ids=(torch.arange(40) % 10)[None])[0] == "dense"  # packed documents
 
 
 def test_auto_computes_what_it_chooses():
@@ -207,6 +209,12 @@ def test_auto_computes_what_it_chooses():
                 else dilated_reference(q.double(), k.double(), v.double(), cfg["segment_lengths"],
                                        cfg["dilation_rates"]))
         assert (auto(q, k, v).double() - want).abs().max() < 1e-4
+    # Packed documents (positions restart): dense within each document, never across.
+    pos = (torch.arange(40) % 10)[None]
+    q, k, v = (torch.randn(1, 4, 40, 8) for _ in range(3))
+    assert auto.choose(40, q.device, position_ids=pos)[0] == "dense"
+    want = dense_causal_reference(q.double(), k.double(), v.double(), position_ids=pos)
+    assert (auto(q, k, v, position_ids=pos).double() - want).abs().max() < 1e-4
 
 
 def test_auto_module_default():
