@@ -44,7 +44,6 @@ def dilated_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, q_heads
     need = torch.zeros(batch, kv_heads, seq_len, dtype=torch.bool, device=device)
     per_kv = q_heads // kv_heads
     levels = levels_of_heads(q_heads, len(segment_lengths), mode)
-    rows = torch.arange(batch, device=device)[:, None].expand(batch, seq_len)
     for g, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
         heads = [h for h in range(q_heads) if g in levels[h]]
         if not heads:
@@ -53,19 +52,30 @@ def dilated_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, q_heads
             offset, group = memo[g]
         else:
             offset = (p % w) % r
-            # One id per (batch row, document, level-g segment).
-            _, group = torch.unique(torch.stack([rows, doc, p // w]).flatten(1), dim=1, return_inverse=True)
-            group = group.view(batch, seq_len)
+            # One id per (batch row, document, level-g segment). Within a document positions rise by
+            # one per token, so each such group is a run of consecutive tokens: number the runs.
+            segment = torch.div(p, w, rounding_mode="floor")
+            starts = torch.ones(batch, seq_len, dtype=torch.bool, device=device)
+            starts[:, 1:] = (doc[:, 1:] != doc[:, :-1]) | (segment[:, 1:] != segment[:, :-1])
+            group = starts.flatten().long().cumsum(0).view(batch, seq_len) - 1
             if memo is not None:
                 memo[g] = (offset, group)
-        for o in sorted({h % r for h in heads}):
-            selected = offset == o
-            queries = selected & is_query
-            last_query = torch.full((int(group.max()) + 1,), -1, dtype=torch.long, device=device)
-            last_query.scatter_reduce_(0, group[queries], index[queries], reduce="amax")
-            need_o = selected & real & (last_query[group] >= index)
-            for hk in sorted({h // per_kv for h in heads if h % r == o}):
-                need[:, hk] |= need_o
+        # The last query of each (group, offset class); a key needs only its own class's entry.
+        cell = group * r + offset
+        last_query = torch.full((int(cell.max()) + 1,), -1, dtype=torch.long, device=device)
+        queries = is_query.expand(batch, seq_len)
+        last_query.scatter_reduce_(0, cell[queries], index[queries], reduce="amax")
+        need_g = real & (last_query[cell] >= index)
+        for hk in range(kv_heads):  # kv head hk reads the classes of its query heads at this level
+            classes = {h % r for h in heads if h // per_kv == hk}
+            if not classes:
+                continue
+            if len(classes) == r:
+                need[:, hk] |= need_g
+            else:
+                wanted = torch.zeros(r, dtype=torch.bool, device=device)
+                wanted[sorted(classes)] = True
+                need[:, hk] |= need_g & wanted[offset]
     return need
 
 
