@@ -38,7 +38,7 @@ import torch
 
 from .backend import attention_backward, attention_forward
 from .block_patterns import AdaptivePattern, CustomPattern, _check_int, make_pattern
-from .merge import merge_dtype
+from .merge import merge_dtype, merge_into
 from .positions import token_layout
 from .validate import check_qkv, check_scale_dropout
 
@@ -611,15 +611,6 @@ class _ItemStorage:
 # The kernel
 
 
-def _merge_into(out_acc, lse_acc, out, lse):
-    """merge.py's rule (merge_partial), in place: (out_acc, lse_acc) becomes the merge of itself
-    and (out, lse); a part with lse -inf contributes nothing, two empty parts give (0, -inf)."""
-    new_lse = torch.logaddexp(lse_acc, lse)
-    safe = torch.where(torch.isfinite(new_lse), new_lse, torch.zeros_like(new_lse))
-    out_acc.mul_(torch.exp(lse_acc - safe).unsqueeze(-1)).addcmul_(out, torch.exp(lse - safe).unsqueeze(-1))
-    lse_acc.copy_(new_lse)
-
-
 class _BlockSparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, st: _Structure, plan: _Plan, scale: float):
@@ -639,11 +630,11 @@ class _BlockSparseAttention(torch.autograd.Function):
                 store.write(call, lse_acc, lse)
             elif call.kind == "gather":  # these rows already hold other keys' partial result
                 prev_out, prev_lse = store.read(call, out_acc), store.read(call, lse_acc)
-                _merge_into(prev_out, prev_lse, out, lse)
+                merge_into(prev_out, prev_lse, out, lse)
                 store.write(call, out_acc, prev_out)
                 store.write(call, lse_acc, prev_lse)
             else:  # a view of the accumulators: merge in place
-                _merge_into(store.read(call, out_acc), store.read(call, lse_acc), out, lse)
+                merge_into(store.read(call, out_acc), store.read(call, lse_acc), out, lse)
         out_rows = out_acc.to(q.dtype)
         ctx.save_for_backward(qs, ks, vs, out_rows, lse_acc)
         ctx.st, ctx.plan, ctx.scale, ctx.shapes = st, plan, scale, (q.shape, k.shape)

@@ -24,3 +24,10 @@ def merge_partial(out_a, lse_a, out_b, lse_b):
     weight_b = torch.sigmoid(lse_b - lse_a).nan_to_num_(0.0)  # both -inf: nothing to take from b
     out = torch.lerp(out_a, out_b.to(out_a.dtype), weight_b.unsqueeze(-1).to(out_a.dtype))
     return out, lse
+
+
+def merge_into(out_acc, lse_acc, out_b, lse_b) -> None:
+    """merge_partial in place: (out_acc, lse_acc) becomes the merge of itself and (out_b, lse_b)."""
+    weight_b = torch.sigmoid(lse_b - lse_acc).nan_to_num_(0.0)
+    out_acc.lerp_(out_b.to(out_acc.dtype), weight_b.unsqueeze(-1).to(out_acc.dtype))
+    torch.logaddexp(lse_acc, lse_b, out=lse_acc)
