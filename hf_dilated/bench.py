@@ -89,9 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--segment-lengths", type=_ints)
     p.add_argument("--dilation-rates", type=_ints)
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--block-pattern", type=json.loads, default=None,
-                   help='block-sparse pattern as JSON (default: local window covering the first segment)')
+                   help='block-sparse pattern as JSON (default: {"type": "global_local", "global_blocks": 1, '
+                        '"window": 5}, the block-sparse benchmark\'s)')
     p.add_argument("--warmup", type=int)
     p.add_argument("--repeats", type=int)
     p.add_argument("--threads", type=int, default=None, help="torch threads per case (default: torch's)")
@@ -195,8 +196,7 @@ def _settings(args) -> dict:
     s.update(batch=args.batch, heads=args.heads, kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim,
              block_size=args.block_size, threads=args.threads, million=args.million, e2e=args.e2e,
              e2e_impls=args.e2e_impls)
-    s["block_pattern"] = args.block_pattern or {
-        "type": "local", "window": max(1, s["segment_lengths"][0] // args.block_size)}
+    s["block_pattern"] = args.block_pattern or {"type": "global_local", "global_blocks": 1, "window": 5}
     return s
 
 
@@ -304,6 +304,24 @@ def run_search(s, runner, available) -> list[dict]:
                  f"(first failure {r['first_failure']}: {r['limited_by']})")
             out.append(r)
     return out
+
+
+def run_block_sparse_comparison(s, runner) -> dict:
+    """hf_dilated.bench_block_sparse: block_sparse vs sdpa and FlexAttention with the same mask."""
+    pattern = s["block_pattern"]
+    if "block_sparse" not in s["variants"]:
+        return {"note": "Not run (block_sparse not among --variants).", "rows": []}
+    if "flex" in s["skipped_variants"]:
+        return {"note": "Not run in this profile (it compiles FlexAttention); name flex in --variants, or run "
+                        "`python -m hf_dilated.bench_block_sparse`.", "rows": []}
+    if pattern.get("type") != "global_local":
+        return {"note": "Not run: the comparison takes a global_local pattern (see --block-pattern).", "rows": []}
+    spec = dict(kind="block_sparse_comparison", n=max(s["lengths"]), heads=s["heads"], head_dim=s["head_dim"],
+                block_size=s["block_size"], global_blocks=pattern["global_blocks"], window=pattern["window"],
+                dtype=s["dtypes"][0], repeats=max(1, s["repeats"]), device=s["device"], threads=s["threads"])
+    r = runner.run(spec, s["case_timeout"])
+    _say(f"  block-sparse comparison at N={spec['n']}: {len(r.get('rows', []))} rows {r.get('error', '')}")
+    return {"note": r.get("error") or "", "rows": r.get("rows", []), "log": r.get("log", []), "spec": spec}
 
 
 def run_million(s, runner) -> list[dict]:
@@ -526,6 +544,21 @@ def write_markdown(report: dict, path: Path) -> str:
              "(see the last section). `auto` is `hf_dilated.create_attention(\"auto\")` with its defaults (what "
              "`DilatedMultiheadAttention` uses): dense sdpa up to the device's first segment "
              f"({_auto_limit(s['device'])} tokens here), dilated beyond it.\n")
+
+    L.append("## Block-sparse against FlexAttention with the same mask\n")
+    bsc = report["block_sparse_comparison"]
+    if bsc["rows"]:
+        from .bench_block_sparse import markdown_table
+
+        L.append(f"hf_dilated.bench_block_sparse at N = {bsc['spec']['n']}, dtype {bsc['spec']['dtype']}, "
+                 f"{bsc['spec']['repeats']} runs after 1 warm-up; FlexAttention gets the identical token mask.\n")
+        L.append(markdown_table(bsc["rows"]))
+        for line in bsc.get("log", []):
+            if "unavailable" in line or "failed" in line:
+                L.append(f"- {line}")
+        L.append("")
+    else:
+        L.append((bsc["note"] or "No rows.") + "\n")
 
     L.append("## Issue 2 targets (N = 32768, batch 1, 8 heads, head_dim 64, issue's dilated config)\n")
     tgt = report["targets"]
@@ -754,6 +787,9 @@ def main(args) -> int:
         unavailable[variant] = "skipped: " + SKIP_REASON.get(variant, "")
     available = [v for v in s["variants"] if v not in unavailable]
 
+    if "block_sparse" in s["variants"] and "flex" not in s["skipped_variants"]:
+        _say("block-sparse against FlexAttention with the same mask:")
+    block_sparse = run_block_sparse_comparison(s, runner)
     search = None
     if s["search"]:
         _say(f"longest sequence within {s['budget_gib']:g} GiB:")
@@ -782,6 +818,7 @@ def main(args) -> int:
         "million": million,
         "e2e": e2e,
         "distributed": distributed,
+        "block_sparse_comparison": block_sparse,
     }
     report["elapsed_s"] = time.perf_counter() - t_start
     (out / "results.json").write_text(json.dumps(report, indent=1, default=str))

@@ -384,10 +384,26 @@ def run_e2e_case(spec: dict) -> dict:
     return result
 
 
+def run_block_sparse_comparison(spec: dict) -> dict:
+    """hf_dilated.bench_block_sparse (the block-sparse kernel against sdpa and compiled FlexAttention
+    with the identical mask), run in this fresh process."""
+    from .bench_block_sparse import run_block_sparse_bench
+
+    log = []
+    rows = run_block_sparse_bench(n=spec["n"], heads=spec["heads"], head_dim=spec["head_dim"],
+                                  block_size=spec["block_size"], global_blocks=spec["global_blocks"],
+                                  window=spec["window"], dtype=DTYPES[spec["dtype"]], repeats=spec["repeats"],
+                                  flex=True, backward=True, device=spec["device"], log=log.append)
+    return {"spec": spec, "rows": rows, "log": log}
+
+
 def run_case(spec: dict) -> dict:
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    result = run_e2e_case(spec) if spec.get("kind") == "e2e" else run_kernel_case(spec)
+    if spec.get("kind") == "block_sparse_comparison":
+        result = run_block_sparse_comparison(spec)
+    else:
+        result = run_e2e_case(spec) if spec.get("kind") == "e2e" else run_kernel_case(spec)
     result["threads"] = torch.get_num_threads()
     return result
 
