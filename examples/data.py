@@ -28,13 +28,14 @@ class PasskeyDataset(Dataset):
 
     Each row holds documents of random lengths between `min_doc_len` and `seq_len`, with the key at a
     random depth: short documents keep the short-range skill, long ones teach the long range.
-    learn_repeat: also learn the key's short-range repeat (see passkey.passkey_sample).
+    learn_repeat: also learn the key's short-range repeat; learn_all: learn every token (see
+    passkey.passkey_sample).
     """
 
     def __init__(self, tokenizer, seq_len: int, num_rows: int, *, min_doc_len: int | None = None, seed: int = 0,
-                 learn_repeat: bool = True):
+                 learn_repeat: bool = True, learn_all: bool = False):
         self.tokenizer, self.seq_len, self.num_rows, self.seed = tokenizer, seq_len, num_rows, seed
-        self.learn_repeat = learn_repeat
+        self.learn_repeat, self.learn_all = learn_repeat, learn_all
         self.min_doc_len = max(min_length(), min_doc_len or min_length())
         if seq_len < self.min_doc_len:
             raise ValueError(f"seq_len must be at least {self.min_doc_len} for passkey data, got {seq_len}")
@@ -50,7 +51,8 @@ class PasskeyDataset(Dataset):
             # Leave no gap shorter than a document: the last document takes the rest.
             if free - length < self.min_doc_len:
                 length = free
-            docs.append(passkey_sample(self.tokenizer, length, rng.random(), rng, learn_repeat=self.learn_repeat))
+            docs.append(passkey_sample(self.tokenizer, length, rng.random(), rng, learn_repeat=self.learn_repeat,
+                                       learn_all=self.learn_all))
             free -= length
         input_ids = torch.cat([d["input_ids"] for d in docs])
         labels = torch.cat([d["labels"] for d in docs])

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shortest passkey document packed into a row (default: the shortest possible)")
     p.add_argument("--no-learn-repeat", action="store_true",
                    help="passkey: learn the answer only, not also the key's short-range repeat")
+    p.add_argument("--passkey-learn-all", action="store_true",
+                   help="passkey: language-model loss on every token, not only on the key digits")
     p.add_argument("--max-rows", type=int, default=None, help="use at most this many packed text rows")
     # What is trained.
     p.add_argument("--full-finetune", action="store_true", help="train every weight instead of LoRA")
@@ -142,7 +144,8 @@ def trainable_parameters(model) -> dict[str, torch.nn.Parameter]:
 def build_dataset(args, tokenizer):
     if args.data == ["passkey"]:
         return PasskeyDataset(tokenizer, args.seq_len, args.num_rows, min_doc_len=args.passkey_min_doc_len,
-                              seed=args.seed, learn_repeat=not args.no_learn_repeat)
+                              seed=args.seed, learn_repeat=not args.no_learn_repeat,
+                              learn_all=args.passkey_learn_all)
     return PackedTextDataset(tokenizer, find_text_files(args.data), args.seq_len, text_field=args.text_field,
                              max_rows=args.max_rows, cache_dir=os.path.join(args.output_dir, "datasets_cache"))
 

@@ -28,7 +28,8 @@ def min_length() -> int:
     return 1 + len(INTRO) + len(KEY_SENTENCE.format(key="0" * KEY_DIGITS)) + len(QUESTION) + KEY_DIGITS
 
 
-def passkey_sample(tokenizer, length: int, depth: float, rng: random.Random, *, learn_repeat: bool = False) -> dict:
+def passkey_sample(tokenizer, length: int, depth: float, rng: random.Random, *, learn_repeat: bool = False,
+                   learn_all: bool = False) -> dict:
     """One sample of exactly `length` tokens, the key sentence after `depth` (0..1) of the filler.
 
     Returns input_ids (the whole text, answer included) and labels shifted for next-token
@@ -37,7 +38,9 @@ def passkey_sample(tokenizer, length: int, depth: float, rng: random.Random, *, 
 
     learn_repeat: also label the key's repeat inside the key sentence ("Remember it. 71432 is ..."),
     a short-range copy of the same key that trains the copying the long-range answer needs.
-    Evaluation never uses it.
+    learn_all: label every token (plain language modelling of the sample): the repeated filler
+    trains copying from earlier text on thousands of tokens per row instead of ten.
+    Evaluation uses neither.
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
@@ -54,7 +57,7 @@ def passkey_sample(tokenizer, length: int, depth: float, rng: random.Random, *, 
     ids = [tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) != length:
         raise ValueError(f"the tokenizer must give one token per character (got {len(ids)} tokens for {length})")
-    labels = [IGNORE_INDEX] * length
+    labels = ids[1:] + [IGNORE_INDEX] if learn_all else [IGNORE_INDEX] * length
     for t in range(length - KEY_DIGITS - 1, length - 1):
         labels[t] = ids[t + 1]
     if learn_repeat:

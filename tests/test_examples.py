@@ -211,6 +211,9 @@ def test_passkey_rows_pack_documents_deterministically():
     assert (row["labels"] != IGNORE_INDEX).sum() == 2 * KEY_DIGITS * len(starts)
     plain = PasskeyDataset(tokenizer, 1024, 10, seed=3, learn_repeat=False)[7]
     assert (plain["labels"] != IGNORE_INDEX).sum() == KEY_DIGITS * len(starts)
+    everything = PasskeyDataset(tokenizer, 1024, 10, seed=3, learn_all=True)[7]  # only document ends unlabelled
+    assert torch.equal(torch.nonzero(everything["labels"] == IGNORE_INDEX).flatten() + 1,
+                       torch.tensor(starts[1:] + [1024]))
 
 
 def test_pack_documents_keeps_boundaries():
