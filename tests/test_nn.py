@@ -244,3 +244,36 @@ def test_factory_errors():
         create_attention("auto", dense_max_len=0)
     with pytest.raises(ValueError, match="is_causal"):
         create_attention("ring")(*(torch.randn(1, 2, 4, 8) for _ in range(3)), is_causal=False)
+
+
+def auto_under_sequence_parallel(rank, world):
+    """Child of a 2-rank gloo group: "auto" on this rank's zigzag shards."""
+    import hf_dilated.distributed as hd
+    from hf_dilated.distributed.layout import shard
+
+    hd.setup_sequence_parallel(world, layout="zigzag")
+    auto = create_attention("auto", dense_max_len=16)
+    results = {}
+    for n in (16, 64):
+        g = torch.Generator().manual_seed(n)  # the same global tensors on every rank
+        q, k, v = (torch.randn(1, 4, n, 8, generator=g) for _ in range(3))
+        local = [shard(t, world, rank, "zigzag", dim=2) for t in (q, k, v)]
+        kind, cfg = auto.choose(local[1].shape[2], q.device)
+        results[n] = dict(kind=kind, segment_lengths=cfg.get("segment_lengths"), out=auto(*local), q=q, k=k, v=v)
+    return results
+
+
+def test_auto_under_a_sequence_parallel_group_runs_the_ring_kernels():
+    """Real 2-process gloo group: auto picks ring / dilated_ring by the *global* length, and the
+    gathered result is the single-process pattern's (float64 reference)."""
+    from distributed_launch import launch
+    from hf_dilated.distributed.layout import unshard
+
+    outcomes = launch(auto_under_sequence_parallel, 2)
+    for n, (kind, seg) in {16: ("ring", None), 64: ("dilated_ring", [16, 32, 64])}.items():
+        per_rank = [o["result"][n] for o in outcomes]
+        assert all(r["kind"] == kind and r["segment_lengths"] == seg for r in per_rank), per_rank
+        out = unshard([r["out"] for r in per_rank], "zigzag", dim=2)
+        q, k, v = (per_rank[0][name].double() for name in "qkv")
+        want = dense_causal_reference(q, k, v) if kind == "ring" else dilated_reference(q, k, v, seg, [1, 2, 4])
+        assert (out.double() - want).abs().max() < 1e-4, kind
