@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.backend import attention_backward, attention_forward
-from ..ops.merge import merge_dtype, merge_partial
+from ..ops.merge import merge_dtype, merge_into
 from ..ops.validate import check_qkv, check_scale_dropout
 from .exchange import Exchange, GlobalTokens, prepare_call, wait_all
 from .groups import group_size_rank
@@ -90,8 +90,7 @@ class _RingAttention(torch.autograd.Function):
                 o, l = o.to(acc), l.to(acc)
                 if piece.empty_rows is not None:  # the kernel reports lse 0 for a row with no key
                     l = l.masked_fill(piece.empty_rows, float("-inf"))
-                out[:, :, piece.rows], lse[:, :, piece.rows] = merge_partial(
-                    out[:, :, piece.rows], lse[:, :, piece.rows], o, l)
+                merge_into(out[:, :, piece.rows], lse[:, :, piece.rows], o, l)
             if step + 1 < len(pieces):
                 wait_all(works)
                 kv = kv_next
