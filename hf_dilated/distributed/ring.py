@@ -35,11 +35,28 @@ class Piece:
     rows: slice
     cols: slice
     is_causal: bool
-    bias: torch.Tensor | None  # additive (batch, 1, nq, nk), 0 or -inf
-    empty_rows: torch.Tensor | None  # bool (batch, 1, nq): rows with no visible key in this piece
+    # Padding / documents: the global indices of the rows and cols, to build the mask when the
+    # step runs (built per step, never stored: it is (batch, nq, nk)).
+    q_index: torch.Tensor | None = None
+    k_index: torch.Tensor | None = None
+    tokens: GlobalTokens | None = None
+
+    def mask(self, dtype):
+        """(additive bias (batch, 1, nq, nk) or None, bool rows with no visible key or None)."""
+        if self.q_index is None:
+            return None, None
+        visible = _visible(self.tokens, self.q_index, self.k_index)
+        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        bias.masked_fill_(~visible, float("-inf"))
+        return bias[:, None], ~visible.any(-1)[:, None]
 
 
-def ring_pieces(tokens: GlobalTokens, dtype) -> list[Piece | None]:
+def _visible(tokens: GlobalTokens, qi, kj):
+    visible = (kj[None, None, :] <= qi[None, :, None]) & tokens.real[:, None, kj]
+    return visible & (tokens.doc[:, qi, None] == tokens.doc[:, None, kj])
+
+
+def ring_pieces(tokens: GlobalTokens) -> list[Piece | None]:
     """For each ring step t (block of rank (rank - t) mod P), the Piece to compute, or None."""
     world, rank, layout = tokens.world, tokens.rank, tokens.layout
     n_local = tokens.local_index.numel()
@@ -59,18 +76,14 @@ def ring_pieces(tokens: GlobalTokens, dtype) -> list[Piece | None]:
         csl = slice(cols[0] * c, (cols[-1] + 1) * c)
         all_full = all(rel[i][j] == 1 for i in rows for j in cols)
         if tokens.plain and (all_full or src == rank):
-            pieces.append(Piece(rsl, csl, is_causal=not all_full, bias=None, empty_rows=None))
+            pieces.append(Piece(rsl, csl, is_causal=not all_full))
             continue
         qi = tokens.local_index[rsl]
         kj = tokens.rank_index(src)[csl]
-        visible = (kj[None, None, :] <= qi[None, :, None]) & tokens.real[:, None, kj]
-        visible = visible & (tokens.doc[:, qi, None] == tokens.doc[:, None, kj])
-        if not visible.any():
+        if not _visible(tokens, qi, kj).any():
             pieces.append(None)
             continue
-        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-        bias.masked_fill_(~visible, float("-inf"))
-        pieces.append(Piece(rsl, csl, False, bias[:, None], ~visible.any(-1)[:, None]))
+        pieces.append(Piece(rsl, csl, False, qi, kj, tokens))
     return pieces
 
 
@@ -85,11 +98,12 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < len(pieces):  # post the next hop before computing on the block in hand
                 kv_next, works = exchange.ring_shift(kv, tag=0)
             if piece is not None:
+                bias, empty_rows = piece.mask(q.dtype)
                 o, l = attention_forward(q[:, :, piece.rows], kv[0][:, :, piece.cols], kv[1][:, :, piece.cols],
-                                         is_causal=piece.is_causal, scale=scale, attn_bias=piece.bias)
+                                         is_causal=piece.is_causal, scale=scale, attn_bias=bias)
                 o, l = o.to(acc), l.to(acc)
-                if piece.empty_rows is not None:  # the kernel reports lse 0 for a row with no key
-                    l = l.masked_fill(piece.empty_rows, float("-inf"))
+                if empty_rows is not None:  # the kernel reports lse 0 for a row with no key
+                    l = l.masked_fill(empty_rows, float("-inf"))
                 merge_into(out[:, :, piece.rows], lse[:, :, piece.rows], o, l)
             if step + 1 < len(pieces):
                 wait_all(works)
@@ -117,9 +131,10 @@ class _RingAttention(torch.autograd.Function):
             grads = None
             if piece is not None:
                 r, c = piece.rows, piece.cols
+                bias, _ = piece.mask(q.dtype)
                 grads = attention_backward(dout[:, :, r], q[:, :, r], kv[0][:, :, c], kv[1][:, :, c],
                                            out[:, :, r], lse[:, :, r], is_causal=piece.is_causal,
-                                           scale=scale, attn_bias=piece.bias)
+                                           scale=scale, attn_bias=bias)
                 dq[:, :, r] += grads[0]
             if step > 0:  # the accumulated dK/dV of the block in hand, from the previous rank
                 wait_all(dkv_works)
@@ -159,6 +174,6 @@ def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", scale=None, a
                                  position_ids=position_ids)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     pieces = prepare_call("ring_attention", q, k, v, attention_mask=attention_mask, position_ids=position_ids,
-                          group=group, layout=layout, scale=scale, build=lambda t: ring_pieces(t, q.dtype))
+                          group=group, layout=layout, scale=scale, build=ring_pieces)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Exchange(group, "ring"),
                                 pieces, scale)
