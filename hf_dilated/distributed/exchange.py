@@ -5,8 +5,9 @@ Every send of the package goes through `Exchange.start`, which posts isend/irecv
 (the benchmark reads these counters). Waits run under the group's timeout (see faults.py).
 
 `global_tokens` all-gathers the small per-token metadata (positions, padding flags) once per
-call, so every rank knows the positions, documents and padding of the whole sequence and can
-build any visibility pattern, for its own queries or for a peer's, without further messages.
+call (once per forward pass of a model: `prepare_call` caches the plan built from it for the
+next layers), so every rank knows the positions, documents and padding of the whole sequence and
+can build any visibility pattern, for its own queries or for a peer's, without further messages.
 """
 from __future__ import annotations
 
