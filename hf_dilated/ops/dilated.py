@@ -246,6 +246,14 @@ def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal
         jq_cls = table.gather(2, tq_cls.clamp(max=n_slots - 1))
         q_real_cls = (tq_cls < n_slots) & (jq_cls >= first_query)
         jq_cls = torch.where(q_real_cls, jq_cls - first_query, 0)
+        # Many queries per row (chunked prefill, a sequence-parallel shard): computing the whole
+        # rows as a prefill (fused causal calls, results kept for the query slots only) beats an
+        # explicit (queries x keys) bias, whose kernel cannot skip masked blocks.
+        if is_causal and (prev_w is None or prev_w % r == 0) and 4 * n_q >= n_slots:
+            decode = False
+            tq_cls = torch.arange(n_slots, device=device).expand(r, n_rows, n_slots)
+            q_real_cls = is_query
+            jq_cls = torch.where(is_query, table - first_query, 0)
     else:
         tq_cls = torch.arange(n_slots, device=device).expand(r, n_rows, n_slots)
         q_real_cls = table >= 0
@@ -278,7 +286,7 @@ def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal
         k_rows=k_rows, k_dump=k_rows.masked_fill(~k_real, batch * kv_heads * kv_len), calls=calls,
     )
     level.segment_view = (
-        layout.plain and not decode and r == 1 and q0 == 0 and kv_len % w == 0 and kv_len >= w
+        layout.plain and q_len == kv_len and r == 1 and q0 == 0 and kv_len % w == 0 and kv_len >= w
         and order == list(range(q_heads)) and q_heads == kv_heads * (q_heads // kv_heads)
         and pair_kvh == list(range(kv_heads))
     )
