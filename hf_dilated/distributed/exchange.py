@@ -11,13 +11,13 @@ can build any visibility pattern, for its own queries or for a peer's, without f
 """
 from __future__ import annotations
 
-import weakref
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..ops.plan_cache import PlanCache
 from .layout import shard_indices, unshard
 
 _BYTES_SENT: Counter = Counter()
@@ -122,44 +122,9 @@ def global_tokens(batch: int, n_local: int, *, attention_mask, position_ids, gro
     return GlobalTokens(positions, real, doc, plain, local_index, world, rank, layout)
 
 
-class _PlanCache:
-    """The last few call plans, keyed by shapes, configuration and the identity (object and
-    version) of the local attention_mask / position_ids: a model's layers all pass the same
-    tensors, so every layer after the first skips the metadata gather and the planning. A rank
-    uses its cached plan only when every rank of the group has one (agreed in the signature
-    message), so the ranks always run the same collectives."""
-
-    def __init__(self, size: int = 4):
-        self.size, self.entries = size, []
-
-    @staticmethod
-    def _ident(t):
-        return None if t is None else (weakref.ref(t), t._version)
-
-    @staticmethod
-    def _same(ident, t):
-        if ident is None or t is None:
-            return ident is None and t is None
-        return ident[0]() is t and ident[1] == t._version
-
-    @staticmethod
-    def cacheable(*tensors) -> bool:
-        return all(t is None or not t.is_inference() for t in tensors)
-
-    def get(self, key, mask, pos):
-        if not self.cacheable(mask, pos):
-            return None
-        for k, m, p, value in self.entries:
-            if k == key and self._same(m, mask) and self._same(p, pos):
-                return value
-        return None
-
-    def put(self, key, mask, pos, value):
-        if self.cacheable(mask, pos):
-            self.entries = [(key, self._ident(mask), self._ident(pos), value)] + self.entries[: self.size - 1]
-
-
-_PLANS = _PlanCache()
+# A rank uses its cached plan only when every rank of the group has one (agreed in the signature
+# message), so the ranks always run the same collectives.
+_PLANS = PlanCache()
 
 
 def prepare_call(what: str, q, k, v, *, attention_mask, position_ids, group, layout: str, build, **config):

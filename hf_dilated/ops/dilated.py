@@ -26,13 +26,13 @@ log-sum-exp, so training memory stays O(N).
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from .backend import attention_backward, attention_forward
 from .merge import merge_dtype, merge_partial
+from .plan_cache import PlanCache
 from .positions import TokenLayout, token_layout
 from .validate import check_dilated_config, check_qkv, check_scale_dropout
 
@@ -106,50 +106,13 @@ def dilated_attention(
     if levels is None:
         layout = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
         levels = plan_levels(layout, q.shape[2], q.shape[1], k.shape[1], seg, dil, mode, is_causal)
-        if _PlanCache.cacheable(attention_mask) and _PlanCache.cacheable(position_ids):
-            _PLANS.put(key, attention_mask, position_ids, levels)
+        _PLANS.put(key, attention_mask, position_ids, levels)
     if dropout_p > 0.0:
         return _dropout_attention(q, k, v, levels, scale, dropout_p)
     return _DilatedAttention.apply(q, k, v, levels, scale)
 
 
-class _PlanCache:
-    """The last few plans, keyed by shapes, configuration and the *identity* (object and version)
-    of the mask and position tensors: every layer of a model reuses the plan of the first.
-    Inference-mode tensors carry no version counter, so plans built from them are not cached
-    (writes through `.data` or shared numpy memory also bypass the counter: don't do that)."""
-
-    @staticmethod
-    def cacheable(t) -> bool:
-        return t is None or not t.is_inference()
-
-    def __init__(self, size: int = 4):
-        self.size, self.entries = size, []
-
-    @staticmethod
-    def _ident(t):
-        return None if t is None else (weakref.ref(t), t._version)
-
-    @staticmethod
-    def _same(ident, t):
-        if ident is None or t is None:
-            return ident is None and t is None
-        return ident[0]() is t and ident[1] == t._version
-
-    def get(self, key, mask, pos):
-        if not (self.cacheable(mask) and self.cacheable(pos)):
-            return None
-        for entry in self.entries:
-            k, m, p, levels = entry
-            if k == key and self._same(m, mask) and self._same(p, pos):
-                return levels
-        return None
-
-    def put(self, key, mask, pos, levels):
-        self.entries = [(key, self._ident(mask), self._ident(pos), levels)] + self.entries[: self.size - 1]
-
-
-_PLANS = _PlanCache()
+_PLANS = PlanCache()
 
 
 def head_groups(num_heads: int, num_groups: int) -> list[list[int]]:
