@@ -14,8 +14,8 @@ if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: already installed
 fi
 
 OUT=${OUT:-runs/default}
-PRETRAIN_STEPS=${PRETRAIN_STEPS:-200}
-FINETUNE_STEPS=${FINETUNE_STEPS:-200}
+PRETRAIN_STEPS=${PRETRAIN_STEPS:-300}
+FINETUNE_STEPS=${FINETUNE_STEPS:-600}
 CONTEXT=2048  # the preset's context length
 EVAL_SAMPLES=${EVAL_SAMPLES:-4}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -31,7 +31,7 @@ hf-dilated convert "$OUT/pretrain/model" "$OUT/long" --preset tiny-llama-passkey
 echo "== 3/4 LoRA fine-tune with dilated_ring on passkey retrieval"
 python examples/finetune_long_context.py --model "$OUT/long" --output-dir "$OUT/finetune" --attn dilated_ring \
     --seq-len "$CONTEXT" --data passkey --max-steps "$FINETUNE_STEPS" --lora-rank 32 --lora-alpha 64 --lr 2e-3 \
-    --warmup-steps 10 --no-gradient-checkpointing --save-every 50 --log-file "$OUT/finetune/log.jsonl"
+    --warmup-steps 10 --no-gradient-checkpointing --save-every 200 --log-file "$OUT/finetune/log.jsonl"
 
 echo "== 4/4 passkey evaluation"
 python examples/eval_passkey.py --model "$OUT/finetune/model" --attn dilated_ring sdpa \
