@@ -408,6 +408,14 @@ def _segment_add(target: torch.Tensor, grad: torch.Tensor, w: int, overwrite: bo
     view.copy_(grad) if overwrite else view.add_(grad)
 
 
+def _add_rows(target: torch.Tensor, index: torch.Tensor, grad: torch.Tensor) -> None:
+    """target[index] += grad rows. Within one call a real slot's row occurs once (only the dump
+    row repeats), so a gather-add-scatter is exact, and much faster than index_add_ on CPU."""
+    rows = target.index_select(0, index)
+    rows += grad.reshape(rows.shape)
+    target.index_copy_(0, index, rows)
+
+
 def _backward(dout, q, k, v, out, lse, levels: list[_Level], scale):
     batch, q_heads, q_len, head_dim = q.shape
     acc_dtype = merge_dtype(q.dtype)
@@ -448,9 +456,9 @@ def _backward(dout, q, k, v, out, lse, levels: list[_Level], scale):
                 continue
             dst = level.q_dump[rows][:, :, q_slots].reshape(-1)
             kd = level.k_dump[rows][:, :, k_slots].reshape(-1)
-            dq.index_add_(0, dst, g_q.reshape(-1, head_dim).to(acc_dtype))
-            dk.index_add_(0, kd, g_k.reshape(-1, head_dim).to(acc_dtype))
-            dv.index_add_(0, kd, g_v.reshape(-1, head_dim).to(acc_dtype))
+            _add_rows(dq, dst, g_q)
+            _add_rows(dk, kd, g_k)
+            _add_rows(dv, kd, g_v)
     return (dq[:-1].view(q.shape).to(q.dtype), dk[:-1].view(k.shape).to(k.dtype), dv[:-1].view(v.shape).to(v.dtype))
 
 
