@@ -73,6 +73,7 @@ class _Level:
     # Set when the level's rows are plain consecutive segments (no padding, positions 0..n-1,
     # dilation 1, n a multiple of w): q, k, v are then *viewed* as (batch * n / w, heads, w, d).
     segment_view: bool = False
+    unique_pairs: bool = True  # no two gathered K/V heads are the same (kv head, class) pair
 
 
 def dilated_attention(
@@ -248,6 +249,7 @@ def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal
         q_rows=q_rows, q_dump=q_rows.masked_fill(~q_real, batch * q_heads * q_len),
         k_rows=k_rows, k_dump=k_rows.masked_fill(~k_real, batch * kv_heads * kv_len), calls=calls,
     )
+    level.unique_pairs = len(set(zip(pair_kvh, pair_cls))) == len(pair_kvh)
     level.segment_view = (
         layout.plain and q_len == kv_len and r == 1 and q0 == 0 and kv_len % w == 0 and kv_len >= w
         and order == list(range(q_heads)) and q_heads == kv_heads * (q_heads // kv_heads)
@@ -408,9 +410,12 @@ def _segment_add(target: torch.Tensor, grad: torch.Tensor, w: int, overwrite: bo
     view.copy_(grad) if overwrite else view.add_(grad)
 
 
-def _add_rows(target: torch.Tensor, index: torch.Tensor, grad: torch.Tensor) -> None:
-    """target[index] += grad rows. Within one call a real slot's row occurs once (only the dump
-    row repeats), so a gather-add-scatter is exact, and much faster than index_add_ on CPU."""
+def _add_rows(target: torch.Tensor, index: torch.Tensor, grad: torch.Tensor, unique: bool = True) -> None:
+    """target[index] += grad rows. When a real row occurs once in `index` (only the dump row
+    repeats) a gather-add-scatter is exact, and much faster than index_add_ on CPU."""
+    if not unique:
+        target.index_add_(0, index, grad.reshape(-1, target.shape[-1]).to(target.dtype))
+        return
     rows = target.index_select(0, index)
     rows += grad.reshape(rows.shape)
     target.index_copy_(0, index, rows)
@@ -457,8 +462,8 @@ def _backward(dout, q, k, v, out, lse, levels: list[_Level], scale):
             dst = level.q_dump[rows][:, :, q_slots].reshape(-1)
             kd = level.k_dump[rows][:, :, k_slots].reshape(-1)
             _add_rows(dq, dst, g_q)
-            _add_rows(dk, kd, g_k)
-            _add_rows(dv, kd, g_v)
+            _add_rows(dk, kd, g_k, unique=level.unique_pairs)
+            _add_rows(dv, kd, g_v, unique=level.unique_pairs)
     return (dq[:-1].view(q.shape).to(q.dtype), dk[:-1].view(k.shape).to(k.dtype), dv[:-1].view(v.shape).to(v.dtype))
 
 
