@@ -9,7 +9,6 @@ label at the last token of a document is -100, so nothing learns across a bounda
 """
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 

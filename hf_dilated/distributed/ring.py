@@ -124,7 +124,7 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dkv = [torch.zeros(k.shape, dtype=acc, device=k.device) for _ in range(2)]  # travels with its block
         kv = (k, v)
-        dkv_works = []
+        dkv_in, dkv_works = None, []  # set at the end of every step: the dK/dV arriving from the previous rank
         for step, piece in enumerate(pieces):
             if step + 1 < len(pieces):
                 kv_next, kv_works = exchange.ring_shift(kv, tag=0)

@@ -18,8 +18,10 @@ sub-segments 0..s-1 (no causal mask needed). "longnet" sums the levels (a multis
 
 Irregular rows (a document that starts inside a segment, padding inside a document) leave empty
 slots before real ones; those keys are masked with an additive -inf bias of shape (rows, heads, 1,
-slots). Decode and chunked prefill (q_len < kv_len) gather only the rows that hold queries and use
-an explicit bias over (query slots x key slots), so a decode step costs the sum of w_g / r_g.
+slots). Decode and chunked prefill (q_len < kv_len) gather only the rows that hold queries (a
+decode step plans and reads only the last w_g - 1 tokens of each level, so it costs the sum of
+w_g / r_g). Few queries per row use an explicit bias over (query slots x key slots); many (a chunk,
+a sequence-parallel shard) run those rows as a prefill and keep the query slots.
 
 The backward is the standard flash backward per call, fed with the merged output and
 log-sum-exp, so training memory stays O(N).
@@ -341,7 +343,7 @@ def _row_view(t: torch.Tensor):
 
 def _rows_for(index: torch.Tensor, shape, row_strides):
     """Re-express contiguous-layout row indices for a tensor with other (dense) row strides."""
-    b, h, n = shape[0], shape[1], shape[2]
+    h, n = shape[1], shape[2]
     if row_strides == (h * n, n, 1):
         return index
     sb, sh, sn = row_strides
