@@ -132,6 +132,28 @@ def test_long_lists_split_into_pieces_merge_exactly(monkeypatch):
             _check_against_reference(PATTERNS[name], scenario, torch.float64)
 
 
+def test_plain_prefill_calls_cut_into_runs_merge_exactly(monkeypatch):
+    """Plain prefill runs its zero-copy calls over runs of query blocks; short runs (here 1 and 2
+    blocks, with the whole-sequence causal head of a wide window kept whole) change nothing."""
+    calls_seen = []
+    chunk = block_sparse_module._chunk_view_calls
+
+    def spy(calls, R, size):
+        out = chunk(calls, R, size)
+        calls_seen.extend(out)
+        return out
+
+    monkeypatch.setattr(block_sparse_module, "_chunk_view_calls", spy)
+    for blocks_per_run in (1, 2):
+        monkeypatch.setattr(block_sparse_module, "_VIEW_CHUNK", blocks_per_run * Q_HEADS * BLOCK * DIM)
+        for name in ("local", "dilated", "global_local", "hierarchical", "custom_shared"):
+            calls_seen.clear()
+            _check_against_reference(PATTERNS[name], "plain", torch.float64)
+            split = [c for c in calls_seen if not (c.kind == "fixed" and c.causal)]
+            assert split and all(c.u1 - c.u0 <= blocks_per_run for c in split)
+        _check_against_reference(LocalPattern(window=100), "plain", torch.float64)
+
+
 def test_larger_blocks_and_multiple_of_block_length():
     q, k, v = _qkv(64, torch.float32, q_heads=4, kv_heads=1, length=64)
     for pattern in (GlobalLocalPattern(1, 2), DilatedPattern(1, 2), LocalPattern(2)):

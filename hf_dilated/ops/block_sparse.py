@@ -44,6 +44,11 @@ from .validate import check_qkv, check_scale_dropout
 
 # Elements of gathered K plus V per fused call: bounds the transient memory of a call.
 _GATHER_BUDGET = 1 << 22
+# Output elements (query rows x heads x head_dim) per zero-copy call: the calls of plain prefill
+# run run-by-run over this many query rows. A fresh multi-megabyte result is page-faulted in on
+# every call on CPU (~10% of the forward at N=32K when one call covered the sequence), and a small
+# one is reused by the allocator and merged while it is still in cache.
+_VIEW_CHUNK = 1 << 21
 
 
 def block_sparse_attention(q, k, v, pattern, *, block_size, is_causal=True, scale=None, attention_mask=None,
@@ -280,6 +285,7 @@ def _plan(st: _Structure, rows, is_causal, q_heads, kv_heads, dim) -> _Plan:
         # Prefill of one unpadded document per row: every row has the same R blocks.
         allowed = rows[:R, 0, :R] & (r[None, :] <= r[:, None])
         view_calls, left, band = _view_calls(allowed, st)
+        view_calls = _chunk_view_calls(view_calls, R, max(1, _VIEW_CHUNK // (q_heads * st.block_size * dim)))
         zeros = torch.zeros(R, dtype=torch.long, device=device)
         row_calls = view_calls + _gather_calls(left, zeros, r, st, 1, False, is_causal, kv_heads, dim, False)
         calls = [replace(c, b=b) for b in range(I // R) for c in row_calls]
@@ -332,6 +338,26 @@ def _view_calls(allowed, st: _Structure):
             torch.diagonal(left, -d).fill_(False)
             calls.append(_Call("window", False, u0=d, u1=R, off=d, m=1))
     return calls, left, band
+
+
+def _chunk_view_calls(calls, R, size):
+    """The view calls cut into runs of at most `size` query blocks, run by run (calls keep their
+    order within a run, so every block still meets its writing call first). A causal "fixed" call
+    stays whole (its causality is aligned to its first block) and forms its own run."""
+    whole = [c for c in calls if c.kind == "fixed" and c.causal]
+    assert all(c.u0 == 0 for c in whole) and len(whole) <= 1
+    start = whole[0].u1 if whole else 0
+    runs = [(0, start)] if start else []
+    runs += [(lo, min(R, lo + size)) for lo in range(start, R, size)]
+    out = []
+    for lo, hi in runs:
+        for c in calls:
+            if c.kind == "fixed" and c.causal:
+                if (c.u0, c.u1) == (lo, hi):
+                    out.append(c)
+            elif max(c.u0, lo) < min(c.u1, hi):
+                out.append(replace(c, u0=max(c.u0, lo), u1=min(c.u1, hi)))
+    return out
 
 
 def _causal_bias(bs, m):
@@ -635,6 +661,7 @@ class _BlockSparseAttention(torch.autograd.Function):
                 store.write(call, lse_acc, prev_lse)
             else:  # a view of the accumulators: merge in place
                 merge_into(store.read(call, out_acc), store.read(call, lse_acc), out, lse)
+            del out, lse  # free before the next call allocates, so the allocator reuses the memory
         out_rows = out_acc.to(q.dtype)
         ctx.save_for_backward(qs, ks, vs, out_rows, lse_acc)
         ctx.st, ctx.plan, ctx.scale, ctx.shapes = st, plan, scale, (q.shape, k.shape)
