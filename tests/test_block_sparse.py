@@ -132,9 +132,11 @@ def test_long_lists_split_into_pieces_merge_exactly(monkeypatch):
             _check_against_reference(PATTERNS[name], scenario, torch.float64)
 
 
-def test_plain_prefill_calls_cut_into_runs_merge_exactly(monkeypatch):
-    """Plain prefill runs its zero-copy calls over runs of query blocks; short runs (here 1 and 2
-    blocks, with the whole-sequence causal head of a wide window kept whole) change nothing."""
+@pytest.mark.parametrize("blocks_per_run, strip_rows", [(1, 1), (2, 3), (100, 2)])
+def test_plain_prefill_runs_and_strips_merge_exactly(monkeypatch, blocks_per_run, strip_rows):
+    """Plain prefill runs its zero-copy calls over runs of query blocks and a block's own keys in
+    strips of query rows; short runs and strips (uneven ones included, with the whole-sequence
+    causal head of a wide window kept whole) change nothing."""
     calls_seen = []
     chunk = block_sparse_module._chunk_view_calls
 
@@ -144,14 +146,21 @@ def test_plain_prefill_calls_cut_into_runs_merge_exactly(monkeypatch):
         return out
 
     monkeypatch.setattr(block_sparse_module, "_chunk_view_calls", spy)
-    for blocks_per_run in (1, 2):
-        monkeypatch.setattr(block_sparse_module, "_VIEW_CHUNK", blocks_per_run * Q_HEADS * BLOCK * DIM)
-        for name in ("local", "dilated", "global_local", "hierarchical", "custom_shared"):
-            calls_seen.clear()
-            _check_against_reference(PATTERNS[name], "plain", torch.float64)
-            split = [c for c in calls_seen if not (c.kind == "fixed" and c.causal)]
-            assert split and all(c.u1 - c.u0 <= blocks_per_run for c in split)
-        _check_against_reference(LocalPattern(window=100), "plain", torch.float64)
+    monkeypatch.setattr(block_sparse_module, "_VIEW_CHUNK", blocks_per_run * Q_HEADS * BLOCK * DIM)
+    monkeypatch.setattr(block_sparse_module, "_STRIP_ROWS", strip_rows)
+    for name in ("local", "dilated", "global_local", "hierarchical", "custom_shared"):
+        calls_seen.clear()
+        _check_against_reference(PATTERNS[name], "plain", torch.float64)
+        split = [c for c in calls_seen if not (c.kind == "fixed" and c.causal)]
+        assert split and all(c.u1 - c.u0 <= blocks_per_run for c in split)
+        strips = {(c.r0, c.r1) for c in calls_seen if c.kind == "strip"}
+        expected = {(r, min(BLOCK, r + strip_rows)) for r in range(0, BLOCK, strip_rows)}
+        assert name == "custom_shared" or strips == expected  # a random layout may lack its diagonal
+    _check_against_reference(LocalPattern(window=100), "plain", torch.float64)
+    q, k, v = _qkv(64, torch.float32, q_heads=4, kv_heads=1, length=64)
+    out, layout = block_sparse_attention(q, k, v, GlobalLocalPattern(1, 2), block_size=16, return_layout=True)
+    ref = block_sparse_reference(q.double(), k.double(), v.double(), layout, 16)
+    assert (out.double() - ref).abs().max().item() < 1e-4
 
 
 def test_larger_blocks_and_multiple_of_block_length():
