@@ -8,6 +8,7 @@ torch 2.13 it has no backward, so it only appears in forward rows.
 
     python -m hf_dilated.bench_block_sparse                 # N=32768, 8 heads, head_dim 64
     python -m hf_dilated.bench_block_sparse --n 4096 --repeats 1 --backward
+    python -m hf_dilated.bench_block_sparse --threads 1     # every variant on one thread (busy machine)
 
 Functions for the `hf-dilated bench` driver: `run_block_sparse_bench(...)` returns result rows
 (dicts), `markdown_table(rows)` renders them.
@@ -153,7 +154,13 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-flex", action="store_true", help="skip compiled FlexAttention")
     parser.add_argument("--backward", action="store_true", help="also time forward+backward")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads for every variant (default: torch's default)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be positive, got {args.threads}")
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads, "
           f"batch 1, {args.heads} heads, head_dim {args.head_dim}, N={args.n}, {args.dtype}")
     rows = run_block_sparse_bench(
