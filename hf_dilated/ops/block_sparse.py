@@ -15,9 +15,11 @@ softmax runs over every allowed key at once. Work and gathered memory grow with 
 allowed blocks, never with N^2.
 - Plain prefill (one unpadded document per row, shared layout, causal): q, k, v are used in place,
   viewed as blocks. The regular parts of the layout run as zero-copy strided calls: the band of
-  full diagonals (own block causal, earlier band blocks as overlapping windows), full columns such
-  as global blocks (all later queries as one run against fixed keys), further full diagonals
-  (dilated strides). Irregular leftovers are gathered as below.
+  full diagonals (own block causal in strips of query rows, earlier band blocks as overlapping
+  windows), full columns such as global blocks (later queries as runs against fixed keys), further
+  full diagonals (dilated strides). These calls go run by run over a few query blocks, so each
+  result is small, reused by the allocator and merged while cached. Irregular leftovers are
+  gathered as below.
 - Otherwise tokens are regrouped into "row blocks" (one per document and block number, at most
   block_size tokens packed from slot 0 in sequence order). Each query row block has a list of
   allowed row blocks of its document; lists of equal length are batched, their K/V blocks gathered
