@@ -294,8 +294,11 @@ def _plan(st: _Structure, rows, is_causal, q_heads, kv_heads, dim) -> _Plan:
     if st.plain and is_causal and not per_head:
         # Prefill of one unpadded document per row: every row has the same R blocks.
         allowed = rows[:R, 0, :R] & (r[None, :] <= r[:, None])
-        view_calls, left, band = _view_calls(allowed, st)
-        view_calls = _chunk_view_calls(view_calls, R, max(1, _VIEW_CHUNK // (q_heads * st.block_size * dim)))
+        # Strips and runs work around the CPU kernel and allocator; CUDA keeps whole calls.
+        cpu = device.type == "cpu"
+        view_calls, left, band = _view_calls(allowed, st, _STRIP_ROWS if cpu else st.block_size)
+        run = max(1, _VIEW_CHUNK // (q_heads * st.block_size * dim)) if cpu else R
+        view_calls = _chunk_view_calls(view_calls, R, run)
         zeros = torch.zeros(R, dtype=torch.long, device=device)
         row_calls = view_calls + _gather_calls(left, zeros, r, st, 1, False, is_causal, kv_heads, dim, False)
         calls = [replace(c, b=b) for b in range(I // R) for c in row_calls]
@@ -311,9 +314,10 @@ def _plan(st: _Structure, rows, is_causal, q_heads, kv_heads, dim) -> _Plan:
     return _Plan(calls, I, per_head, False)
 
 
-def _view_calls(allowed, st: _Structure):
+def _view_calls(allowed, st: _Structure, strip_rows):
     """Zero-copy calls for the regular parts of an (R, R) causal block layout of one row: the band
-    of full diagonals 0..w-1 (a dense causal head, then overlapping windows), full columns [0, g)
+    of full diagonals 0..w-1 (a dense causal head, then each block's own keys in strips of
+    `strip_rows` query rows and the earlier band blocks as overlapping windows), full columns [0, g)
     below the band (one run of queries against fixed keys), and further full diagonals.
     Returns the calls, the (R, R) pairs left for gathered calls, and the band width w."""
     R = allowed.shape[0]
@@ -334,8 +338,8 @@ def _view_calls(allowed, st: _Structure):
             calls.append(_Call("fixed", True, u0=0, u1=head, s=0, m=head, causal=True))
         if head < R:  # own block causal in strips of rows, then the earlier band blocks unmasked
             bs = st.block_size
-            for r0 in range(0, bs, _STRIP_ROWS):
-                r1 = min(bs, r0 + _STRIP_ROWS)
+            for r0 in range(0, bs, strip_rows):
+                r1 = min(bs, r0 + strip_rows)
                 bias = None if r0 == 0 else _causal_bias(r1 - r0, r1, diagonal=r0)
                 calls.append(_Call("strip", True, bias, u0=head, u1=R, r0=r0, r1=r1, causal=r0 == 0))
             if band > 1:
