@@ -25,17 +25,21 @@ class PasskeyDataset(Dataset):
     """Passkey samples packed into rows of `seq_len` tokens; item i is the same on every call
     and every process (seeded by (seed, i)), so resuming replays exactly the data it would have seen.
 
-    Each row holds documents of random lengths between `min_doc_len` and `seq_len`, with the key at a
+    Each row holds documents of random lengths between `min_doc_len` and `max_doc_len` (default
+    `seq_len`), with the key at a
     random depth: short documents keep the short-range skill, long ones teach the long range.
-    learn_repeat: also learn the key's short-range repeat; learn_all: learn every token (see
-    passkey.passkey_sample).
+    recalls: at most this many questions answered mid-text per document (a random number from 0,
+    so some documents look exactly like the evaluation's), at random distances from the key; learn_all: learn every token (see passkey.passkey_sample).
     """
 
-    def __init__(self, tokenizer, seq_len: int, num_rows: int, *, min_doc_len: int | None = None, seed: int = 0,
-                 learn_repeat: bool = True, learn_all: bool = False):
+    def __init__(self, tokenizer, seq_len: int, num_rows: int, *, min_doc_len: int | None = None, max_doc_len: int | None = None, seed: int = 0,
+                 recalls: int = 0, learn_all: bool = False):
         self.tokenizer, self.seq_len, self.num_rows, self.seed = tokenizer, seq_len, num_rows, seed
-        self.learn_repeat, self.learn_all = learn_repeat, learn_all
+        self.recalls, self.learn_all = recalls, learn_all
         self.min_doc_len = max(min_length(), min_doc_len or min_length())
+        self.max_doc_len = min(seq_len, max_doc_len or seq_len)
+        if self.max_doc_len < self.min_doc_len:
+            raise ValueError(f"max_doc_len must be at least {self.min_doc_len} for passkey data, got {self.max_doc_len}")
         if seq_len < self.min_doc_len:
             raise ValueError(f"seq_len must be at least {self.min_doc_len} for passkey data, got {seq_len}")
 
@@ -46,11 +50,11 @@ class PasskeyDataset(Dataset):
         rng = random.Random(f"{self.seed}:{index}")
         docs, free = [], self.seq_len
         while free >= self.min_doc_len:
-            length = rng.randint(self.min_doc_len, free)
+            length = rng.randint(self.min_doc_len, min(free, self.max_doc_len))
             # Leave no gap shorter than a document: the last document takes the rest.
             if free - length < self.min_doc_len:
                 length = free
-            docs.append(passkey_sample(self.tokenizer, length, rng.random(), rng, learn_repeat=self.learn_repeat,
+            docs.append(passkey_sample(self.tokenizer, length, rng.random(), rng, recalls=rng.randint(0, self.recalls),
                                        learn_all=self.learn_all))
             free -= length
         input_ids = torch.cat([d["input_ids"] for d in docs])
@@ -61,6 +65,21 @@ class PasskeyDataset(Dataset):
             labels = torch.cat([labels, torch.full((free,), IGNORE_INDEX)])
             position_ids = torch.cat([position_ids, torch.arange(free)])
         return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+
+
+class AlternatingDataset(Dataset):
+    """Rows alternate between two datasets (first, second, first, ...); as long as twice the shorter."""
+
+    def __init__(self, first: Dataset, second: Dataset):
+        self.parts = (first, second)
+
+    def __len__(self):
+        return 2 * min(map(len, self.parts))
+
+    def __getitem__(self, index):
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.parts[index % 2][index // 2]
 
 
 def find_text_files(paths: list[str]) -> list[str]:

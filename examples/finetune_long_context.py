@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from data import PackedTextDataset, PasskeyDataset, find_text_files  # noqa: E402
+from data import AlternatingDataset, PackedTextDataset, PasskeyDataset, find_text_files  # noqa: E402
 from passkey import IGNORE_INDEX  # noqa: E402
 
 ATTENTION_CHOICES = ("dilated_ring", "ring", "block_sparse_ring", "sdpa", "dilated", "block_sparse")
@@ -49,13 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention implementation (sdpa: dense, for comparison; single-process only)")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per training row")
     p.add_argument("--data", nargs="+", default=["passkey"],
-                   help="'passkey' (generated) or local text / JSON-lines files and directories")
+                   help="'passkey' (generated), local text / JSON-lines files and directories, or both "
+                        "(rows alternate: text, passkey, text, ...)")
     p.add_argument("--text-field", default="text", help="field holding the text in JSON-lines files")
     p.add_argument("--num-rows", type=int, default=100_000, help="passkey rows to draw from (generated lazily)")
     p.add_argument("--passkey-min-doc-len", type=int, default=None,
                    help="shortest passkey document packed into a row (default: the shortest possible)")
-    p.add_argument("--no-learn-repeat", action="store_true",
-                   help="passkey: learn the answer only, not also the key's short-range repeat")
+    p.add_argument("--passkey-max-doc-len", type=int, default=None,
+                   help="longest passkey document packed into a row (default: --seq-len)")
+    p.add_argument("--passkey-recalls", type=int, default=0,
+                   help="passkey: also ask and answer the question this many times mid-text per document, "
+                        "at random distances from the key (more answers to learn from per row)")
     p.add_argument("--passkey-learn-all", action="store_true",
                    help="passkey: language-model loss on every token, not only on the key digits")
     p.add_argument("--max-rows", type=int, default=None, help="use at most this many packed text rows")
@@ -141,12 +145,16 @@ def trainable_parameters(model) -> dict[str, torch.nn.Parameter]:
 
 
 def build_dataset(args, tokenizer):
-    if args.data == ["passkey"]:
-        return PasskeyDataset(tokenizer, args.seq_len, args.num_rows, min_doc_len=args.passkey_min_doc_len,
-                              seed=args.seed, learn_repeat=not args.no_learn_repeat,
-                              learn_all=args.passkey_learn_all)
-    return PackedTextDataset(tokenizer, find_text_files(args.data), args.seq_len, text_field=args.text_field,
+    files = [d for d in args.data if d != "passkey"]
+    passkey = None
+    if "passkey" in args.data:
+        passkey = PasskeyDataset(tokenizer, args.seq_len, args.num_rows, min_doc_len=args.passkey_min_doc_len,
+                                 max_doc_len=args.passkey_max_doc_len, seed=args.seed, recalls=args.passkey_recalls, learn_all=args.passkey_learn_all)
+        if not files:
+            return passkey
+    text = PackedTextDataset(tokenizer, find_text_files(files), args.seq_len, text_field=args.text_field,
                              max_rows=args.max_rows, cache_dir=os.path.join(args.output_dir, "datasets_cache"))
+    return text if passkey is None else AlternatingDataset(text, passkey)
 
 
 def rows_for(dataset, step: int, micro: int, args, dp_rank: int, dp_size: int, generator_seed: int):

@@ -14,7 +14,7 @@ if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: already installed
 fi
 
 OUT=${OUT:-runs/default}
-PRETRAIN_STEPS=${PRETRAIN_STEPS:-300}
+PRETRAIN_STEPS=${PRETRAIN_STEPS:-800}
 FINETUNE_STEPS=${FINETUNE_STEPS:-600}
 CONTEXT=2048  # the preset's context length
 EVAL_SAMPLES=${EVAL_SAMPLES:-4}

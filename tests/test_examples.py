@@ -5,6 +5,7 @@ preset with the examples' byte-level tokenizer (nothing downloaded)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import socket
@@ -20,7 +21,7 @@ EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 from byte_tokenizer import build_byte_tokenizer  # noqa: E402
-from data import PackedTextDataset, PasskeyDataset, pack_documents  # noqa: E402
+from data import AlternatingDataset, PackedTextDataset, PasskeyDataset, pack_documents  # noqa: E402
 from passkey import IGNORE_INDEX, INTRO, KEY_DIGITS, min_length, passkey_sample  # noqa: E402
 
 SEQ_LEN = 256  # 4x the tiny model's 64-token "pretraining" context: three dilated levels
@@ -169,6 +170,17 @@ def test_eval_passkey_writes_table_and_plot(checkpoint, single_run):
     assert (out / "passkey.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_text_and_passkey_mixture_trains(checkpoint, tmp_path):
+    """pretrain_tiny's data: local text files and generated passkey rows, alternating."""
+    text = tmp_path / "doc.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 200)
+    out = tmp_path / "mix"
+    run(finetune_cmd(checkpoint, out, "--data", "passkey", text, "--passkey-recalls", 2, "--passkey-max-doc-len", 200,
+                     "--batch-size", 2, "--no-final-model"))
+    logs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logs] == [1, 2] and all(math.isfinite(r["loss"]) for r in logs)
+
+
 def test_seq_len_beyond_the_checkpoint_context_asks_for_a_conversion(checkpoint, tmp_path):
     cmd = finetune_cmd(checkpoint, tmp_path, "--seq-len", 2 * SEQ_LEN)
     cmd[cmd.index("--model") + 1] = checkpoint / "base"
@@ -189,14 +201,35 @@ def test_passkey_sample_format():
         # labels are shifted: the last five tokens are the answer, predicted from the five before
         assert torch.equal(s["labels"][-KEY_DIGITS - 1:-1], s["input_ids"][-KEY_DIGITS:])
         text = tokenizer.decode(s["input_ids"][1:])
-        assert text.endswith(f"The pass key is {s['key']}")
+        assert text.endswith(f"The pass key is <{s['key']}")
         filler = length - min_length()
-        where = text.index(f"The pass key is {s['key']}. Remember it.") - len(INTRO)
+        where = text.index(f"The pass key is <{s['key']}>. Remember it.") - len(INTRO)
         assert abs(where - depth * filler) <= 60  # the nearest sentence boundary
     with pytest.raises(ValueError, match="length"):
         passkey_sample(tokenizer, min_length() - 1, 0.5, random.Random(0))
     with pytest.raises(ValueError, match="depth"):
         passkey_sample(tokenizer, 500, 1.5, random.Random(0))
+    with pytest.raises(ValueError, match="recalls"):
+        passkey_sample(tokenizer, 500, 0.5, random.Random(0), recalls=-1)
+
+
+def test_passkey_recalls_are_answered_mid_text_and_labelled():
+    tokenizer = build_byte_tokenizer()
+    s = passkey_sample(tokenizer, 1000, 0.1, random.Random(3), recalls=3)
+    text = tokenizer.decode(s["input_ids"][1:])
+    question = "What is the pass key? The pass key is <"
+    assert s["input_ids"].shape == (1000,) and text.count(question) == 4 and text.endswith(question + s["key"])
+    assert text.count(f"{question}{s['key']}>. ") == 3 and text.index(question) > text.index("Remember it.")
+    labelled = s["labels"] != IGNORE_INDEX
+    assert tokenizer.decode(s["labels"][labelled]) == s["key"] * 4
+    # every labelled position predicts the token after it, and sits right after a question's "<" or a key digit
+    at = labelled.nonzero().flatten()
+    assert torch.equal(s["labels"][at], s["input_ids"][at + 1])
+    assert all(tokenizer.decode(s["input_ids"][t]) == "<" for t in at[::KEY_DIGITS].tolist())
+    # too many recalls for the room: as many as fit, the length is still exact
+    crowded = passkey_sample(tokenizer, min_length() + 60, 0.0, random.Random(3), recalls=10)
+    assert crowded["input_ids"].shape == (min_length() + 60,)
+    assert (crowded["labels"] != IGNORE_INDEX).sum() == 2 * KEY_DIGITS
 
 
 def test_passkey_rows_pack_documents_deterministically():
@@ -207,13 +240,28 @@ def test_passkey_rows_pack_documents_deterministically():
     starts = (row["position_ids"] == 0).nonzero().flatten().tolist()
     assert starts[0] == 0 and len(starts) >= 1
     assert (row["position_ids"][1:] - row["position_ids"][:-1] != 1).nonzero().flatten().add(1).tolist() == starts[1:]
-    # the answer, and the key's short-range repeat in the key sentence
-    assert (row["labels"] != IGNORE_INDEX).sum() == 2 * KEY_DIGITS * len(starts)
-    plain = PasskeyDataset(tokenizer, 1024, 10, seed=3, learn_repeat=False)[7]
-    assert (plain["labels"] != IGNORE_INDEX).sum() == KEY_DIGITS * len(starts)
+    assert (row["labels"] != IGNORE_INDEX).sum() == KEY_DIGITS * len(starts)  # the answers
+    recalled = PasskeyDataset(tokenizer, 1024, 10, seed=3, recalls=2)[7]  # 0..2 extra answers per document
+    answers = int((recalled["labels"] != IGNORE_INDEX).sum()) // KEY_DIGITS
+    docs = int((recalled["position_ids"] == 0).sum())
+    assert docs <= answers <= 3 * docs
+    short = PasskeyDataset(tokenizer, 1024, 10, seed=3, max_doc_len=300)[7]
+    doc_starts = (short["position_ids"] == 0).nonzero().flatten().tolist() + [1024]
+    lengths = [b - a for a, b in zip(doc_starts, doc_starts[1:])]
+    assert len(lengths) >= 1024 // 300 and all(n <= 300 for n in lengths[:-1])  # the last takes the rest
+    with pytest.raises(ValueError, match="max_doc_len"):
+        PasskeyDataset(tokenizer, 1024, 10, max_doc_len=10)
     everything = PasskeyDataset(tokenizer, 1024, 10, seed=3, learn_all=True)[7]  # only document ends unlabelled
     assert torch.equal(torch.nonzero(everything["labels"] == IGNORE_INDEX).flatten() + 1,
                        torch.tensor(starts[1:] + [1024]))
+
+
+def test_alternating_dataset_interleaves_rows():
+    first, second = [{"x": torch.tensor([i])} for i in range(3)], [{"x": torch.tensor([10 + i])} for i in range(5)]
+    data = AlternatingDataset(first, second)
+    assert len(data) == 6 and [int(data[i]["x"]) for i in range(6)] == [0, 10, 1, 11, 2, 12]
+    with pytest.raises(IndexError):
+        data[6]
 
 
 def test_pack_documents_keeps_boundaries():
