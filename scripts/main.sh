@@ -2,6 +2,7 @@
 # The README's main job: install, then run the embedded default end to end. Nothing is downloaded.
 #   1. pretrain_tiny.py  a tiny Llama (model_configs/tiny-llama-passkey.json) with a byte-level
 #                        tokenizer, pre-trained at 512 tokens with sdpa on the standard library's sources
+#                        alternating with short passkey documents (retrieval within the original context)
 #   2. hf-dilated convert  to 2048 tokens: dilated levels [512, 1024, 2048] x [1, 2, 4], YaRN RoPE
 #   3. finetune_long_context.py  LoRA (+ embeddings and norms) with dilated_ring on passkey data
 #   4. eval_passkey.py   accuracy by length and depth, dilated_ring vs sdpa: table + plot
@@ -30,7 +31,7 @@ hf-dilated convert "$OUT/pretrain/model" "$OUT/long" --preset tiny-llama-passkey
 
 echo "== 3/4 LoRA fine-tune with dilated_ring on passkey retrieval"
 python examples/finetune_long_context.py --model "$OUT/long" --output-dir "$OUT/finetune" --attn dilated_ring \
-    --seq-len "$CONTEXT" --data passkey --max-steps "$FINETUNE_STEPS" --lora-rank 32 --lora-alpha 64 --lr 2e-3 \
+    --seq-len "$CONTEXT" --data passkey --passkey-recalls 2 --max-steps "$FINETUNE_STEPS" --lora-rank 32 --lora-alpha 64 --lr 2e-3 \
     --warmup-steps 10 --no-gradient-checkpointing --save-every 200 --log-file "$OUT/finetune/log.jsonl"
 
 echo "== 4/4 passkey evaluation"
