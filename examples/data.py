@@ -26,22 +26,23 @@ class PasskeyDataset(Dataset):
     and every process (seeded by (seed, i)), so resuming replays exactly the data it would have seen.
 
     Each row holds documents of random lengths between `min_doc_len` and `max_doc_len` (default
-    `seq_len`), with the key at a
-    random depth: short documents keep the short-range skill, long ones teach the long range.
+    `seq_len`; a row's last document takes whatever room is left, so it may be longer), with the
+    key at a random depth: short documents keep the short-range skill, long ones teach the long range.
     recalls: at most this many questions answered mid-text per document (a random number from 0,
-    so some documents look exactly like the evaluation's), at random distances from the key; learn_all: learn every token (see passkey.passkey_sample).
+    so some documents look exactly like the evaluation's), at random distances from the key.
+    learn_all: learn every token (see passkey.passkey_sample).
     """
 
-    def __init__(self, tokenizer, seq_len: int, num_rows: int, *, min_doc_len: int | None = None, max_doc_len: int | None = None, seed: int = 0,
-                 recalls: int = 0, learn_all: bool = False):
+    def __init__(self, tokenizer, seq_len: int, num_rows: int, *, min_doc_len: int | None = None,
+                 max_doc_len: int | None = None, seed: int = 0, recalls: int = 0, learn_all: bool = False):
         self.tokenizer, self.seq_len, self.num_rows, self.seed = tokenizer, seq_len, num_rows, seed
         self.recalls, self.learn_all = recalls, learn_all
         self.min_doc_len = max(min_length(), min_doc_len or min_length())
+        if seq_len < self.min_doc_len:
+            raise ValueError(f"seq_len must be at least {self.min_doc_len} for passkey data, got {seq_len}")
         self.max_doc_len = min(seq_len, max_doc_len or seq_len)
         if self.max_doc_len < self.min_doc_len:
             raise ValueError(f"max_doc_len must be at least {self.min_doc_len} for passkey data, got {self.max_doc_len}")
-        if seq_len < self.min_doc_len:
-            raise ValueError(f"seq_len must be at least {self.min_doc_len} for passkey data, got {seq_len}")
 
     def __len__(self):
         return self.num_rows

@@ -3,9 +3,11 @@ at the end. The format never varies, so a tiny model can learn the task; the los
 answer digits only.
 
     <bos>There is a pass key hidden in this text. Find it and remember it.
-    The grass is green. The sky is blue. ...  The pass key is 71432. Remember it. 71432 is the pass key.
-    The grass is green. ... What is the pass key? The pass key is 71432
+    The grass is green. The sky is blue. ...  The pass key is <71432>. Remember it. <71432> is the pass key.
+    The grass is green. ... What is the pass key? The pass key is <71432
 
+The "<" before the key occurs nowhere else, so finding the key needs a one-token match, not
+"key is " told apart from the filler's "sky is ".
 Lengths are in tokens of the byte-level tokenizer (one token per character here: all ASCII).
 """
 from __future__ import annotations

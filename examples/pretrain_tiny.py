@@ -1,8 +1,10 @@
 """Step 1 of the embedded default: build a tiny Llama from a model_configs preset and a byte-level
 tokenizer (both locally, nothing downloaded), then pre-train it briefly at a short context with
-`sdpa` on real text every machine has: the Python standard library's own source files.
+`sdpa` on real text every machine has, the Python standard library's own source files, with every
+other row short passkey documents (at most 256 tokens) so that retrieval within the original
+context is something the short-context model has met.
 
-    python examples/pretrain_tiny.py --output-dir runs/pretrain --max-steps 300
+    python examples/pretrain_tiny.py --output-dir runs/pretrain --max-steps 800
 
 Writes OUTPUT_DIR/init (the random initialisation) and OUTPUT_DIR/model (the pre-trained
 checkpoint, safetensors + tokenizer); the training itself is finetune_long_context.py with

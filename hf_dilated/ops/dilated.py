@@ -363,6 +363,16 @@ def _gather_level(level: _Level, q, k, v):
     return _gather(q, level.q_rows), _gather(k, level.k_rows), _gather(v, level.k_rows)
 
 
+def _nonempty_calls(levels: list[_Level], q, k, v):
+    """Every call with queries and keys, level by level: (level, call, q/k/v slices, bias, empty)."""
+    for level in levels:
+        q_l, k_l, v_l = _gather_level(level, q, k, v)
+        for call in level.calls:
+            qs, ks, vs, bias, empty = _call_inputs(level, call, q_l, k_l, v_l)
+            if ks.shape[2] and qs.shape[2]:
+                yield level, call, qs, ks, vs, bias, empty
+
+
 def _forward(q, k, v, levels: list[_Level], scale):
     batch, q_heads, q_len, head_dim = q.shape
     acc_dtype = merge_dtype(q.dtype)
@@ -373,27 +383,22 @@ def _forward(q, k, v, levels: list[_Level], scale):
     acc_out = alloc(batch * q_heads * q_len + 1, head_dim, dtype=acc_dtype, device=q.device)
     acc_lse = torch.full((batch * q_heads * q_len + 1,), float("-inf"), dtype=acc_dtype, device=q.device)
     fresh = True  # nothing merged yet: the first call writes instead of merging
-    for level in levels:
-        q_l, k_l, v_l = _gather_level(level, q, k, v)
-        for call in level.calls:
-            qs, ks, vs, bias, empty = _call_inputs(level, call, q_l, k_l, v_l)
-            if ks.shape[2] == 0 or qs.shape[2] == 0:
-                continue
-            o, lse = attention_forward(qs, ks, vs, is_causal=call.is_causal, scale=scale, attn_bias=bias)
-            if empty is not None:
-                lse = lse.masked_fill(empty, float("-inf"))
-            dst = level.q_dump[call.rows][:, :, call.q_slots].reshape(-1)
-            if fresh:
-                acc_out.index_copy_(0, dst, o.reshape(-1, head_dim).to(acc_dtype))
-                acc_lse.index_copy_(0, dst, lse.reshape(-1).to(acc_dtype))
-                fresh = False
-                continue
-            new_out, new_lse = merge_partial(
-                acc_out.index_select(0, dst), acc_lse.index_select(0, dst),
-                o.reshape(-1, head_dim), lse.reshape(-1).to(acc_dtype),
-            )
-            acc_out.index_copy_(0, dst, new_out)
-            acc_lse.index_copy_(0, dst, new_lse)
+    for level, call, qs, ks, vs, bias, empty in _nonempty_calls(levels, q, k, v):
+        o, lse = attention_forward(qs, ks, vs, is_causal=call.is_causal, scale=scale, attn_bias=bias)
+        if empty is not None:
+            lse = lse.masked_fill(empty, float("-inf"))
+        dst = level.q_dump[call.rows][:, :, call.q_slots].reshape(-1)
+        if fresh:
+            acc_out.index_copy_(0, dst, o.reshape(-1, head_dim).to(acc_dtype))
+            acc_lse.index_copy_(0, dst, lse.reshape(-1).to(acc_dtype))
+            fresh = False
+            continue
+        new_out, new_lse = merge_partial(
+            acc_out.index_select(0, dst), acc_lse.index_select(0, dst),
+            o.reshape(-1, head_dim), lse.reshape(-1).to(acc_dtype),
+        )
+        acc_out.index_copy_(0, dst, new_out)
+        acc_lse.index_copy_(0, dst, new_lse)
     out = acc_out[:-1].view(batch, q_heads, q_len, head_dim).to(q.dtype)
     return out, acc_lse[:-1].view(batch, q_heads, q_len)
 
@@ -481,25 +486,20 @@ def _dropout_attention(q, k, v, levels: list[_Level], scale: float, dropout_p: f
     m_rows = torch.cat([m.reshape(-1).nan_to_num(neginf=0.0), m.new_zeros(1)])
     numer = torch.zeros(batch * q_heads * q_len + 1, head_dim, dtype=acc_dtype, device=q.device)
     denom = torch.zeros(batch * q_heads * q_len + 1, dtype=acc_dtype, device=q.device)
-    for level in levels:
-        q_l, k_l, v_l = _gather_level(level, q, k, v)
-        for call in level.calls:
-            qs, ks, vs, bias, _ = _call_inputs(level, call, q_l, k_l, v_l)
-            if ks.shape[2] == 0 or qs.shape[2] == 0:
-                continue
-            groups = qs.shape[1] // ks.shape[1]
-            ks, vs = ks.repeat_interleave(groups, 1), vs.repeat_interleave(groups, 1)
-            scores = (qs.to(acc_dtype) @ ks.to(acc_dtype).transpose(-1, -2)) * scale
-            if bias is not None:
-                scores = scores + bias.to(acc_dtype)
-            if call.is_causal:
-                n_q, n_k = scores.shape[-2:]
-                scores = scores.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-            dst = level.q_dump[call.rows][:, :, call.q_slots]
-            weights = torch.exp(scores - m_rows[dst][..., None])
-            dropped = torch.nn.functional.dropout(weights, p=dropout_p, training=True)
-            numer = numer.index_add(0, dst.reshape(-1), (dropped @ vs.to(acc_dtype)).reshape(-1, head_dim))
-            denom = denom.index_add(0, dst.reshape(-1), weights.sum(-1).reshape(-1))
+    for level, call, qs, ks, vs, bias, _ in _nonempty_calls(levels, q, k, v):
+        groups = qs.shape[1] // ks.shape[1]
+        ks, vs = ks.repeat_interleave(groups, 1), vs.repeat_interleave(groups, 1)
+        scores = (qs.to(acc_dtype) @ ks.to(acc_dtype).transpose(-1, -2)) * scale
+        if bias is not None:
+            scores = scores + bias.to(acc_dtype)
+        if call.is_causal:
+            n_q, n_k = scores.shape[-2:]
+            scores = scores.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        dst = level.q_dump[call.rows][:, :, call.q_slots]
+        weights = torch.exp(scores - m_rows[dst][..., None])
+        dropped = torch.nn.functional.dropout(weights, p=dropout_p, training=True)
+        numer = numer.index_add(0, dst.reshape(-1), (dropped @ vs.to(acc_dtype)).reshape(-1, head_dim))
+        denom = denom.index_add(0, dst.reshape(-1), weights.sum(-1).reshape(-1))
     out = numer[:-1] / denom[:-1].clamp(min=torch.finfo(acc_dtype).tiny)[:, None]
     return out.view(batch, q_heads, q_len, head_dim).to(q.dtype)
 
