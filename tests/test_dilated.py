@@ -193,6 +193,10 @@ NAMED = {
     "single_token": dict(segment_lengths=(4, 8), dilation_rates=(1, 2), q_heads=2, kv_len=1),
     "segment_longer_than_sequence": dict(segment_lengths=(64, 128), dilation_rates=(1, 2), q_heads=2, kv_len=50),
     "nondefault_scale": dict(segment_lengths=(4, 8), dilation_rates=(1, 2), q_heads=2, kv_len=20, scale=0.55),
+    # Whole segments, no padding, one document per row: the strided fast path (_forward_plain).
+    "whole_segments_mha_batch2": dict(segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4), q_heads=4, kv_heads=4, kv_len=64, batch=2),
+    "whole_segments_gqa_heads_permuted": dict(segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4), q_heads=8, kv_heads=2, kv_len=64, batch=2),
+    "whole_segments_rate_exceeds_heads": dict(segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 8), q_heads=4, kv_heads=2, kv_len=96, batch=2),
     "head_dim_16_longer": dict(segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4), q_heads=4, kv_heads=2, kv_len=200, head_dim=16),
 }
 NAMED_CASES = [
@@ -226,7 +230,8 @@ def test_longnet_accepts_non_nested_levels():
 # Low precision
 
 LOW_CASES = [random_case(s, m, max_len=96, min_len=8) for m in MODES for s in range(100, 104)] + [
-    Case(mode=m, seed=7, **NAMED[name]) for m in MODES for name in ("packed_docs", "left_padding", "decode_q1")
+    Case(mode=m, seed=7, **NAMED[name]) for m in MODES
+    for name in ("packed_docs", "left_padding", "decode_q1", "whole_segments_mha_batch2", "whole_segments_rate_exceeds_heads")
 ]
 
 
@@ -236,7 +241,9 @@ def test_low_precision_forward(case, dtype):
     assert_within(compare(case, dtype, grads=False), LOW_TOL, case, dtype)
 
 
-BF16_GRAD_CASES = [random_case(s, m, max_len=40, min_len=16) for m in MODES for s in range(200, 203)]
+BF16_GRAD_CASES = [random_case(s, m, max_len=40, min_len=16) for m in MODES for s in range(200, 203)] + [
+    Case(mode=m, seed=8, **NAMED[name]) for m in MODES for name in ("whole_segments_mha_batch2", "whole_segments_gqa_heads_permuted")
+]
 
 
 @pytest.mark.parametrize("case", BF16_GRAD_CASES, ids=[f"{c.mode}-{c.seed}" for c in BF16_GRAD_CASES])

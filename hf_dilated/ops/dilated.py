@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .backend import attention_backward, attention_forward
-from .merge import merge_dtype, merge_partial
+from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
 from .positions import TokenLayout, token_layout
 from .validate import check_dilated_config, check_qkv, check_scale_dropout
@@ -76,6 +76,12 @@ class _Level:
     # dilation 1, n a multiple of w): q, k, v are then *viewed* as (batch * n / w, heads, w, d).
     segment_view: bool = False
     unique_pairs: bool = True  # no two gathered K/V heads are the same (kv head, class) pair
+    q0: int = 0  # key-slot coordinate of the first gathered query slot
+    # Set when the rows are plain whole segments (no padding, positions 0..n-1, n a multiple of w,
+    # q_len == kv_len): query slot t of class c in segment s is token s * w + c + t * r, so a
+    # call's query slots are a strided view of any (batch, heads, n, d) tensor (see _class_views).
+    plain: bool = False
+    pairs: list = field(default_factory=list)  # (kv head, class) of each gathered K/V head
 
 
 def dilated_attention(
@@ -252,6 +258,8 @@ def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal
         k_rows=k_rows, k_dump=k_rows.masked_fill(~k_real, batch * kv_heads * kv_len), calls=calls,
     )
     level.unique_pairs = len(set(zip(pair_kvh, pair_cls))) == len(pair_kvh)
+    level.q0, level.pairs = q0, list(zip(pair_kvh, pair_cls))
+    level.plain = layout.plain and q_len == kv_len and kv_len % w == 0 and kv_len >= w
     level.segment_view = (
         layout.plain and q_len == kv_len and r == 1 and q0 == 0 and kv_len % w == 0 and kv_len >= w
         and order == list(range(q_heads)) and q_heads == kv_heads * (q_heads // kv_heads)
@@ -373,7 +381,89 @@ def _nonempty_calls(levels: list[_Level], q, k, v):
                 yield level, call, qs, ks, vs, bias, empty
 
 
+def _plain_levels(levels: list[_Level], q) -> bool:
+    """Every level is plain and the first one covers every head and token with one causal call."""
+    return (
+        bool(levels) and all(level.plain for level in levels) and levels[0].segment_view
+        and levels[0].heads.numel() == q.shape[1] and len(levels[0].calls) == 1 and q.stride(-1) == 1
+    )
+
+
+def _unsegment(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """Inverse of _segment_view: (batch * n / w, heads, w, ...) -> (batch, heads, n, ...); a view
+    when batch is 1 or the layout allows it, else a copy."""
+    return x.unflatten(0, (batch, x.shape[0] // batch)).transpose(1, 2).flatten(2, 3)
+
+
+def _strided_slots(x, head0, head_step, n_heads, class0, class_step, t0, n_slots, w, r):
+    """A view of x (batch, heads, n[, d]) shaped (batch, n / w, n_heads, n_slots[, d]): element
+    (b, s, i, t) is x[b, head0 + i * head_step, s * w + c + (t0 + t) * r], c = class0 + i * class_step."""
+    sb, sh, sn = x.stride()[:3]
+    sizes = (x.shape[0], x.shape[2] // w, n_heads, n_slots) + tuple(x.shape[3:])
+    strides = (sb, w * sn, head_step * sh + class_step * sn, r * sn) + tuple(x.stride()[3:])
+    return x.as_strided(sizes, strides, x.storage_offset() + head0 * sh + (class0 + t0 * r) * sn)
+
+
+def _query_groups(level: _Level, n_heads: int):
+    """The query heads of a plain level in groups whose slots form one strided view: yields
+    (pick: their places in the call's head order, view arguments of _strided_slots). Head h reads
+    class h mod r: for r < heads the heads of class c are c, c + r, ...; for r >= heads head h is
+    class h."""
+    r, order = level.r, level.heads.tolist()
+    if r >= n_heads:
+        groups = [(list(range(n_heads)), (0, 1, n_heads, 0, 1))]
+    else:
+        groups = [(list(range(c, n_heads, r)), (c, r, len(range(c, n_heads, r)), c, 0)) for c in range(r)]
+    for heads, args in groups:
+        pos = [order.index(h) for h in heads]
+        step = pos[1] - pos[0] if len(pos) > 1 else 1
+        if step > 0 and pos == list(range(pos[0], pos[0] + step * len(pos), step)):
+            yield slice(pos[0], pos[-1] + 1, step), args
+        else:
+            yield torch.tensor(pos, device=level.heads.device), args
+
+
+def _plain_query_parts(level: _Level, call: _Call, targets, parts):
+    """Pair a plain level's call results (rows, heads, query slots[, d]) with the slots of the
+    (batch, heads, n[, d]) targets they belong to: yields ([target views], [result parts])."""
+    batch, n_heads = targets[0].shape[:2]
+    t0, n_q = level.q0 + (call.q_slots.start or 0), parts[0].shape[2]
+    parts = [x.unflatten(0, (batch, x.shape[0] // batch)) for x in parts]
+    for pick, args in _query_groups(level, n_heads):
+        yield ([_strided_slots(t, *args, t0, n_q, level.w, level.r) for t in targets],
+               [x[:, :, pick] for x in parts])
+
+
+def _plain_key_parts(level: _Level, call: _Call, target, part):
+    """The key-side twin of _plain_query_parts, one gathered (kv head, class) pair at a time."""
+    batch = target.shape[0]
+    t0, n_k = call.k_slots.start or 0, part.shape[2]
+    part = part.unflatten(0, (batch, part.shape[0] // batch))
+    for p, (kvh, c) in enumerate(level.pairs):
+        yield _strided_slots(target, kvh, 1, 1, c, 0, t0, n_k, level.w, level.r), part[:, :, p:p + 1]
+
+
+def _forward_plain(q, k, v, levels: list[_Level], scale):
+    """_forward for plain levels: the first level's output *is* the accumulator and later calls
+    merge into strided views of it in place, instead of index_select / index_copy_ round trips
+    (serial passes over the accumulator that cost more, relatively, the more threads run)."""
+    acc_dtype = merge_dtype(q.dtype)
+    acc = lse_acc = None
+    for level, call, qs, ks, vs, bias, empty in _nonempty_calls(levels, q, k, v):
+        o, lse = attention_forward(qs, ks, vs, is_causal=call.is_causal, scale=scale, attn_bias=bias)
+        if empty is not None:
+            lse = lse.masked_fill(empty, float("-inf"))
+        if acc is None:  # the first level: one causal call over plain segments of every head
+            acc, lse_acc = _to_accumulator(o, q, level.w, acc_dtype), _unsegment(lse.to(acc_dtype), q.shape[0])
+            continue
+        for (acc_v, lse_v), (o_part, lse_part) in _plain_query_parts(level, call, (acc, lse_acc), (o, lse)):
+            merge_into(acc_v, lse_v, o_part, lse_part.to(acc_dtype))
+    return acc.to(q.dtype), lse_acc
+
+
 def _forward(q, k, v, levels: list[_Level], scale):
+    if _plain_levels(levels, q):
+        return _forward_plain(q, k, v, levels, scale)
     batch, q_heads, q_len, head_dim = q.shape
     acc_dtype = merge_dtype(q.dtype)
     # One extra dump row receives the slots that hold no real query. A first level of plain
@@ -428,16 +518,9 @@ def _add_rows(target: torch.Tensor, index: torch.Tensor, grad: torch.Tensor, uni
     target.index_copy_(0, index, rows)
 
 
-def _backward(dout, q, k, v, out, lse, levels: list[_Level], scale):
-    batch, q_heads, q_len, head_dim = q.shape
-    acc_dtype = merge_dtype(q.dtype)
-    n_q_rows = q.numel() // head_dim
-    # A first level of plain segments over every head writes every gradient row: no zero-fill.
-    fresh = bool(levels) and levels[0].segment_view and levels[0].heads.numel() == q_heads
-    alloc = torch.empty if fresh else torch.zeros
-    dq = alloc(n_q_rows + 1, head_dim, dtype=acc_dtype, device=q.device)
-    dk = alloc(k.numel() // head_dim + 1, head_dim, dtype=acc_dtype, device=q.device)
-    dv = alloc(k.numel() // head_dim + 1, head_dim, dtype=acc_dtype, device=q.device)
+def _backward_calls(dout, q, k, v, out, lse, levels: list[_Level], scale):
+    """The flash backward of every non-empty call: yields (level, call, dq part, dk part, dv part)."""
+    n_q_rows = q.numel() // q.shape[-1]
     dout = dout.to(q.dtype)
     lse_flat = lse.reshape(-1)
     for level in levels:
@@ -455,23 +538,65 @@ def _backward(dout, q, k, v, out, lse, levels: list[_Level], scale):
             qs, ks, vs, bias, _ = _call_inputs(level, call, q_l, k_l, v_l)
             if ks.shape[2] == 0 or qs.shape[2] == 0:
                 continue
-            rows, q_slots, k_slots = call.rows, call.q_slots, call.k_slots
+            rows, q_slots = call.rows, call.q_slots
             g_q, g_k, g_v = attention_backward(
                 do_l[rows][:, :, q_slots], qs, ks, vs, o_l[rows][:, :, q_slots],
                 lse_l[rows][:, :, q_slots].contiguous(), is_causal=call.is_causal, scale=scale, attn_bias=bias,
             )
-            if level.segment_view:
-                _segment_add(dq[:-1].view(q.shape), g_q, level.w, overwrite=fresh)
-                _segment_add(dk[:-1].view(k.shape), g_k, level.w, overwrite=fresh)
-                _segment_add(dv[:-1].view(v.shape), g_v, level.w, overwrite=fresh)
-                fresh = False
-                continue
-            dst = level.q_dump[rows][:, :, q_slots].reshape(-1)
-            kd = level.k_dump[rows][:, :, k_slots].reshape(-1)
-            _add_rows(dq, dst, g_q)
-            _add_rows(dk, kd, g_k, unique=level.unique_pairs)
-            _add_rows(dv, kd, g_v, unique=level.unique_pairs)
+            yield level, call, g_q, g_k, g_v
+
+
+def _backward(dout, q, k, v, out, lse, levels: list[_Level], scale):
+    if _plain_levels(levels, q):
+        return _backward_plain(dout, q, k, v, out, lse, levels, scale)
+    head_dim = q.shape[-1]
+    acc_dtype = merge_dtype(q.dtype)
+    # A first level of plain segments over every head writes every gradient row: no zero-fill.
+    fresh = bool(levels) and levels[0].segment_view and levels[0].heads.numel() == q.shape[1]
+    alloc = torch.empty if fresh else torch.zeros
+    dq = alloc(q.numel() // head_dim + 1, head_dim, dtype=acc_dtype, device=q.device)
+    dk = alloc(k.numel() // head_dim + 1, head_dim, dtype=acc_dtype, device=q.device)
+    dv = alloc(k.numel() // head_dim + 1, head_dim, dtype=acc_dtype, device=q.device)
+    for level, call, g_q, g_k, g_v in _backward_calls(dout, q, k, v, out, lse, levels, scale):
+        if level.segment_view:
+            _segment_add(dq[:-1].view(q.shape), g_q, level.w, overwrite=fresh)
+            _segment_add(dk[:-1].view(k.shape), g_k, level.w, overwrite=fresh)
+            _segment_add(dv[:-1].view(v.shape), g_v, level.w, overwrite=fresh)
+            fresh = False
+            continue
+        dst = level.q_dump[call.rows][:, :, call.q_slots].reshape(-1)
+        kd = level.k_dump[call.rows][:, :, call.k_slots].reshape(-1)
+        _add_rows(dq, dst, g_q)
+        _add_rows(dk, kd, g_k, unique=level.unique_pairs)
+        _add_rows(dv, kd, g_v, unique=level.unique_pairs)
     return (dq[:-1].view(q.shape).to(q.dtype), dk[:-1].view(k.shape).to(k.dtype), dv[:-1].view(v.shape).to(v.dtype))
+
+
+def _backward_plain(dout, q, k, v, out, lse, levels: list[_Level], scale):
+    """_backward for plain levels (see _forward_plain): the first level's gradients are the
+    accumulators (float32 copies for lower precisions), and later calls add into strided views."""
+    acc_dtype = merge_dtype(q.dtype)
+    dq = dk = dv = None
+    for level, call, g_q, g_k, g_v in _backward_calls(dout, q, k, v, out, lse, levels, scale):
+        if dq is None:  # the first level: one causal call over plain segments of every head
+            dq, dk, dv = (_to_accumulator(g, like, level.w, acc_dtype) for g, like in ((g_q, q), (g_k, k), (g_v, v)))
+            continue
+        for (dq_v,), (g,) in _plain_query_parts(level, call, (dq,), (g_q,)):
+            dq_v += g
+        for grad, g_kv in ((dk, g_k), (dv, g_v)):
+            for view, g in _plain_key_parts(level, call, grad, g_kv):
+                view += g
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _to_accumulator(x, like, w, dtype):
+    """A first-level result laid out as _segment_view(like, w), as a (batch, heads, n, d) tensor of
+    `dtype`: a view of x itself when it already has that dtype (no copy), else a converted copy."""
+    if x.dtype == dtype:
+        return _unsegment(x, like.shape[0])
+    acc = torch.empty_like(like, dtype=dtype)
+    _segment_add(acc, x, w, overwrite=True)
+    return acc
 
 
 def _dropout_attention(q, k, v, levels: list[_Level], scale: float, dropout_p: float):
