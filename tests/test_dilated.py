@@ -196,6 +196,7 @@ NAMED = {
     # Whole segments, no padding, one document per row: the strided fast path (_forward_plain).
     "whole_segments_mha_batch2": dict(segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4), q_heads=4, kv_heads=4, kv_len=64, batch=2),
     "whole_segments_gqa_heads_permuted": dict(segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4), q_heads=8, kv_heads=2, kv_len=64, batch=2),
+    "whole_segments_rate_not_dividing_lower_segment": dict(segment_lengths=(4, 8), dilation_rates=(1, 8), q_heads=8, kv_heads=2, kv_len=32, batch=2),
     "whole_segments_rate_exceeds_heads": dict(segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 8), q_heads=4, kv_heads=2, kv_len=96, batch=2),
     "head_dim_16_longer": dict(segment_lengths=(16, 32, 64), dilation_rates=(1, 2, 4), q_heads=4, kv_heads=2, kv_len=200, head_dim=16),
 }

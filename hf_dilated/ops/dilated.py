@@ -23,6 +23,11 @@ decode step plans and reads only the last w_g - 1 tokens of each level, so it co
 w_g / r_g). Few queries per row use an explicit bias over (query slots x key slots); many (a chunk,
 a sequence-parallel shard) run those rows as a prefill and keep the query slots.
 
+Plain layouts (no padding, one document per row, whole segments: what a benchmark or an unpadded
+batch gives) skip the index arithmetic of the accumulator: slot t of class c in segment s is token
+s * w + c + t * r, so the first level's output itself becomes the accumulator and every later call
+merges into a strided view of it in place (`_forward_plain`, `_backward_plain`).
+
 The backward is the standard flash backward per call, fed with the merged output and
 log-sum-exp, so training memory stays O(N).
 """
@@ -386,6 +391,7 @@ def _plain_levels(levels: list[_Level], q) -> bool:
     return (
         bool(levels) and all(level.plain for level in levels) and levels[0].segment_view
         and levels[0].heads.numel() == q.shape[1] and len(levels[0].calls) == 1 and q.stride(-1) == 1
+        and all(call.rows == slice(None) for level in levels for call in level.calls)
     )
 
 
