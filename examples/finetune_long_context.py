@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passkey-recalls", type=int, default=0,
                    help="passkey: also ask and answer the question this many times mid-text per document, "
                         "at random distances from the key (more answers to learn from per row)")
+    p.add_argument("--loss-mean", choices=("token", "row"), default="token",
+                   help="token: the mean over all labelled tokens of a batch (transformers' default); row: each "
+                        "row's own mean, averaged over rows, so that rows with few labels (passkey answers) "
+                        "weigh as much as fully labelled text rows in a text+passkey mixture")
     p.add_argument("--passkey-learn-all", action="store_true",
                    help="passkey: language-model loss on every token, not only on the key digits")
     p.add_argument("--max-rows", type=int, default=None, help="use at most this many packed text rows")
@@ -271,9 +275,14 @@ def mixed_precision(choice: str) -> str:
     return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
 
 
-def token_loss_sum(logits, labels):
-    """Sum of next-token cross-entropies over labelled positions (labels already shifted)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+def token_loss_sum(logits, labels, row_counts=None):
+    """Sum of next-token cross-entropies over labelled positions (labels already shifted). With
+    row_counts (each row's number of labels in the whole, unsharded batch) every row's sum is
+    divided by its count first, so the rows weigh the same whatever their number of labels."""
+    if row_counts is None:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    return (losses.view(labels.shape).sum(1) / row_counts.clamp(min=1)).sum()
 
 
 def train(args) -> dict:
@@ -343,7 +352,7 @@ def train(args) -> dict:
             torch.manual_seed(args.seed * 1_000_003 + (step * args.grad_accum + micro) * world + rank)
             batch = rows_for(dataset, step, micro, args, dp_rank, dp_size, args.seed)
             with accelerator.accumulate(model):
-                loss, hits, count = forward_loss(model, batch, accelerator.device, sp)
+                loss, hits, count = forward_loss(model, batch, accelerator.device, sp, args.loss_mean)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.max_grad_norm > 0:
                     accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -389,29 +398,38 @@ def train(args) -> dict:
     return {"history": history, "start_step": start_step}
 
 
-def forward_loss(model, batch, device, sp):
+def forward_loss(model, batch, device, sp, loss_mean: str = "token"):
     """The mean next-token loss over the labelled tokens of this replica's rows, with the number
     of those tokens predicted right and their count (for the logged accuracy).
 
     Under sequence parallelism each rank holds a shard of every row (global positions kept):
     the rank's loss is its share (local sum / the rows' total label count) and `reduce_loss`
     adds the shares, scaling gradients so that DDP's average over all processes stays right.
+    loss_mean "row" divides each row's sum by that row's count instead, then by the rows.
     """
     input_ids, labels, position_ids = (batch[k].to(device) for k in ("input_ids", "labels", "position_ids"))
+    if sp is not None:  # sharding drops the last position's label (nothing after it to predict)
+        labels = labels.clone()
+        labels[:, -1] = IGNORE_INDEX
+    count = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    row_counts = denominator = None
+    if loss_mean == "row":  # the loss is (sum of row means) / (rows with labels)
+        row_counts = (labels != IGNORE_INDEX).sum(1)
+        denominator = (row_counts > 0).sum().clamp(min=1)
     if sp is None:
         logits = model(input_ids=input_ids, position_ids=position_ids).logits
-        count = (labels != IGNORE_INDEX).sum().clamp(min=1)
-        return token_loss_sum(logits, labels) / count, token_hits(logits, labels), count
+        loss = token_loss_sum(logits, labels, row_counts) / (count if row_counts is None else denominator)
+        return loss, token_hits(logits, labels), count
     from hf_dilated.distributed import reduce_loss, shard_batch
 
     # shard_batch shifts labels itself, so hand it the unshifted form of our (already shifted) labels.
     unshifted = F.pad(labels[:, :-1], (1, 0), value=IGNORE_INDEX)
     part = shard_batch(input_ids, unshifted, position_ids=position_ids, ignore_index=IGNORE_INDEX)
     logits = model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits
-    count = part["num_items_in_batch"].clamp(min=1)
     hits = token_hits(logits, part["labels"])
     torch.distributed.all_reduce(hits, group=sp.sp_group)  # the group's shards hold one row set between them
-    return reduce_loss(token_loss_sum(logits, part["labels"]) / count), hits, count
+    share = token_loss_sum(logits, part["labels"], row_counts) / (count if row_counts is None else denominator)
+    return reduce_loss(share), hits, count
 
 
 def token_hits(logits, labels):

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     train_args = ["--model", str(init), "--output-dir", str(out), "--attn", "sdpa", "--full-finetune",
                   "--seq-len", str(seq_len), "--seed", str(args.seed), "--data", "passkey", *stdlib_sources(args.max_files)]
     defaults = {"--lr": "3e-3", "--warmup-steps": "20", "--batch-size": "8", "--no-gradient-checkpointing": None,
-                "--passkey-recalls": "2", "--passkey-max-doc-len": "256"}
+                "--passkey-recalls": "2", "--passkey-max-doc-len": "256", "--loss-mean": "row"}
     for flag, value in defaults.items():
         if flag not in rest and not (flag.startswith("--no-") and "--" + flag[5:] in rest):
             train_args += [flag] + ([value] if value is not None else [])

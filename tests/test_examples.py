@@ -116,6 +116,18 @@ def test_sequence_parallel_two_processes_matches_single_process(checkpoint, sing
         torch.testing.assert_close(w_sp[name], w_single[name], atol=1e-4, rtol=1e-3, msg=name)
 
 
+def test_sequence_parallel_row_mean_loss_matches_single_process(checkpoint):
+    """--loss-mean row under sequence parallelism: each rank divides its shard of a row by the
+    whole row's label count. Passkey rows with 0..2 recalls give rows different counts."""
+    extra = ("--data", "passkey", "--passkey-recalls", 2, "--batch-size", 2, "--loss-mean", "row", "--no-final-model")
+    single, sp = checkpoint / "row_single", checkpoint / "row_sp2"
+    run(finetune_cmd(checkpoint, single, *extra))
+    run(["accelerate", "launch", "--config_file", EXAMPLES / "accelerate_configs/cpu_2proc.yaml",
+         "--main_process_port", free_port(), *finetune_cmd(checkpoint, sp, "--sp-size", 2, *extra, python=())])
+    for a, b in zip(read_log(single / "log.jsonl"), read_log(sp / "log.jsonl"), strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(a["loss"])), (a, b)
+
+
 def load_trainable(path):
     from safetensors.torch import load_file
 
@@ -176,9 +188,40 @@ def test_text_and_passkey_mixture_trains(checkpoint, tmp_path):
     text.write_text("def f(x):\n    return x + 1\n" * 200)
     out = tmp_path / "mix"
     run(finetune_cmd(checkpoint, out, "--data", "passkey", text, "--passkey-recalls", 2, "--passkey-max-doc-len", 200,
-                     "--batch-size", 2, "--no-final-model"))
+                     "--batch-size", 2, "--no-final-model", "--loss-mean", "row"))
     logs = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logs] == [1, 2] and all(math.isfinite(r["loss"]) for r in logs)
+
+
+@pytest.mark.parametrize("loss_mean", ["token", "row"])
+def test_loss_mean_over_tokens_or_rows(checkpoint, loss_mean):
+    """--loss-mean token: every labelled token weighs the same; row: every row weighs the same,
+    whatever its number of labels (a passkey row's few answer digits against a text row)."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from finetune_long_context import forward_loss
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint / "base", attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, 256, (3, 32), generator=g)
+    labels = torch.full((3, 32), IGNORE_INDEX)
+    labels[0, :31] = input_ids[0, 1:]  # a fully labelled text row
+    labels[1, 10:13] = input_ids[1, 11:14]  # three labels
+    # row 2 has no label: it counts in neither mean
+    batch = {"input_ids": input_ids, "labels": labels, "position_ids": torch.arange(32).expand(3, 32)}
+    loss, hits, count = forward_loss(model, batch, "cpu", None, loss_mean)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits.float()
+    per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                reduction="none").view(3, 32)
+    mask = labels != IGNORE_INDEX
+    if loss_mean == "token":
+        expected = per_token[mask].mean()
+    else:
+        expected = (per_token[0, mask[0]].mean() + per_token[1, mask[1]].mean()) / 2
+    assert int(count) == 34
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_seq_len_beyond_the_checkpoint_context_asks_for_a_conversion(checkpoint, tmp_path):
