@@ -69,18 +69,25 @@ class PasskeyDataset(Dataset):
 
 
 class AlternatingDataset(Dataset):
-    """Rows alternate between two datasets (first, second, first, ...); as long as twice the shorter."""
+    """Rows alternate between two datasets: `first_rows` from the first, then `second_rows` from
+    the second, and again; as long as the shorter allows."""
 
-    def __init__(self, first: Dataset, second: Dataset):
-        self.parts = (first, second)
+    def __init__(self, first: Dataset, second: Dataset, *, first_rows: int = 1, second_rows: int = 1):
+        for name, value in (("first_rows", first_rows), ("second_rows", second_rows)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.parts, self.counts = (first, second), (first_rows, second_rows)
+        self.rounds = min(len(first) // first_rows, len(second) // second_rows)
 
     def __len__(self):
-        return 2 * min(map(len, self.parts))
+        return self.rounds * sum(self.counts)
 
     def __getitem__(self, index):
         if not 0 <= index < len(self):
             raise IndexError(index)
-        return self.parts[index % 2][index // 2]
+        a, b = self.counts
+        round_, r = divmod(index, a + b)
+        return self.parts[0][round_ * a + r] if r < a else self.parts[1][round_ * b + r - a]
 
 
 def find_text_files(paths: list[str]) -> list[str]:

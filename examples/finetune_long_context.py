@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(rows alternate: text, passkey, text, ...)")
     p.add_argument("--text-field", default="text", help="field holding the text in JSON-lines files")
     p.add_argument("--num-rows", type=int, default=100_000, help="passkey rows to draw from (generated lazily)")
+    p.add_argument("--passkey-ratio", type=int, default=1,
+                   help="with text files and passkey data: passkey rows per text row")
     p.add_argument("--passkey-min-doc-len", type=int, default=None,
                    help="shortest passkey document packed into a row (default: the shortest possible)")
     p.add_argument("--passkey-max-doc-len", type=int, default=None,
@@ -105,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     args = build_parser().parse_args(argv)
-    for name in ("seq_len", "max_steps", "batch_size", "grad_accum", "sp_size", "lora_rank", "num_rows"):
+    for name in ("seq_len", "max_steps", "batch_size", "grad_accum", "sp_size", "lora_rank", "num_rows", "passkey_ratio"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
@@ -158,7 +160,7 @@ def build_dataset(args, tokenizer):
             return passkey
     text = PackedTextDataset(tokenizer, find_text_files(files), args.seq_len, text_field=args.text_field,
                              max_rows=args.max_rows, cache_dir=os.path.join(args.output_dir, "datasets_cache"))
-    return text if passkey is None else AlternatingDataset(text, passkey)
+    return text if passkey is None else AlternatingDataset(text, passkey, second_rows=args.passkey_ratio)
 
 
 def rows_for(dataset, step: int, micro: int, args, dp_rank: int, dp_size: int, generator_seed: int):

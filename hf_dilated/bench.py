@@ -125,9 +125,8 @@ class CaseRunner:
     `if __name__ == "__main__":` guard (the `hf-dilated` command and `python -m` entry points have it)."""
 
     def __init__(self):
-        # Read by glibc when the server process starts: large blocks go back to the OS when freed,
-        # so the resident high-water mark of a case is the case's own.
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+        # No MALLOC_* settings here: timed calls run under glibc's defaults (the worker tightens
+        # the allocator itself for its separate memory measurement, see bench_worker).
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile-worker pool to orphan
         method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
         self.ctx = multiprocessing.get_context(method)

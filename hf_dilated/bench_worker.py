@@ -5,11 +5,16 @@ torch and hf_dilated) so that the resident-memory peak of a case is its own, and
 out of memory or time cannot poison the next. By hand: `python -m hf_dilated.bench_worker SPEC_JSON`
 prints the result as one JSON line.
 
-Memory on CPU: the peak resident set size beyond a baseline taken after the inputs are allocated
-and the warm-up calls are done. MALLOC_MMAP_THRESHOLD_ (set by the parent) makes glibc hand every
-large block back to the OS when it is freed, and the high-water mark is reset
-(/proc/self/clear_refs) right before the measured calls, so the figure is the peak of the
-measured calls alone. On CUDA: torch.cuda.max_memory_allocated beyond the allocation at the baseline.
+Time: the timed calls run under glibc's default allocator settings, as in any user's process (after
+the warm-up, blocks up to 32 MiB are reused from the heap instead of being mapped afresh, and
+page-faulted, on every call).
+Memory on CPU: one more call after the timed ones, measured apart: glibc is then told (mallopt) to
+hand every block over 64 KiB back to the OS when it is freed, the retained heap is trimmed, and
+the resident high-water mark is reset (/proc/self/clear_refs) right before the call, so the
+figure is the peak of that call alone beyond a baseline of the inputs. (Measuring memory under
+those settings during the timed calls would add a fresh mapping and its page faults to every
+allocation, which slows kernels that allocate many temporaries and is no user's setting.) On
+CUDA: torch.cuda.max_memory_allocated beyond the allocation at the baseline.
 
 Spec keys: kind ("kernel" or "e2e"), variant / attn_implementation, n, dtype, device, batch, heads,
 kv_heads, head_dim, segment_lengths, dilation_rates, block_size, block_pattern, passes
@@ -270,7 +275,6 @@ def _sync(device):
 def _run_pass(step, device, warmup: int, repeats: int, probe: MemoryProbe) -> dict:
     for _ in range(warmup):
         step()
-    probe.start()
     times = []
     for _ in range(max(1, repeats)):
         _sync(device)
@@ -278,7 +282,27 @@ def _run_pass(step, device, warmup: int, repeats: int, probe: MemoryProbe) -> di
         step()
         _sync(device)
         times.append(time.perf_counter() - t0)
+    if device.type == "cpu":
+        _strict_allocator()
+    probe.start()
+    step()
     return {"times_s": times, "median_s": statistics.median(times), "peak_extra_bytes": probe.peak_extra()}
+
+
+def _strict_allocator() -> None:
+    """glibc: map every block over 64 KiB on its own and unmap it when freed, and give the retained
+    heap back, so the resident set follows the live allocations (for the memory measurement)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+        libc.mallopt(m_mmap_threshold, 64 * 1024)
+        libc.mallopt(m_trim_threshold, 128 * 1024)
+        gc.collect()
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the resident set then over-states the peak
+        pass
 
 
 def _prewarm(spec, device, dtype) -> None:

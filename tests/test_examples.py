@@ -305,6 +305,10 @@ def test_alternating_dataset_interleaves_rows():
     assert len(data) == 6 and [int(data[i]["x"]) for i in range(6)] == [0, 10, 1, 11, 2, 12]
     with pytest.raises(IndexError):
         data[6]
+    data = AlternatingDataset(first, second, second_rows=2)  # one row of the first, then two of the second
+    assert len(data) == 6 and [int(data[i]["x"]) for i in range(6)] == [0, 10, 11, 1, 12, 13]
+    with pytest.raises(ValueError, match="second_rows"):
+        AlternatingDataset(first, second, second_rows=0)
 
 
 def test_pack_documents_keeps_boundaries():
