@@ -84,7 +84,7 @@ class _Level:
     q0: int = 0  # key-slot coordinate of the first gathered query slot
     # Set when the rows are plain whole segments (no padding, positions 0..n-1, n a multiple of w,
     # q_len == kv_len): query slot t of class c in segment s is token s * w + c + t * r, so a
-    # call's query slots are a strided view of any (batch, heads, n, d) tensor (see _class_views).
+    # call's query slots are a strided view of any (batch, heads, n, d) tensor (see _strided_slots).
     plain: bool = False
     pairs: list = field(default_factory=list)  # (kv head, class) of each gathered K/V head
 
