@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, required=True, help="tokens per training row")
     p.add_argument("--data", nargs="+", default=["passkey"],
                    help="'passkey' (generated), local text / JSON-lines files and directories, or both "
-                        "(rows alternate: text, passkey, text, ...)")
+                        "(rows alternate: one text row, then --passkey-ratio passkey rows)")
     p.add_argument("--text-field", default="text", help="field holding the text in JSON-lines files")
     p.add_argument("--num-rows", type=int, default=100_000, help="passkey rows to draw from (generated lazily)")
     p.add_argument("--passkey-ratio", type=int, default=1,
@@ -110,6 +110,8 @@ def parse_args(argv=None):
     for name in ("seq_len", "max_steps", "batch_size", "grad_accum", "sp_size", "lora_rank", "num_rows", "passkey_ratio"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.passkey_ratio != 1 and not ("passkey" in args.data and len(args.data) > 1):
+        raise SystemExit("--passkey-ratio mixes text and passkey rows: give --data passkey and text files")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         raise SystemExit(f"--stop-after-steps must be >= 1, got {args.stop_after_steps}")
     if args.attn in ("sdpa", "dilated", "block_sparse") and args.sp_size > 1:

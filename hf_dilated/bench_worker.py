@@ -8,9 +8,9 @@ prints the result as one JSON line.
 Time: the timed calls run under glibc's default allocator settings, as in any user's process (after
 the warm-up, blocks up to 32 MiB are reused from the heap instead of being mapped afresh, and
 page-faulted, on every call).
-Memory on CPU: one more call after the timed ones, measured apart: glibc is then told (mallopt) to
-hand every block over 64 KiB back to the OS when it is freed, the retained heap is trimmed, and
-the resident high-water mark is reset (/proc/self/clear_refs) right before the call, so the
+Memory on CPU: one more call per pass, after all the timed calls of the case (the settings below
+cannot be undone): glibc is told (mallopt) to hand every block over 64 KiB back to the OS when it
+is freed, the retained heap is trimmed, and the resident high-water mark is reset (/proc/self/clear_refs) right before the call, so the
 figure is the peak of that call alone beyond a baseline of the inputs. (Measuring memory under
 those settings during the timed calls would add a fresh mapping and its page faults to every
 allocation, which slows kernels that allocate many temporaries and is no user's setting.) On
@@ -272,7 +272,7 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _run_pass(step, device, warmup: int, repeats: int, probe: MemoryProbe) -> dict:
+def _time_pass(step, device, warmup: int, repeats: int) -> dict:
     for _ in range(warmup):
         step()
     times = []
@@ -282,11 +282,28 @@ def _run_pass(step, device, warmup: int, repeats: int, probe: MemoryProbe) -> di
         step()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    if device.type == "cpu":
-        _strict_allocator()
+    return {"times_s": times, "median_s": statistics.median(times)}
+
+
+def _peak_memory(step, probe: MemoryProbe) -> int:
+    """Peak memory of one more call (after _strict_allocator on CPU)."""
     probe.start()
     step()
-    return {"times_s": times, "median_s": statistics.median(times), "peak_extra_bytes": probe.peak_extra()}
+    return probe.peak_extra()
+
+
+def _measure_passes(steps: dict, passes: dict, device, probe: MemoryProbe, errors: tuple, own_process: bool) -> None:
+    """Memory of every timed pass, measured after *all* timings: the strict allocator settings
+    cannot be undone, so no timed call may follow them. They are only set in a process of the
+    case's own (`own_process`), never in a caller's (a test calling run_case directly)."""
+    if device.type == "cpu" and steps and own_process:
+        _strict_allocator()
+    for name, step in steps.items():
+        try:
+            passes[name]["peak_extra_bytes"] = _peak_memory(step, probe)
+        except errors as e:
+            passes[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        gc.collect()
 
 
 def _strict_allocator() -> None:
@@ -322,7 +339,7 @@ def _prewarm(spec, device, dtype) -> None:
     gc.collect()
 
 
-def run_kernel_case(spec: dict) -> dict:
+def run_kernel_case(spec: dict, own_process: bool = False) -> dict:
     device = torch.device(spec["device"])
     dtype = DTYPES[spec["dtype"]]
     result = {"spec": spec, "passes": {}}
@@ -342,6 +359,7 @@ def run_kernel_case(spec: dict) -> dict:
         result["unavailable"] = str(e)
         return result
     result["pairs"] = pairs
+    steps, errors = {}, (RuntimeError, MemoryError, NotImplementedError)
     for pass_name in spec["passes"]:
         try:
             if pass_name == "forward":
@@ -363,15 +381,17 @@ def run_kernel_case(spec: dict) -> dict:
             else:
                 raise ValueError(f"unknown pass {pass_name!r}")
             inputs = q.nbytes + k.nbytes + v.nbytes + (grad_out.nbytes if pass_name == "backward" else 0)
-            result["passes"][pass_name] = _run_pass(step, device, spec["warmup"], spec["repeats"], probe)
+            result["passes"][pass_name] = _time_pass(step, device, spec["warmup"], spec["repeats"])
             result["passes"][pass_name]["inputs_bytes"] = inputs
-        except (RuntimeError, MemoryError, NotImplementedError) as e:
+            steps[pass_name] = step
+        except errors as e:
             result["passes"][pass_name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         gc.collect()
+    _measure_passes(steps, result["passes"], device, probe, errors, own_process)
     return result
 
 
-def run_e2e_case(spec: dict) -> dict:
+def run_e2e_case(spec: dict, own_process: bool = False) -> dict:
     """Forward + backward of a tiny Llama (random weights) with one attn_implementation."""
     import hf_dilated  # noqa: F401  (registers the attention implementations)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -401,10 +421,13 @@ def run_e2e_case(spec: dict) -> dict:
         model.zero_grad(set_to_none=True)
 
     result["params"] = sum(p.numel() for p in model.parameters())
+    errors = (RuntimeError, MemoryError, NotImplementedError, ValueError)
     try:
-        result["passes"]["backward"] = _run_pass(step, device, spec["warmup"], spec["repeats"], probe)
-    except (RuntimeError, MemoryError, NotImplementedError, ValueError) as e:
+        result["passes"]["backward"] = _time_pass(step, device, spec["warmup"], spec["repeats"])
+    except errors as e:
         result["passes"]["backward"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        return result
+    _measure_passes({"backward": step}, result["passes"], device, probe, errors, own_process)
     return result
 
 
@@ -421,13 +444,16 @@ def run_block_sparse_comparison(spec: dict) -> dict:
     return {"spec": spec, "rows": rows, "log": log}
 
 
-def run_case(spec: dict) -> dict:
+def run_case(spec: dict, own_process: bool = False) -> dict:
+    """One case. own_process: this process exists for the case alone (child_main, main), so the
+    memory measurement may change its allocator settings."""
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
     if spec.get("kind") == "block_sparse_comparison":
         result = run_block_sparse_comparison(spec)
     else:
-        result = run_e2e_case(spec) if spec.get("kind") == "e2e" else run_kernel_case(spec)
+        run = run_e2e_case if spec.get("kind") == "e2e" else run_kernel_case
+        result = run(spec, own_process)
     result["threads"] = torch.get_num_threads()
     return result
 
@@ -435,7 +461,7 @@ def run_case(spec: dict) -> dict:
 def child_main(spec: dict, conn) -> None:
     """Entry point of a forked case process (see hf_dilated.bench.CaseRunner): send the result."""
     try:
-        result = run_case(spec)
+        result = run_case(spec, own_process=True)
     except Exception as e:  # report, never hang the parent: it records the failure for this case
         result = {"spec": spec, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
     conn.send(result)
@@ -447,7 +473,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(argv[0])
     try:
-        result = run_case(spec)
+        result = run_case(spec, own_process=True)
     except Exception as e:  # report, never hang the parent: it records the failure for this case
         result = {"spec": spec, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
     sys.stdout.write("\n" + json.dumps(result) + "\n")

@@ -149,6 +149,24 @@ def test_worker_runs_variant_and_counts_its_pairs(variant):
         assert p["peak_extra_bytes"] >= 0 and p["inputs_bytes"] > 0
 
 
+def test_worker_times_every_pass_before_tightening_the_allocator(monkeypatch):
+    """The memory measurement's allocator settings cannot be undone, so every timed call of a case
+    (forward and backward) comes before them; run_case in a caller's process never sets them."""
+    from hf_dilated import bench_worker
+
+    events = []
+    time_pass = bench_worker._time_pass
+    monkeypatch.setattr(bench_worker, "_strict_allocator", lambda: events.append("strict"))
+    monkeypatch.setattr(bench_worker, "_time_pass", lambda *a: events.append("timed") or time_pass(*a))
+    spec = dict(KERNEL_SPEC, variant="union")
+    result = bench_worker.run_case(spec, own_process=True)
+    assert events == ["timed", "timed", "strict"], events
+    assert all(result["passes"][name]["peak_extra_bytes"] >= 0 for name in ("forward", "backward"))
+    events.clear()
+    bench_worker.run_case(spec)
+    assert events == ["timed", "timed"], events
+
+
 @pytest.mark.slow
 def test_bench_smoke_writes_report_json_and_plots(tmp_path):
     """`hf-dilated bench --smoke` end to end through the command's entry point (tiny shapes; each

@@ -227,6 +227,25 @@ def test_longnet_accepts_non_nested_levels():
         assert_within(compare(case, torch.float32), F32_TOL, case, torch.float32)
 
 
+WHOLE_SEGMENTS = [name for name in NAMED if name.startswith("whole_segments")]
+
+
+@pytest.mark.parametrize("name", WHOLE_SEGMENTS)
+def test_whole_segments_take_the_strided_path(monkeypatch, name):
+    """The whole-segment cases above do exercise the strided accumulators (union and longnet;
+    head_groups' first level covers only some heads, so it keeps the indexed path)."""
+    from hf_dilated.ops import dilated as dilated_module
+
+    taken = []
+    forward, backward = dilated_module._forward_plain, dilated_module._backward_plain
+    monkeypatch.setattr(dilated_module, "_forward_plain", lambda *a: taken.append("forward") or forward(*a))
+    monkeypatch.setattr(dilated_module, "_backward_plain", lambda *a: taken.append("backward") or backward(*a))
+    for mode in ("union", "longnet"):
+        case = Case(mode=mode, seed=9, **NAMED[name])
+        assert_within(compare(case, torch.float32), F32_TOL, case, torch.float32)
+    assert taken == ["forward", "backward"] * 2
+
+
 # ---------------------------------------------------------------------------------------------
 # Low precision
 

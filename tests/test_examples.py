@@ -224,6 +224,18 @@ def test_loss_mean_over_tokens_or_rows(checkpoint, loss_mean):
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_passkey_ratio_without_a_mixture_is_refused():
+    from finetune_long_context import parse_args
+
+    base = ["--model", "m", "--output-dir", "o", "--seq-len", "256", "--max-steps", "1"]
+    for data in (["passkey"], ["doc.txt"]):
+        with pytest.raises(SystemExit, match="--passkey-ratio"):
+            parse_args([*base, "--data", *data, "--passkey-ratio", "3"])
+    with pytest.raises(SystemExit, match="--passkey-ratio"):
+        parse_args([*base, "--data", "passkey", "doc.txt", "--passkey-ratio", "0"])
+    assert parse_args([*base, "--data", "passkey", "doc.txt", "--passkey-ratio", "3"]).passkey_ratio == 3
+
+
 def test_seq_len_beyond_the_checkpoint_context_asks_for_a_conversion(checkpoint, tmp_path):
     cmd = finetune_cmd(checkpoint, tmp_path, "--seq-len", 2 * SEQ_LEN)
     cmd[cmd.index("--model") + 1] = checkpoint / "base"

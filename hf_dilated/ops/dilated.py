@@ -387,11 +387,13 @@ def _nonempty_calls(levels: list[_Level], q, k, v):
 
 
 def _plain_levels(levels: list[_Level], q) -> bool:
-    """Every level is plain and the first one covers every head and token with one causal call."""
+    """Every level is plain, every call covers all of its level's rows, and the first level covers
+    every head and token with one causal call."""
     return (
         bool(levels) and all(level.plain for level in levels) and levels[0].segment_view
         and levels[0].heads.numel() == q.shape[1] and len(levels[0].calls) == 1 and q.stride(-1) == 1
-        and all(call.rows == slice(None) for level in levels for call in level.calls)
+        and all(call.rows.indices(level.k_real.shape[0]) == (0, level.k_real.shape[0], 1)
+                for level in levels for call in level.calls)
     )
 
 
