@@ -34,14 +34,27 @@ def kept_block_fraction(layout, num_blocks: int) -> float:
     return float(lay.tril().sum()) / (num_blocks * (num_blocks + 1) / 2)
 
 
-def _time(fn, repeats: int, warmup: int = 1) -> list[float]:
-    for _ in range(warmup):
-        fn()
+def _time_interleaved(fns, repeats: int, warmup: int = 1, log=print) -> list[list[float] | None]:
+    """Times every function once per round, in turn, for `repeats` rounds after `warmup` calls each.
+
+    Interleaving makes a slow spell of a busy machine fall on every variant alike, so the ratios
+    between them stay meaningful; timing one variant after another lets it skew just one of them.
+    A function that raises is reported and left out (None)."""
     times = []
+    for name, fn in fns:
+        try:
+            for _ in range(warmup):
+                fn()
+            times.append([])
+        except Exception as exc:
+            log(f"{name} failed: {type(exc).__name__}: {exc}")
+            times.append(None)
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for (_, fn), t in zip(fns, times):
+            if t is not None:
+                start = time.perf_counter()
+                fn()
+                t.append(time.perf_counter() - start)
     return times
 
 
@@ -105,11 +118,9 @@ def run_block_sparse_bench(n=32768, heads=8, head_dim=64, block_size=256, global
         ]
 
     rows = []
-    for variant, mode, pairs, fn in cases:
-        try:
-            times = _time(fn, repeats)
-        except Exception as exc:
-            log(f"{variant} {mode} failed: {type(exc).__name__}: {exc}")
+    all_times = _time_interleaved([(f"{variant} {mode}", fn) for variant, mode, _, fn in cases], repeats, log=log)
+    for (variant, mode, pairs, _), times in zip(cases, all_times):
+        if times is None:
             continue
         median = statistics.median(times)
         rows.append({

@@ -5,6 +5,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from hf_dilated.bench_count import (
     dense_pair_count, dilated_pair_count, head_groups_sizes, layout_pair_count,
@@ -207,3 +208,42 @@ def test_bench_smoke_writes_report_json_and_plots(tmp_path):
     for section in ("## Kernels", "## Growth with sequence length", "## Longest sequence", "## End to end",
                     "not_an_implementation", report["machine"]["torch"]):
         assert section in md
+
+
+def test_block_sparse_bench_interleaves_variants_and_reports_failures():
+    """Each round times every variant once, in turn (a slow spell of the machine then falls on all
+    of them), after one warm-up call each; a variant that raises is reported, not timed."""
+    from hf_dilated.bench_block_sparse import _time_interleaved
+
+    calls, logged = [], []
+
+    def broken():
+        calls.append("broken")
+        raise RuntimeError("no kernel")
+
+    fns = [("a", lambda: calls.append("a")), ("broken", broken), ("b", lambda: calls.append("b"))]
+    times = _time_interleaved(fns, repeats=2, log=logged.append)
+    assert calls == ["a", "broken", "b", "a", "b", "a", "b"]
+    assert times[1] is None and len(times[0]) == len(times[2]) == 2
+    assert all(t >= 0 for t in times[0] + times[2])
+    assert logged == ["broken failed: RuntimeError: no kernel"]
+
+
+def test_block_sparse_bench_rows_count_pairs_and_compare_to_sdpa():
+    """A small run of the block-sparse benchmark: the useful pairs are the layout's exact count and
+    every ratio is to sdpa measured in the same run."""
+    from hf_dilated.bench_block_sparse import run_block_sparse_bench
+
+    rows = run_block_sparse_bench(n=1024, heads=2, head_dim=16, block_size=64, global_blocks=1, window=2,
+                                  repeats=2, flex=False, backward=True, log=lambda *_: None)
+    by = {(r["variant"], r["mode"]): r for r in rows}
+    assert set(by) == {(v, m) for v in ("sdpa (dense causal)", "block_sparse") for m in ("forward", "forward+backward")}
+    assert by[("sdpa (dense causal)", "forward")]["useful_pairs"] == dense_pair_count(1024, 2)
+    sparse = by[("block_sparse", "forward")]
+    from hf_dilated.ops.block_patterns import GlobalLocalPattern
+    layout = GlobalLocalPattern(1, 2).block_layout(torch.arange(16), 16)
+    assert sparse["useful_pairs"] == layout_pair_count(1024, 64, layout[0]) * 2 < dense_pair_count(1024, 2)
+    for (variant, mode), row in by.items():
+        assert row["runs"] == 2 and row["min"] <= row["seconds"] <= row["max"]
+        base = by[("sdpa (dense causal)", mode)]
+        assert row["vs_sdpa"] == pytest.approx(row["pairs_per_s"] / base["pairs_per_s"])
