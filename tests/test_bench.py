@@ -247,3 +247,5 @@ def test_block_sparse_bench_rows_count_pairs_and_compare_to_sdpa():
         assert row["runs"] == 2 and row["min"] <= row["seconds"] <= row["max"]
         base = by[("sdpa (dense causal)", mode)]
         assert row["vs_sdpa"] == pytest.approx(row["pairs_per_s"] / base["pairs_per_s"])
+        best_rate = lambda r: r["useful_pairs"] / r["min"]  # noqa: E731
+        assert row["vs_sdpa_best"] == pytest.approx(best_rate(row) / best_rate(base))
