@@ -349,3 +349,28 @@ def test_packed_text_dataset_from_text_and_jsonl(tmp_path):
     assert (labels[eos] == IGNORE_INDEX).all()
     with pytest.raises(ValueError, match="text_field|--text-field"):
         PackedTextDataset(tokenizer, [str(tmp_path / "b.jsonl")], 16, text_field="body", cache_dir=str(tmp_path / "c2"))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "dilated_ring"])
+def test_training_model_keeps_packed_documents_apart(checkpoint, attn):
+    """A packed row's second document gets the same logits as the document on its own, with the model
+    as the training loop loads it. For sdpa this rests on use_cache=False: with a cache, transformers
+    skips its packed-sequence detection (masking_utils, transformers 5.23), so documents attend to each
+    other; our attentions read the documents from the position ids either way."""
+    import finetune_long_context
+
+    args = finetune_long_context.parse_args(
+        ["--model", str(checkpoint / "long"), "--output-dir", str(checkpoint / "unused"), "--attn", attn,
+         "--seq-len", str(SEQ_LEN), "--max-steps", "1", "--full-finetune", "--no-gradient-checkpointing"])
+    model = finetune_long_context.load_model(args, torch.float32)
+    tokenizer = build_byte_tokenizer()
+    rng = random.Random(0)
+    docs = [[rng.randrange(256) for _ in range(n)] for n in (100, SEQ_LEN - 100)]
+    rows = pack_documents(docs, SEQ_LEN, pad_token_id=tokenizer.pad_token_id)
+    row = {k: v[0] for k, v in rows.items()}
+    second = slice(100, SEQ_LEN)
+    assert row["position_ids"][100] == 0 and len(rows["input_ids"]) == 1
+    with torch.no_grad():
+        packed = model(input_ids=row["input_ids"][None], position_ids=row["position_ids"][None]).logits[0, second]
+        alone = model(input_ids=row["input_ids"][None, second], position_ids=row["position_ids"][None, second]).logits[0]
+    torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
