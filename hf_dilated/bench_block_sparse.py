@@ -43,22 +43,20 @@ def _time_interleaved(fns, repeats: int, warmup: int = 1, log=print) -> list[lis
 
     Interleaving makes a slow spell of a busy machine fall on every variant alike, so the ratios
     between them stay meaningful; timing one variant after another lets it skew just one of them.
-    A function that raises is reported and left out (None)."""
-    times = []
-    for name, fn in fns:
-        try:
-            for _ in range(warmup):
-                fn()
-            times.append([])
-        except Exception as exc:
-            log(f"{name} failed: {type(exc).__name__}: {exc}")
-            times.append(None)
-    for _ in range(repeats):
-        for (_, fn), t in zip(fns, times):
-            if t is not None:
+    A function that raises, in its warm-up or in any round, is reported and left out (None)."""
+    times = [[] for _ in fns]
+    for rnd in range(-warmup, repeats):  # negative rounds: warm-up, not timed
+        for i, (name, fn) in enumerate(fns):
+            if times[i] is None:
+                continue
+            try:
                 start = time.perf_counter()
                 fn()
-                t.append(time.perf_counter() - start)
+                if rnd >= 0:
+                    times[i].append(time.perf_counter() - start)
+            except Exception as exc:
+                log(f"{name} failed: {type(exc).__name__}: {exc}")
+                times[i] = None
     return times
 
 
@@ -141,7 +139,8 @@ def run_block_sparse_bench(n=32768, heads=8, head_dim=64, block_size=256, global
         row["vs_flex"] = row["pairs_per_s"] / flex_row["pairs_per_s"] if flex_row else None
         # The same ratio from each variant's fastest run: interference from other processes only
         # ever slows a run down, so the best runs are the least disturbed comparison.
-        row["vs_sdpa_best"] = base["min"] / row["min"] * row["useful_pairs"] / base["useful_pairs"] if base else None
+        best = lambda r: r["useful_pairs"] / r["min"]  # noqa: E731
+        row["vs_sdpa_best"] = best(row) / best(base) if base else None
     return rows
 
 

@@ -296,19 +296,23 @@ def _measure_passes(steps: dict, passes: dict, device, probe: MemoryProbe, error
     """Memory of every timed pass, measured after *all* timings: the strict allocator settings
     cannot be undone, so no timed call may follow them. They are only set in a process of the
     case's own (`own_process`), never in a caller's (a test calling run_case directly)."""
-    if device.type == "cpu" and steps and own_process:
-        _strict_allocator()
+    note = None
+    if device.type == "cpu" and steps and own_process and not _strict_allocator():
+        note = "allocator settings unavailable (not glibc): freed heap stays resident, the peak is over-stated"
     for name, step in steps.items():
         try:
             passes[name]["peak_extra_bytes"] = _peak_memory(step, probe)
+            if note:
+                passes[name]["memory_note"] = note
         except errors as e:
             passes[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         gc.collect()
 
 
-def _strict_allocator() -> None:
+def _strict_allocator() -> bool:
     """glibc: map every block over 64 KiB on its own and unmap it when freed, and give the retained
-    heap back, so the resident set follows the live allocations (for the memory measurement)."""
+    heap back, so the resident set follows the live allocations (for the memory measurement).
+    Returns whether the settings took (False where the C library is not glibc)."""
     try:
         import ctypes
 
@@ -318,8 +322,9 @@ def _strict_allocator() -> None:
         libc.mallopt(m_trim_threshold, 128 * 1024)
         gc.collect()
         libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the resident set then over-states the peak
-        pass
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def _prewarm(spec, device, dtype) -> None:
