@@ -173,3 +173,74 @@ class PackedTextDataset(Dataset):
 
     def __getitem__(self, index):
         return {k: v[index] for k, v in self.rows.items()}
+
+
+# --- the embedded default's text: the standard library's sources, split by file name -------------
+
+HELDOUT_MODULUS = 8  # one top-level stdlib file in about 8 is held out from every training run
+
+
+def _heldout(name: str) -> bool:
+    import zlib
+
+    return zlib.crc32(name.encode()) % HELDOUT_MODULUS == 0
+
+
+def stdlib_files(split: str, *, min_bytes: int = 0) -> list[str]:
+    """Top-level .py files of the running Python's standard library, sorted by name: split "train"
+    or "heldout" (chosen by a hash of the file name, so the split does not depend on which files a
+    Python version has), at least `min_bytes` long."""
+    import sysconfig
+
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if _heldout(p.name) == (split == "heldout") and p.stat().st_size >= min_bytes)
+    if not files:
+        raise ValueError(f"no standard-library sources under {root}")
+    return [str(p) for p in files]
+
+
+def tokenize_files(tokenizer, files: list[str]) -> list[torch.Tensor]:
+    """Each file as one document: bos + its text's tokens + eos (UTF-8, undecodable bytes replaced)."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    docs = []
+    for f in files:
+        text = Path(f).read_text(encoding="utf-8", errors="replace")
+        docs.append(torch.tensor(bos + tokenizer(text, add_special_tokens=False)["input_ids"] + eos))
+    return docs
+
+
+class TextPasskeyMixture(Dataset):
+    """Rows of `seq_len` tokens, each drawn by (seed, index): with probability `passkey_fraction` a
+    row of packed passkey documents (PasskeyDataset's row `index`), else a window of one text
+    document: a random document (chance proportional to its length), from its start one time in
+    `start_every` (so the model meets bos and a file's opening), else from a random offset;
+    positions 0..seq_len-1 either way. Text rows label every token, passkey rows the key digits."""
+
+    def __init__(self, tokenizer, files: list[str], seq_len: int, num_rows: int, *, passkey_fraction: float = 0.5,
+                 seed: int = 0, recalls: int = 0, max_doc_len: int | None = None, start_every: int = 8):
+        if not 0.0 <= passkey_fraction <= 1.0:
+            raise ValueError(f"passkey_fraction must be in [0, 1], got {passkey_fraction}")
+        self.seq_len, self.num_rows, self.seed = seq_len, num_rows, seed
+        self.passkey_fraction, self.start_every = passkey_fraction, start_every
+        self.passkey = PasskeyDataset(tokenizer, seq_len, num_rows, max_doc_len=max_doc_len, seed=seed, recalls=recalls)
+        self.docs = [d for d in tokenize_files(tokenizer, files) if len(d) > seq_len] if passkey_fraction < 1 else []
+        if passkey_fraction < 1 and not self.docs:
+            raise ValueError(f"no text document is longer than seq_len ({seq_len})")
+        self.cumulative = torch.tensor([len(d) for d in self.docs]).cumsum(0) if self.docs else None
+
+    def __len__(self):
+        return self.num_rows
+
+    def __getitem__(self, index):
+        rng = random.Random(f"mixture:{self.seed}:{index}")
+        if rng.random() < self.passkey_fraction:
+            return self.passkey[index]
+        at = rng.randrange(int(self.cumulative[-1]))
+        doc = self.docs[int(torch.searchsorted(self.cumulative, at, right=True))]
+        start = 0 if rng.randrange(self.start_every) == 0 else rng.randrange(len(doc) - self.seq_len)
+        window = doc[start:start + self.seq_len + 1]
+        return {"input_ids": window[:-1].clone(), "labels": window[1:].clone(),
+                "position_ids": torch.arange(self.seq_len)}

@@ -289,7 +289,8 @@ def token_loss_sum(logits, labels, row_counts=None):
     return (losses.view(labels.shape).sum(1) / row_counts.clamp(min=1)).sum()
 
 
-def train(args) -> dict:
+def train(args, dataset=None) -> dict:
+    """dataset: rows to train on instead of the ones --data describes (pretrain_tiny.py's mixture)."""
     from accelerate import Accelerator
     from transformers import AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
 
@@ -315,7 +316,8 @@ def train(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     dtype = torch.bfloat16 if (not args.full_finetune and accelerator.mixed_precision == "bf16") else torch.float32
     model = load_model(args, dtype)
-    dataset = build_dataset(args, tokenizer)
+    if dataset is None:
+        dataset = build_dataset(args, tokenizer)
     params = list(trainable_parameters(model).values())
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
@@ -441,9 +443,9 @@ def token_hits(logits, labels):
     return ((logits.argmax(-1) == labels) & (labels != IGNORE_INDEX)).sum()
 
 
-def main(argv=None) -> int:
+def main(argv=None, dataset=None) -> int:
     args = parse_args(argv)
-    result = train(args)
+    result = train(args, dataset)
     if result["history"] and int(os.environ.get("RANK", "0")) == 0:
         last = result["history"][-1]
         print(f"done: step {last['step']} loss {last['loss']:.4f} ({last['tokens_per_s']:.0f} tokens/s)")

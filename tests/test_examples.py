@@ -22,7 +22,7 @@ sys.path.insert(0, str(EXAMPLES))
 
 from byte_tokenizer import build_byte_tokenizer  # noqa: E402
 from data import AlternatingDataset, PackedTextDataset, PasskeyDataset, pack_documents  # noqa: E402
-from passkey import IGNORE_INDEX, INTRO, KEY_DIGITS, min_length, passkey_sample  # noqa: E402
+from passkey import IGNORE_INDEX, INTRO, KEY_COPIES, KEY_DIGITS, min_length, passkey_sample  # noqa: E402
 
 SEQ_LEN = 256  # 4x the tiny model's 64-token "pretraining" context: three dilated levels
 TIMEOUT = 300
@@ -169,17 +169,25 @@ def test_merged_checkpoint_equals_base_plus_adapter(checkpoint, single_run):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
-def test_eval_passkey_writes_table_and_plot(checkpoint, single_run):
+def test_eval_writes_table_json_and_plots(checkpoint, single_run, tmp_path):
+    """`python -m hf_dilated.eval` (formerly examples/eval_passkey.py) on the fine-tuned tiny model."""
+    doc = tmp_path / "held_out.txt"
+    doc.write_text("def f(x):\n    return x + 1\n" * 20)
     out = checkpoint / "eval"
-    proc = run([sys.executable, EXAMPLES / "eval_passkey.py", "--model", single_run / "model", "--attn", "dilated_ring",
-                "sdpa", "--lengths", min_length(), SEQ_LEN, "--depths", 0, 1, "--samples", 2, "--output-dir", out])
-    results = json.loads((out / "passkey.json").read_text())
-    assert {(r["attn"], r["length"], r["depth"]) for r in results} == {
-        (a, n, d) for a in ("dilated_ring", "sdpa") for n in (min_length(), SEQ_LEN) for d in (0.0, 1.0)}
-    assert all(r["samples"] == 2 and 0 <= r["correct"] <= 2 for r in results)
-    table = (out / "passkey.md").read_text()
-    assert table.count("\n") == 2 + 4 and "| dilated_ring | 256 |" in table and table in proc.stdout
-    assert (out / "passkey.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    proc = run([sys.executable, "-m", "hf_dilated.eval", "--model", f"ft={single_run / 'model'}@dilated_ring,sdpa",
+                "--text", doc, "--lengths", min_length(), SEQ_LEN, "--depths", 0, 1, "--samples", 2, "--bucket", 64,
+                "--output-dir", out, "--no-progress"])
+    result = json.loads((out / "eval.json").read_text())
+    assert [(r["model"], r["attn"]) for r in result["rows"]] == [("ft", "dilated_ring"), ("ft", "sdpa")]
+    for r in result["rows"]:
+        assert {(c["length"], c["depth"]) for c in r["passkey"]} == {(n, d) for n in (min_length(), SEQ_LEN) for d in (0.0, 1.0)}
+        assert all(c["samples"] == 2 and 0 <= c["correct"] <= 2 for c in r["passkey"])
+        assert len(r["loss_by_bucket"]) == SEQ_LEN // 64 and r["windowed_loss_by_bucket"][0] is None
+        assert [c["length"] for c in r["cost"]] == [min_length(), SEQ_LEN]
+    table = (out / "eval.md").read_text()
+    assert "| ft | dilated_ring | 256 |" in table and table.strip() in proc.stdout
+    for png in ("passkey.png", "loss_by_position.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_text_and_passkey_mixture_trains(checkpoint, tmp_path):
@@ -258,7 +266,7 @@ def test_passkey_sample_format():
         text = tokenizer.decode(s["input_ids"][1:])
         assert text.endswith(f"The pass key is <{s['key']}")
         filler = length - min_length()
-        where = text.index(f"The pass key is <{s['key']}>. Remember it.") - len(INTRO)
+        where = text.index("The pass key is " + f"<{s['key']}>. " * KEY_COPIES) - len(INTRO)
         assert abs(where - depth * filler) <= 60  # the nearest sentence boundary
     with pytest.raises(ValueError, match="length"):
         passkey_sample(tokenizer, min_length() - 1, 0.5, random.Random(0))
@@ -274,7 +282,7 @@ def test_passkey_recalls_are_answered_mid_text_and_labelled():
     text = tokenizer.decode(s["input_ids"][1:])
     question = "What is the pass key? The pass key is <"
     assert s["input_ids"].shape == (1000,) and text.count(question) == 4 and text.endswith(question + s["key"])
-    assert text.count(f"{question}{s['key']}>. ") == 3 and text.index(question) > text.index("Remember it.")
+    assert text.count(f"{question}{s['key']}>. ") == 3 and text.index(question) > text.index(f"<{s['key']}>. " * KEY_COPIES)
     labelled = s["labels"] != IGNORE_INDEX
     assert tokenizer.decode(s["labels"][labelled]) == s["key"] * 4
     # every labelled position predicts the token after it, and sits right after a question's "<" or a key digit

@@ -1,0 +1,185 @@
+"""What `hf-dilated eval` measures, as plain functions of a loaded model (no files, no printing).
+
+Perplexity by position (`bucket_losses`): each document's first `length` tokens in one forward
+pass; the loss of predicting token t (t >= 1, from the tokens before it) goes to bucket t // bucket.
+For buckets >= 1 the same tokens are scored again with the context cut to a window
+(`windowed_losses`): rows of exactly `window` tokens, of which the last `stride` are scored, so a
+token sees between window - stride + 1 and window tokens before it (positions 0..window-1, the
+range a model pre-trained at `window` tokens knows). full < windowed in a far bucket means the
+model uses context beyond the window there.
+
+Retrieval (`passkey_scores`): the passkey format of hf_dilated.eval.passkey; a key counts as right
+when the argmax at every answer position is the right digit given the right digits before it,
+which is exactly when greedy generation after the question produces the key (the first wrong
+digit would be the first one greedy decoding gets wrong). One forward pass per sample.
+
+Cost (`forward_cost`): wall time of a no-grad forward of one row of `length` tokens (median of a
+few calls after a warm-up) and the peak memory above what was held before it (CUDA: the
+allocator's peak; CPU: the resident high-water mark, reset through /proc/self/clear_refs where
+Linux allows it, else the process-lifetime peak, an upper bound, flagged).
+"""
+from __future__ import annotations
+
+import gc
+import random
+import resource
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .passkey import IGNORE_INDEX, KEY_DIGITS, passkey_sample
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return model(input_ids=input_ids, position_ids=positions, use_cache=False).logits.float()
+
+
+@torch.no_grad()
+def token_losses(model, rows: torch.Tensor, batch_size: int = 4, progress=None) -> torch.Tensor:
+    """(rows, n - 1) losses: [:, t - 1] is the loss of predicting token t from tokens 0..t-1."""
+    out = []
+    for start in range(0, len(rows), batch_size):
+        ids = rows[start:start + batch_size].to(_device(model))
+        logits = _logits(model, ids)
+        out.append(F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").cpu())
+        if progress is not None:
+            progress.update(len(ids))
+    return torch.cat(out)
+
+
+def bucket_means(losses: torch.Tensor, bucket: int) -> list[float]:
+    """Mean loss per bucket of target positions t = 1..n-1 (bucket k holds t in [k*bucket, (k+1)*bucket))."""
+    n = losses.shape[1] + 1
+    targets = torch.arange(1, n)
+    return [float(losses[:, (targets // bucket) == k].mean()) for k in range((n - 1) // bucket + 1)
+            if ((targets // bucket) == k).any()]
+
+
+def bucket_losses(model, docs: list[torch.Tensor], length: int, bucket: int, batch_size: int = 4,
+                  progress=None) -> list[float]:
+    """The mean loss per position bucket over the documents' first `length` tokens, whole context."""
+    rows = torch.stack([d[:length] for d in docs])
+    return bucket_means(token_losses(model, rows, batch_size, progress), bucket)
+
+
+def window_rows(docs: list[torch.Tensor], length: int, first: int, window: int, stride: int):
+    """Rows of window + 1 tokens; row i scores targets `targets[i]` (consecutive, its last
+    predictions), each target t seeing tokens a..t-1 of its document, a = last target - window: at
+    least window - stride + 1 and at most `window` tokens. Targets first..length-1 of every document
+    are scored once. The row's last token is only a target, so the inputs used sit at positions
+    0..window-1."""
+    if not 0 < stride <= window:
+        raise ValueError(f"stride must be in 1..window ({window}), got {stride}")
+    if first < window - stride + 1:
+        raise ValueError(f"the first windowed target ({first}) must be at least window - stride + 1")
+    rows, targets = [], []
+    for d in docs:
+        for s in range(first, length, stride):
+            t_end = min(s + stride, length)
+            a = t_end - 1 - window
+            rows.append(d[a:t_end])
+            targets.append(range(s, t_end))
+    return rows, targets
+
+
+@torch.no_grad()
+def windowed_losses(model, docs: list[torch.Tensor], length: int, bucket: int, window: int, stride: int,
+                    batch_size: int = 4, progress=None) -> list[float | None]:
+    """Per bucket (None for bucket 0), the mean loss of the same targets as `bucket_losses` with
+    each target seeing only the previous window - stride + 1 .. window tokens."""
+    first = bucket
+    rows, targets = window_rows(docs, length, first, window, stride)
+    losses = token_losses(model, torch.stack(rows), batch_size, progress)  # (rows, window): targets a+1..a+window
+    per_target = torch.zeros(len(docs), length)
+    per_doc = len(range(first, length, stride))
+    for i, span in enumerate(targets):
+        per_target[i // per_doc, span.start:span.stop] = losses[i, -len(span):]
+    means = [None]
+    t = torch.arange(length)
+    for k in range(1, (length - 1) // bucket + 1):
+        sel = (t // bucket == k) & (t >= first)
+        means.append(float(per_target[:, sel].mean()))
+    return means
+
+
+def make_passkey_samples(tokenizer, length: int, depth: float, count: int, seed: int) -> list[dict]:
+    """The same samples for every checkpoint and attention (seeded by seed, length and depth)."""
+    rng = random.Random(f"{seed}:{length}:{depth}")
+    return [passkey_sample(tokenizer, length, depth, rng) for _ in range(count)]
+
+
+@torch.no_grad()
+def passkey_scores(model, samples: list[dict], batch_size: int = 4, progress=None) -> tuple[list[bool], list[int]]:
+    """For each sample: whether the whole key is right (see the module docstring) and how many of
+    its digits the teacher-forced argmax gets right."""
+    keys, digits = [], []
+    for start in range(0, len(samples), batch_size):
+        chunk = samples[start:start + batch_size]
+        input_ids = torch.stack([s["input_ids"] for s in chunk]).to(_device(model))
+        labels = torch.stack([s["labels"] for s in chunk]).to(input_ids.device)
+        answer = labels != IGNORE_INDEX
+        predicted = _logits(model, input_ids).argmax(-1)[answer].view(len(chunk), KEY_DIGITS)
+        right = predicted == labels[answer].view(len(chunk), KEY_DIGITS)
+        keys += right.all(-1).tolist()
+        digits += right.sum(-1).tolist()
+        if progress is not None:
+            progress.update(len(chunk))
+    return keys, digits
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@torch.no_grad()
+def forward_cost(model, length: int, vocab_size: int, repeats: int = 3) -> dict:
+    """Median seconds of a no-grad forward of one row of `length` tokens, and its peak memory (bytes)
+    above the memory held before it; `memory_exact` False where only an upper bound was available."""
+    device = _device(model)
+    ids = torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
+    _logits(model, ids)  # warm-up (plans, kernels)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _logits(model, ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    gc.collect()
+    exact = True
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _logits(model, ids)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            exact = False
+        base = _status_bytes("VmRSS") or 0
+        _logits(model, ids)
+        hwm = _status_bytes("VmHWM") if exact else None
+        if hwm is None:
+            exact = False
+            hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = max(0, hwm - base)
+    return {"seconds": statistics.median(times), "peak_bytes": int(peak), "memory_exact": exact}

@@ -1,0 +1,87 @@
+"""Passkey retrieval data: a five-digit number hidden at a chosen depth in filler text, asked for
+at the end. The format never varies, so a tiny model can learn the task; the loss is on the
+answer digits only.
+
+    <bos>Remember the pass key.
+    The grass is green. The sky is blue. ...  The pass key is <71432>. <71432>. <71432>. <71432>.
+    The grass is green. ... What is the pass key? The pass key is <71432
+
+The "<" before the key occurs nowhere else, so finding the key needs a one-token match, not
+"key is " told apart from the filler's "sky is ". The key is written KEY_COPIES = 4 times, 9
+tokens apart: 9 is odd and 1 mod 4, so the copies fall in every offset class of dilation rates 1,
+2 and 4. Under dilated attention a query of class c reads only keys of class c at a dilated level
+(SPEC), so whichever class the question's tokens fall in, one copy lies in it and a single
+content-matching (induction) head can reach it; with one copy, 3 queries in 4 would have to route
+the key through extra layers.
+Lengths are in tokens of the byte-level tokenizer (one token per character here: all ASCII).
+"""
+from __future__ import annotations
+
+import random
+import re
+
+import torch
+
+INTRO = "Remember the pass key.\n"
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+KEY_COPIES = 4
+KEY_SENTENCE = "The pass key is " + "<{key}>. " * KEY_COPIES
+QUESTION = "What is the pass key? The pass key is <"
+RECALL_END = ">. "
+KEY_DIGITS = 5
+IGNORE_INDEX = -100
+
+
+def min_length() -> int:
+    """The shortest context that still holds the intro, the key sentence, the question and the answer."""
+    return 1 + len(INTRO) + len(KEY_SENTENCE.format(key="0" * KEY_DIGITS)) + len(QUESTION) + KEY_DIGITS
+
+
+def passkey_sample(tokenizer, length: int, depth: float, rng: random.Random, *, recalls: int = 0,
+                   learn_all: bool = False) -> dict:
+    """One sample of exactly `length` tokens, the key sentence after `depth` (0..1) of the filler.
+
+    Returns input_ids (the whole text, answer included) and labels shifted for next-token
+    prediction (labels[t] is the token t+1 should predict, IGNORE_INDEX everywhere but the
+    positions that predict answer digits), plus the key itself.
+
+    recalls: training only. Also ask and answer the question this many times at random sentence
+    boundaries between the key and the end ("What is the pass key? The pass key is <71432>. "),
+    each answer labelled. Every answer is then a copy from a different, random distance, so the
+    model must learn to find the key by its content; a copy from a fixed distance (the key's repeat
+    inside the key sentence) is learnt by position instead and does not carry over to the answer.
+    learn_all: label every token (plain language modelling of the sample).
+    Evaluation uses neither.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    if recalls < 0:
+        raise ValueError(f"recalls must be >= 0, got {recalls}")
+    if length < min_length():
+        raise ValueError(f"length must be at least {min_length()} tokens for a passkey sample, got {length}")
+    key = "".join(rng.choice("0123456789") for _ in range(KEY_DIGITS))
+    key_sentence = KEY_SENTENCE.format(key=key)
+    recall = QUESTION + key + RECALL_END
+    recalls = min(recalls, (length - min_length()) // len(recall))  # as many as fit
+    filler_chars = length - min_length() - recalls * len(recall)
+    filler = (FILLER * (filler_chars // len(FILLER) + 1))[:filler_chars]
+    # The key goes in at the sentence boundary nearest the requested depth; recalls at random
+    # boundaries after it.
+    boundaries = [0] + [m.end() for m in re.finditer(r"\. ", filler)] + [filler_chars]
+    cut = min(boundaries, key=lambda b: abs(b - depth * filler_chars))
+    later = [b for b in boundaries if b >= cut]
+    recall_cuts = sorted(rng.choice(later) for _ in range(recalls))
+    pieces, answers = [INTRO + filler[:cut] + key_sentence], []  # answers: offsets of the labelled keys
+    for start, end in zip([cut] + recall_cuts, recall_cuts + [filler_chars]):
+        pieces.append(filler[start:end])
+        answers.append(sum(map(len, pieces)) + len(QUESTION))
+        pieces.append(recall if len(answers) <= len(recall_cuts) else QUESTION + key)
+    text = "".join(pieces)
+    ids = [tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) != length:
+        raise ValueError(f"the tokenizer must give one token per character (got {len(ids)} tokens for {length})")
+    labels = ids[1:] + [IGNORE_INDEX] if learn_all else [IGNORE_INDEX] * length
+    for offset in answers:  # text offset o is token 1 + o (after bos), predicted at token o
+        for t in range(offset, offset + KEY_DIGITS):
+            labels[t] = ids[t + 1]
+    return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "key": key}

@@ -1,0 +1,197 @@
+"""hf_dilated.eval: bucketing and windowing against a hand computation, passkey scoring on models
+whose answers are known, the command's errors, and the committed base model's recorded figures."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_dilated.eval import core, runner
+from hf_dilated.eval.passkey import KEY_DIGITS, min_length
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from byte_tokenizer import build_byte_tokenizer  # noqa: E402
+
+BASE = ROOT / "examples" / "tiny_base"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random tiny Llama with the byte tokenizer, saved (32-token original context)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_dilated.model_configs import build_model_config
+
+    tokenizer = build_byte_tokenizer()
+    config = build_model_config("tiny-llama")
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    path = tmp_path_factory.mktemp("eval") / "tiny"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer, path
+
+
+def hand_loss(model, tokens: torch.Tensor, t: int, start: int = 0) -> float:
+    """The loss of token t given tokens start..t-1 only (positions from 0), one forward per target."""
+    with torch.no_grad():
+        logits = model(input_ids=tokens[None, start:t], use_cache=False).logits[0, -1].float()
+    return float(F.cross_entropy(logits[None], tokens[t:t + 1]))
+
+
+def test_buckets_and_windows_match_a_hand_computation(tiny):
+    model, _, _ = tiny
+    torch.manual_seed(1)
+    docs = [torch.randint(0, 256, (50,)) for _ in range(2)]
+    length, bucket, window, stride = 40, 16, 12, 5
+    got = core.bucket_losses(model, docs, length, bucket, batch_size=1)
+    per = {t: [hand_loss(model, d, t) for d in docs] for t in range(1, length)}
+    want = []
+    for k in range(3):  # buckets 1..15, 16..31, 32..39 (target positions)
+        ts = [t for t in range(max(1, k * bucket), min(length, (k + 1) * bucket))]
+        want.append(sum(sum(per[t]) for t in ts) / (len(ts) * len(docs)))
+    assert got == pytest.approx(want, abs=1e-4)
+
+    cut = core.windowed_losses(model, docs, length, bucket, window, stride, batch_size=3)
+    assert cut[0] is None and len(cut) == 3
+    # by hand: targets from `bucket` on, in chunks of `stride`; a chunk's last target sees exactly
+    # `window` tokens, so target t sees tokens (chunk end - 1 - window)..t-1
+    seen = {}
+    for s in range(bucket, length, stride):
+        end = min(s + stride, length)
+        for t in range(s, end):
+            seen[t] = end - 1 - window
+    assert min(t - a for t, a in seen.items()) == window - stride + 1 and max(t - a for t, a in seen.items()) == window
+    for k in (1, 2):
+        ts = [t for t in seen if t // bucket == k]
+        want = sum(hand_loss(model, d, t, seen[t]) for d in docs for t in ts) / (len(ts) * len(docs))
+        assert cut[k] == pytest.approx(want, abs=1e-4)
+
+
+class Oracle(torch.nn.Module):
+    """Predicts the next input token (it sees the whole row), except at positions in `wrong`
+    (counted from the end), where it predicts token 0."""
+
+    def __init__(self, wrong=()):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.wrong = wrong
+
+    def forward(self, input_ids, position_ids=None, use_cache=False):
+        nxt = torch.cat([input_ids[:, 1:], input_ids[:, :1]], 1)
+        for w in self.wrong:
+            nxt[:, -w] = 0
+        return SimpleNamespace(logits=F.one_hot(nxt, 300).float() + self.weight)
+
+
+@pytest.mark.parametrize("wrong, keys, digits", [((), 1, 5), ((3,), 0, 4), ((7,), 1, 5)])
+def test_passkey_scoring_on_models_with_known_answers(wrong, keys, digits):
+    # the answer digits are the last five tokens, predicted at positions -6..-2: a wrong prediction
+    # at -3 spoils one digit; one at -7 (before the answer) changes nothing
+    tokenizer = build_byte_tokenizer()
+    samples = core.make_passkey_samples(tokenizer, 300, 0.5, 3, seed=0)
+    got_keys, got_digits = core.passkey_scores(Oracle(wrong), samples, batch_size=2)
+    assert got_keys == [bool(keys)] * 3 and got_digits == [digits] * 3
+
+
+def test_passkey_samples_are_the_same_for_every_run():
+    tokenizer = build_byte_tokenizer()
+    a = core.make_passkey_samples(tokenizer, 256, 0.25, 4, seed=5)
+    b = core.make_passkey_samples(tokenizer, 256, 0.25, 4, seed=5)
+    assert [s["key"] for s in a] == [s["key"] for s in b] and len({s["key"] for s in a}) > 1
+
+
+def cli(argv, capsys):
+    code = runner.cli([str(a) for a in argv])
+    return code, capsys.readouterr()
+
+
+def test_errors_name_the_argument(tiny, tmp_path, capsys):
+    _, _, path = tiny
+    short = tmp_path / "short.txt"
+    short.write_text("x = 1\n")
+    cases = [
+        (["--model", tmp_path / "nothing"], "--model: no checkpoint at"),
+        (["--model", f"{path}@nope"], "--attn: unknown attention 'nope'"),
+        (["--model", path, "--attn", "nope"], "--attn: unknown attention 'nope'"),
+        (["--model", path, "--text", tmp_path / "missing.txt"], "--text: no such file or directory"),
+        (["--model", path, "--text", short, "--lengths", 200], "--text: " + str(short) + " has 7 tokens, fewer than --ppl-length 200"),
+        (["--model", path, "--lengths", 50], f"--lengths: a passkey sample needs at least {min_length()} tokens"),
+        (["--model", path, "--depths", 2], "--depths must lie in [0, 1]"),
+    ]
+    for argv, message in cases:
+        code, out = cli(argv + ["--no-progress"], capsys)
+        assert code == 2, argv
+        lines = out.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("hf-dilated eval: error: ") and message in lines[0], (argv, out.err)
+
+
+def test_add_arguments_and_main_are_what_the_cli_uses(tiny, tmp_path, capsys):
+    _, _, path = tiny
+    doc = tmp_path / "doc.txt"
+    doc.write_text("def f(x):\n    return x + 1\n" * 10)
+    parser = argparse.ArgumentParser()
+    runner.add_arguments(parser)
+    from hf_dilated import eval as package
+
+    assert package.add_arguments is runner.add_arguments and package.main is runner.main
+    args = parser.parse_args(["--model", f"t={path}@sdpa,dilated", "--text", str(doc), "--lengths", str(min_length()),
+                              "128", "--samples", "1", "--depths", "0", "--bucket", "32", "--no-progress",
+                              "--output-dir", str(tmp_path / "out")])
+    assert package.main(args) == 0
+    result = json.loads((tmp_path / "out" / "eval.json").read_text())
+    sdpa, dilated = result["rows"]
+    assert len(sdpa["loss_by_bucket"]) == 4 and sdpa["windowed_loss_by_bucket"][0] is None
+    assert all(c["peak_bytes"] >= 0 and c["seconds"] > 0 for c in sdpa["cost"])
+    # the dilated levels of this preset cover the first 32 tokens densely: bucket 0 agrees with sdpa
+    assert dilated["loss_by_bucket"][0] == pytest.approx(sdpa["loss_by_bucket"][0], abs=1e-4)
+    assert "| t | sdpa |" in (tmp_path / "out" / "eval.md").read_text()
+
+
+def test_plots_are_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_path):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    notes = runner.plots({"settings": {}, "rows": []}, tmp_path)
+    assert notes == ["plots skipped: matplotlib is not installed (pip install matplotlib)"]
+
+
+@pytest.mark.skipif(not (BASE / "model.safetensors").is_file(), reason="no committed base model")
+def test_committed_base_model_scores_within_its_recorded_figures():
+    """The committed base model at its own context: loss on a held-out slice and passkey keys."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data import stdlib_files, tokenize_files
+
+    record = json.loads((BASE / "training.json").read_text())
+    figures = record["figures"]
+    L = record["context"]
+    model = AutoModelForCausalLM.from_pretrained(BASE, attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(BASE)
+    files = stdlib_files("heldout", min_bytes=4 * L + 64)[:4]
+    docs = [d[:L] for d in tokenize_files(tokenizer, files)]
+    loss = sum(core.bucket_losses(model, docs, L, L)) / 1
+    # a 4-document slice of the recorded held-out figure: within 15% of it
+    assert loss == pytest.approx(figures["heldout_loss_0_L"], rel=0.15)
+    samples = [s for d in (0.0, 0.5, 1.0) for s in core.make_passkey_samples(tokenizer, L, d, 4, seed=1234)]
+    keys, _ = core.passkey_scores(model, samples, batch_size=6)
+    assert sum(keys) / len(keys) >= figures["passkey_keys_at_L"] - 0.2
