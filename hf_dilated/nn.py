@@ -32,31 +32,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KINDS = ("dense", "dilated", "block_sparse", "ring", "dilated_ring", "block_sparse_ring", "auto")
+from .integrations.config import default_schedule
+from .kinds import KINDS as _KINDS
+
+KINDS = (*_KINDS, "auto")
 
 # "auto": the longest sequence computed with exact dense attention when no segment_lengths are
 # given; beyond it, dilated attention whose first segment is this length (so documents no longer
 # than it still get exact dense attention). See create_attention for the figures behind them.
 AUTO_DENSE_MAX_LEN = {"cpu": 4096, "cuda": 16384}
-DEFAULT_BLOCK_SIZE = 64
+_SHARDING = {"group": None, "layout": None}
+_AUTO = {"segment_lengths": None, "dilation_rates": None, "mode": "union", "dense_max_len": None, **_SHARDING}
 
-_CONFIG_KEYS = {
-    "dense": {},
-    "dilated": {"segment_lengths": None, "dilation_rates": None, "mode": "union"},
-    "block_sparse": {"pattern": None, "block_size": DEFAULT_BLOCK_SIZE},
-    "ring": {"group": None, "layout": None},
-    "dilated_ring": {"segment_lengths": None, "dilation_rates": None, "mode": "union", "group": None,
-                     "layout": None},
-    "block_sparse_ring": {"pattern": None, "block_size": DEFAULT_BLOCK_SIZE, "group": None, "layout": None},
-    "auto": {"segment_lengths": None, "dilation_rates": None, "mode": "union", "dense_max_len": None,
-             "group": None, "layout": None},
-}
-_REQUIRED = {
-    "dilated": ("segment_lengths", "dilation_rates"),
-    "dilated_ring": ("segment_lengths", "dilation_rates"),
-    "block_sparse": ("pattern",),
-    "block_sparse_ring": ("pattern",),
-}
+
+def _settings(kind: str) -> dict:
+    """The configuration a kind takes, with defaults (None: required, except for "auto")."""
+    if kind == "auto":
+        return _AUTO
+    row = _KINDS[kind]
+    return {**row.settings, **(_SHARDING if row.sequence_parallel else {})}
 
 
 @dataclass(frozen=True)
@@ -71,8 +65,12 @@ class Attention:
         kind, config = self.kind, self.config
         if kind == "auto":
             kind, config = self.choose(k.shape[2], k.device, position_ids=position_ids)
-        return _RUN[kind](config, q, k, v, is_causal=is_causal, attention_mask=attention_mask,
-                          position_ids=position_ids, scale=scale, dropout_p=dropout_p)
+        group, layout = None, None
+        if _KINDS[kind].sequence_parallel:
+            group, layout = _group_layout(config["group"], config["layout"])
+        return _KINDS[kind].run(q, k, v, config, is_causal=is_causal, attention_mask=attention_mask,
+                                position_ids=position_ids, scale=scale, dropout_p=dropout_p, group=group,
+                                layout=layout)
 
     def choose(self, kv_len: int, device, *, position_ids=None) -> tuple[str, dict]:
         """What "auto" runs for a call with `kv_len` keys (this rank's shard under sequence
@@ -86,9 +84,7 @@ class Attention:
         seg, dil = cfg["segment_lengths"], cfg["dilation_rates"]
         if seg is None:
             dense_max = cfg["dense_max_len"] or AUTO_DENSE_MAX_LEN.get(torch.device(device).type, 4096)
-            levels = 1 + max(0, math.ceil(math.log2(max(seq_len, 1) / dense_max)))
-            seg = [dense_max * 2**g for g in range(levels)]
-            dil = [2**g for g in range(levels)]
+            seg, dil = default_schedule(dense_max, seq_len)
         # The pattern is dense on this input when every position lies in the first segment and
         # that level has no dilation ("union" only: "longnet" counts keys once per level).
         if position_ids is None:
@@ -133,11 +129,12 @@ def create_attention(kind: str, **config) -> Attention:
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
-    allowed = _CONFIG_KEYS[kind]
+    allowed = _settings(kind)
     unknown = sorted(set(config) - set(allowed))
     if unknown:
         raise TypeError(f"create_attention({kind!r}) got unknown config {unknown}; it takes {sorted(allowed) or 'none'}")
-    missing = [key for key in _REQUIRED.get(kind, ()) if config.get(key) is None]
+    missing = [key for key, default in allowed.items()
+               if kind != "auto" and default is None and key not in _SHARDING and config.get(key) is None]
     if missing:
         raise TypeError(f"create_attention({kind!r}) needs {missing}")
     cfg = {**allowed, **config}
@@ -172,51 +169,6 @@ def create_attention(kind: str, **config) -> Attention:
     return Attention(kind, cfg)
 
 
-# --- one function per kind --------------------------------------------------------------------
-
-
-def _no_dropout(kind, dropout_p):
-    if dropout_p:
-        raise ValueError(f"dropout_p: {kind!r} attention does not implement attention dropout, got {dropout_p}")
-
-
-def _causal_only(kind, is_causal):
-    if not is_causal:
-        raise ValueError(f"is_causal: {kind!r} attention is causal only (SPEC.md, ring attention), got False")
-
-
-def _run_dense(cfg, q, k, v, *, is_causal, attention_mask, position_ids, scale, dropout_p):
-    if attention_mask is None and position_ids is None and (q.shape[2] == k.shape[2] or not is_causal):
-        from .ops.validate import check_qkv, check_scale_dropout
-
-        check_qkv(q, k, v)
-        check_scale_dropout(scale, dropout_p)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                                              enable_gqa=q.shape[1] != k.shape[1])
-    from .ops import dilated_attention
-
-    # One segment that holds every position: dense attention with padding and documents honoured.
-    span = k.shape[2] if position_ids is None else max(k.shape[2], int(position_ids.max()) + 1)
-    return dilated_attention(q, k, v, [span], [1], is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                             attention_mask=attention_mask, position_ids=position_ids)
-
-
-def _run_dilated(cfg, q, k, v, *, is_causal, attention_mask, position_ids, scale, dropout_p):
-    from .ops import dilated_attention
-
-    return dilated_attention(q, k, v, cfg["segment_lengths"], cfg["dilation_rates"], mode=cfg["mode"],
-                             is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                             attention_mask=attention_mask, position_ids=position_ids)
-
-
-def _run_block_sparse(cfg, q, k, v, *, is_causal, attention_mask, position_ids, scale, dropout_p):
-    from .ops import block_sparse_attention
-
-    _no_dropout("block_sparse", dropout_p)
-    return block_sparse_attention(q, k, v, cfg["pattern"], block_size=cfg["block_size"], is_causal=is_causal,
-                                  scale=scale, attention_mask=attention_mask, position_ids=position_ids)
-
-
 def _group_layout(group, layout):
     from .distributed import get_sequence_parallel_group, get_sequence_parallel_layout
 
@@ -231,46 +183,6 @@ def _world(group) -> int:
     import torch.distributed as dist
 
     return dist.get_world_size(group)
-
-
-def _run_ring(cfg, q, k, v, *, is_causal, attention_mask, position_ids, scale, dropout_p):
-    from .distributed import ring_attention
-
-    _causal_only("ring", is_causal)
-    group, layout = _group_layout(cfg["group"], cfg["layout"])
-    return ring_attention(q, k, v, group=group, layout=layout, scale=scale, attention_mask=attention_mask,
-                          position_ids=position_ids, dropout_p=dropout_p)
-
-
-def _run_dilated_ring(cfg, q, k, v, *, is_causal, attention_mask, position_ids, scale, dropout_p):
-    from .distributed import dilated_ring_attention
-
-    _causal_only("dilated_ring", is_causal)
-    group, layout = _group_layout(cfg["group"], cfg["layout"])
-    return dilated_ring_attention(q, k, v, cfg["segment_lengths"], cfg["dilation_rates"], mode=cfg["mode"],
-                                  group=group, layout=layout, scale=scale, attention_mask=attention_mask,
-                                  position_ids=position_ids, dropout_p=dropout_p)
-
-
-def _run_block_sparse_ring(cfg, q, k, v, *, is_causal, attention_mask, position_ids, scale, dropout_p):
-    from .distributed import block_sparse_ring_attention
-
-    _causal_only("block_sparse_ring", is_causal)
-    _no_dropout("block_sparse_ring", dropout_p)
-    group, layout = _group_layout(cfg["group"], cfg["layout"])
-    return block_sparse_ring_attention(q, k, v, cfg["pattern"], block_size=cfg["block_size"], group=group,
-                                       layout=layout, scale=scale, attention_mask=attention_mask,
-                                       position_ids=position_ids)
-
-
-_RUN = {
-    "dense": _run_dense,
-    "dilated": _run_dilated,
-    "block_sparse": _run_block_sparse,
-    "ring": _run_ring,
-    "dilated_ring": _run_dilated_ring,
-    "block_sparse_ring": _run_block_sparse_ring,
-}
 
 
 # --- the drop-in module -----------------------------------------------------------------------

@@ -44,9 +44,13 @@ class TokenPositions(NamedTuple):
 
 
 def token_positions(attention_mask, position_ids, batch: int, kv_len: int) -> TokenPositions:
-    """SPEC "Positions, padding, packing": positions are position_ids when given, else
-    cumsum(attention_mask) - 1 when a mask is given, else 0..kv_len-1; a new document starts at
-    every token whose position is not the previous token's position + 1."""
+    """SPEC "Positions, padding, packing" (the kernels' rule): positions are position_ids when
+    given, else cumsum(attention_mask) - 1 when a mask is given, else 0..kv_len-1. Documents come
+    from the real tokens only: a real token starts a new document unless its position continues
+    the previous real token's, either as the next position (+1) or as the position its index
+    implies (+ the index distance, when the positions count the padded slots between them). A
+    padded slot neither starts nor breaks a document (it gets the document of the real token
+    before it, which nothing reads)."""
     if attention_mask is not None:
         real = attention_mask.detach().cpu().to(torch.bool).expand(batch, kv_len).clone()
     else:
@@ -60,9 +64,15 @@ def token_positions(attention_mask, position_ids, batch: int, kv_len: int) -> To
 
     doc = torch.zeros(batch, kv_len, dtype=torch.int64)
     for b in range(batch):  # plain loop: this is the definition, word for word
-        for t in range(1, kv_len):
-            new_doc = positions[b, t] != positions[b, t - 1] + 1
-            doc[b, t] = doc[b, t - 1] + int(new_doc)
+        current, prev = 0, None  # prev: index of the previous real token
+        for t in range(kv_len):
+            if real[b, t]:
+                if prev is not None:
+                    step = int(positions[b, t] - positions[b, prev])
+                    if step not in (1, t - prev):
+                        current += 1
+                prev = t
+            doc[b, t] = current
     return TokenPositions(positions, real, doc)
 
 

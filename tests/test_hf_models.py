@@ -57,7 +57,7 @@ def test_mask_function_passes_the_2d_padding_mask_never_a_dense_one(checkpoints)
     original = glue.ATTENTION_FUNCTIONS["dilated"]
 
     def spy(module, query, key, value, attention_mask, **kwargs):
-        seen.append(None if attention_mask is None else tuple(attention_mask.shape))
+        seen.append(None if attention_mask is None else (tuple(attention_mask.shape), attention_mask.dtype))
         return original(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("dilated", spy)
@@ -67,9 +67,13 @@ def test_mask_function_passes_the_2d_padding_mask_never_a_dense_one(checkpoints)
         mask[1, :5] = 0
         model(tokens(2, 40), attention_mask=mask)
         model(tokens(2, 40), attention_mask=torch.ones(2, 40, dtype=torch.long))
+        model(tokens(2, 40), use_cache=False)
     finally:
         AttentionInterface.register("dilated", original)
-    assert seen == [(2, 40), (2, 40), None, None]  # 2 layers each; no padding -> None
+    # 2 layers each. A given mask, even all ones, arrives (it makes each row one document, as for
+    # sdpa); no mask and no packing -> None.
+    mask2d = ((2, 40), torch.bool)
+    assert seen == [mask2d, mask2d, mask2d, mask2d, None, None]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -152,7 +156,9 @@ def test_packed_documents_equal_documents_alone(checkpoints, preset, name):
     ids = torch.cat(docs, dim=1)
     position_ids = torch.cat([torch.arange(d.shape[1]) for d in docs])[None]
     with torch.no_grad():
-        packed = model(ids, position_ids=position_ids).logits[0]
+        # use_cache=False: with a KV cache transformers does not look for packed sequences (sdpa then
+        # lets the documents see each other, and so do we: test_layouts_match_sdpa covers that).
+        packed = model(ids, position_ids=position_ids, use_cache=False).logits[0]
         start = 0
         for d in docs:
             n = d.shape[1]
@@ -185,13 +191,15 @@ def test_generate_with_cache_equals_without_and_left_padding_equals_alone(checkp
 
 def test_decode_steps_pass_one_query_against_the_cache(checkpoints, monkeypatch):
     shapes = []
-    kernel = glue.dilated_attention
+    import hf_dilated.ops.dilated as dilated_module
+
+    kernel = dilated_module.dilated_attention
 
     def recording(q, k, v, *args, **kwargs):
         shapes.append((q.shape[2], k.shape[2]))
         return kernel(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(glue, "dilated_attention", recording)
+    monkeypatch.setattr(dilated_module, "dilated_attention", recording)
     model = load(checkpoints["tiny-llama"][1], "dilated")
     with torch.no_grad():
         _greedy(model, tokens(1, 50), new=5)
@@ -355,14 +363,11 @@ def test_bad_patch_arguments_fail_clearly(checkpoints):
         hf_dilated.patch(model, "dilated", segments=[32])
 
 
-def test_dense_4d_masks_and_inconsistent_decode_positions_are_rejected(checkpoints):
+def test_dense_4d_masks_are_rejected(checkpoints):
     model = load(checkpoints["tiny-llama"][1], "dilated")
     with torch.no_grad():
         with pytest.raises(ValueError, match="2-D padding mask"):
             model(tokens(1, 8), attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
-        out = model(tokens(1, 8), use_cache=True)
-        with pytest.raises(ValueError, match="do not continue the cached keys' positions"):
-            model(tokens(1, 1), past_key_values=out.past_key_values, position_ids=torch.tensor([[0]]))
 
 
 def test_unsupported_attention_features_raise_instead_of_being_ignored():

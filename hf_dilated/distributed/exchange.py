@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.plan_cache import PlanCache
+from ..ops.token_layout import documents
 from .layout import shard_indices, unshard
 
 _BYTES_SENT: Counter = Counter()
@@ -114,9 +115,7 @@ def global_tokens(batch: int, n_local: int, *, attention_mask, position_ids, gro
         positions = full[0]
     else:
         positions = real.long().cumsum(-1) - 1
-    starts = torch.ones_like(real)
-    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
-    doc = starts.long().cumsum(-1) - 1
+    doc = documents(positions, real)
     arange = torch.arange(seq_len, device=device)
     plain = bool(real.all()) and bool((positions == arange).all())
     return GlobalTokens(positions, real, doc, plain, local_index, world, rank, layout)

@@ -158,20 +158,20 @@ def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", scale=None, a
     global sequence in `layout` ("zigzag" or "contiguous", see layout.py); attention_mask and
     position_ids (batch or 1, n): this rank's shards of the global ones. Returns this rank's shard
     of the output. Every rank of the group must call it with the same shapes and arguments.
-    With group None or of size 1 this is `hf_dilated.ops.dilated_attention(q, k, v, [kv_len], [1])`.
+    With group None or of size 1 this is `hf_dilated.ops.dense_attention` (exact dense causal
+    attention, whatever the positions).
     """
     check_layout(layout)
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, dropout_p)
-    if dropout_p:
-        raise ValueError(f"dropout_p: ring attention does not implement attention dropout, got {dropout_p}")
     world, _ = group_size_rank(group)
     if world == 1:
-        from ..ops import dilated_attention
+        from ..ops.dense import dense_attention
 
-        kv_len = k.shape[2]
-        return dilated_attention(q, k, v, [kv_len], [1], scale=scale, attention_mask=attention_mask,
-                                 position_ids=position_ids)
+        return dense_attention(q, k, v, scale=scale, dropout_p=dropout_p, attention_mask=attention_mask,
+                               position_ids=position_ids)
+    if dropout_p:
+        raise ValueError(f"dropout_p: ring attention does not implement attention dropout, got {dropout_p}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     pieces = prepare_call("ring_attention", q, k, v, attention_mask=attention_mask, position_ids=position_ids,
                           group=group, layout=layout, scale=scale, build=ring_pieces)

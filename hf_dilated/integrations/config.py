@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..ops.block_patterns import make_pattern
 from ..ops.validate import check_dilated_config
 
 CONFIG_KEY = "hf_dilated"
+# The entry also records which of our attn_implementation names the model was configured with
+# (transformers' save_pretrained drops attn_implementation itself); integrations/transformers.py
+# reads it at load time.
+RECORDED_NAME = "attn_implementation"
 RING_LAYOUTS = ("zigzag", "contiguous")
 DEFAULT_BLOCK_SIZE = 64
 
@@ -52,7 +56,7 @@ class DilatedConfig:
     dilation_rates: list[int]
     mode: str = "union"
     block_size: int = DEFAULT_BLOCK_SIZE
-    pattern: dict = field(default_factory=lambda: {"type": "local", "window": 1})
+    pattern: dict | None = None  # None: the default window (class docstring), resolved on construction
     ring_layout: str | None = None
     original_length: int | None = None
     target_length: int | None = None
@@ -65,6 +69,8 @@ class DilatedConfig:
         self.segment_lengths, self.dilation_rates = seg, dil
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.pattern is None:  # dense within the first segment, like the dilated default
+            self.pattern = {"type": "local", "window": max(1, (self.original_length or seg[0]) // self.block_size)}
         if not isinstance(self.pattern, dict) or not isinstance(self.pattern.get("type"), str):
             raise ValueError(
                 f"pattern must be a dict with a 'type' (e.g. {{'type': 'local', 'window': 4}}), got {self.pattern!r}"
@@ -87,15 +93,14 @@ class DilatedConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         target_length = max(target_length or original_length, original_length)
-        levels = max(1, 1 + math.ceil(math.log2(target_length / original_length)))
-        block_size = overrides.get("block_size", DEFAULT_BLOCK_SIZE)
+        segment_lengths, dilation_rates = default_schedule(original_length, target_length)
         fields = dict(
-            segment_lengths=[original_length * 2**g for g in range(levels)],
-            dilation_rates=[2**g for g in range(levels)],
-            pattern={"type": "local", "window": max(1, original_length // block_size)},
+            segment_lengths=segment_lengths,
+            dilation_rates=dilation_rates,
             original_length=original_length,
             target_length=target_length,
         )
+        overrides.pop(RECORDED_NAME, None)  # not a setting of the attention (see RECORDED_NAME)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"unknown hf_dilated config field(s): {sorted(unknown)}")
@@ -106,6 +111,7 @@ class DilatedConfig:
     def from_dict(cls, data: dict) -> "DilatedConfig":
         if not isinstance(data, dict):
             raise TypeError(f"the '{CONFIG_KEY}' config entry must be a dict, got {type(data).__name__}")
+        data = {k: v for k, v in data.items() if k != RECORDED_NAME}  # read at load time, not here
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown field(s) in the '{CONFIG_KEY}' config entry: {sorted(unknown)}")
@@ -125,6 +131,13 @@ class DilatedConfig:
             return cls.from_dict(data)
         original, target = context_lengths(config)
         return cls.default(original, target)
+
+
+def default_schedule(first_segment: int, length: int) -> tuple[list[int], list[int]]:
+    """The one default level schedule: segment `first_segment` with dilation 1, then both doubled
+    per level until a segment covers `length`: ([L, 2L, ..., 2^k L], [1, 2, ..., 2^k])."""
+    levels = 1 + max(0, math.ceil(math.log2(max(length, 1) / first_segment)))
+    return [first_segment * 2**g for g in range(levels)], [2**g for g in range(levels)]
 
 
 def context_lengths(config) -> tuple[int, int]:

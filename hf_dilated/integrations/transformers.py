@@ -1,32 +1,30 @@
-"""Transformers glue: one attention function per registered name, and one mask function for all.
+"""Transformers glue: every name of hf_dilated.kinds.TRANSFORMERS_NAMES is registered with
+transformers' `AttentionInterface` (one thin adapter per name around `_attention`) and
+`AttentionMaskInterface` (one mask function for all).
 
-`register()` (run by `import hf_dilated`) adds "dilated", "dilated_ring", "ring", "block_sparse"
-and "block_sparse_ring" to transformers' `AttentionInterface` and `AttentionMaskInterface`.
-
-Masks stay O(N). The mask function hands the attention the 2-D padding mask (batch, kv_len)
-unchanged, or None when there is no padding; it never builds a (q_len x kv_len) mask. Without
-a registered mask function transformers would pass `attention_mask=None` to a custom attention,
-silently dropping padding. Positions arrive in `kwargs["position_ids"]` (Llama and GPT-NeoX pass
-them through to the attention function).
-
-Key positions (SPEC.md "Positions, padding, packing"):
-- prefill / training (q_len == kv_len): `position_ids` as given (packed documents restart at 0),
-  except that the model's own default, 0..n-1 in every row, is replaced by the positions the
-  padding mask implies (`cumsum(mask) - 1`): a left-padded row then computes what it computes alone,
-  as with `generate()`, which passes mask-derived positions itself;
-- decode / chunked prefill (q_len < kv_len, KV cache): the cached keys' positions come from the
-  padding mask (or 0..kv_len-1 without one); the new tokens' `position_ids` must agree with them,
-  otherwise a ValueError (e.g. packed documents cannot be continued from a cache).
+Masks stay O(N). The mask function never builds a (q_len x kv_len) mask: it tells the attention
+which of transformers' cases it is in (ops/token_layout.py, `from_model_inputs`):
+- a bool (batch, seen) padding mask when the model was given an attention mask (even an all-ones
+  one) or when transformers saw no packed sequences: each row is then one document;
+- an int64 (batch, q_len) tensor of document ids when transformers detected packed sequences
+  from `position_ids` (it only does so without a mask and without a KV cache: then its own mask
+  function separates the documents, which is how we read its decision);
+- None when there is neither.
+Without a registered mask function transformers would pass `attention_mask=None` to a custom
+attention, silently dropping padding.
 """
 from __future__ import annotations
 
+import json
+
 import torch
 
-from ..ops import dilated_attention
-from ..ops.block_patterns import make_pattern
-from .config import DilatedConfig
+from ..kinds import KINDS, TRANSFORMERS_NAMES
+from ..ops.plan_cache import PlanCache
+from ..ops.token_layout import from_model_inputs
+from .config import RECORDED_NAME, DilatedConfig
 
-NAMES = ("dilated", "dilated_ring", "ring", "block_sparse", "block_sparse_ring")
+NAMES = TRANSFORMERS_NAMES
 
 # Keyword arguments some models pass that these kernels cannot honour: they raise, never ignore.
 _UNSUPPORTED_KWARGS = {
@@ -40,18 +38,19 @@ _UNSUPPORTED_KWARGS = {
 
 # --- configuration lookup ---------------------------------------------------------------------
 
-_config_cache: dict[int, tuple[object, DilatedConfig]] = {}
+_config_cache: dict[int, tuple[str, DilatedConfig]] = {}
 
 
 def config_for(module) -> DilatedConfig:
-    """The DilatedConfig of the model an attention module belongs to (parsed once per entry)."""
+    """The DilatedConfig of the model an attention module belongs to. Parsed again whenever the
+    entry (or the context it is derived from) changes, even by an in-place edit of the dict."""
     config = getattr(module, "config", None)
     if config is None:
         raise ValueError(
             f"{type(module).__name__} has no `config`; hf_dilated attention reads its settings from the model config"
         )
-    raw = getattr(config, "hf_dilated", None)
-    key = (raw, getattr(config, "max_position_embeddings", None), str(getattr(config, "rope_parameters", None)))
+    key = json.dumps([getattr(config, "hf_dilated", None), getattr(config, "max_position_embeddings", None),
+                      getattr(config, "rope_parameters", None)], sort_keys=True, default=str)
     cached = _config_cache.get(id(config))
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -63,19 +62,9 @@ def config_for(module) -> DilatedConfig:
 # --- mask function ----------------------------------------------------------------------------
 
 
-def padding_mask(
-    batch_size,
-    kv_length,
-    kv_offset=0,
-    mask_function=None,
-    attention_mask=None,
-    q_length=None,
-    q_offset=None,
-    use_vmap=False,
-    device=None,
-    **kwargs,
-):
-    """AttentionMaskInterface entry: returns the 2-D padding mask (batch, seen + q_len) as bool, or None.
+def padding_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attention_mask=None, q_length=None,
+                 q_offset=None, use_vmap=False, device=None, **kwargs):
+    """AttentionMaskInterface entry: what the attention needs to know of the mask (module docstring).
 
     A static cache hands a `kv_length` larger than the tokens seen so far: the mask then covers
     only the seen tokens and the attention function drops the empty cache slots beyond it.
@@ -92,43 +81,54 @@ def padding_mask(
         )
     if attention_mask is not None:
         if attention_mask.shape[-1] > kv_length:
-            raise ValueError(
-                f"attention_mask covers {attention_mask.shape[-1]} tokens but the keys hold {kv_length}"
-            )
-        seen, device = attention_mask.shape[-1], attention_mask.device
-        if not bool(attention_mask.all()):
-            return attention_mask.to(torch.bool)
-    else:
-        seen = int(q_offset) + int(q_length)
-    # No padding: None, unless a static cache holds empty slots beyond the tokens seen so far.
+            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens but the keys hold {kv_length}")
+        return attention_mask.to(torch.bool)
+    q_offset, q_length = int(q_offset or 0), int(q_length)
+    if q_offset == 0 and q_length > 1 and mask_function is not None:
+        doc = _packed_documents(mask_function, batch_size, q_length, device)
+        if doc is not None:
+            return doc
+    seen = q_offset + q_length
+    # One document per row: None, unless a static cache holds empty slots beyond the tokens seen.
     return None if seen == kv_length else torch.ones(batch_size, seen, dtype=torch.bool, device=device)
 
 
-# --- shared argument handling -----------------------------------------------------------------
+def _packed_documents(mask_function, batch, n, device):
+    """Document ids (batch, n) when transformers' mask function separates neighbouring tokens
+    (its packed-sequence overlay), else None. Evaluates it on the n - 1 neighbouring pairs only."""
+    b = torch.arange(batch, device=device)[:, None]
+    i = torch.arange(1, n, device=device)[None, :]
+    sees_previous = torch.as_tensor(mask_function(b, torch.zeros((), dtype=torch.long, device=device), i, i - 1))
+    if bool(sees_previous.all()):
+        return None
+    starts = torch.nn.functional.pad(~sees_previous.expand(batch, n - 1), (1, 0), value=False)
+    return starts.long().cumsum(-1)
+
+
+# --- the one shared adapter -------------------------------------------------------------------
+
+# The kernel inputs derived from one model call's mask and positions, by tensor identity: every
+# layer passes the same tensors, so every layer reuses them, and the kernels' plan caches hit.
+_INPUTS = PlanCache()
 
 
 def _check_kwargs(module, name, kwargs):
     for key, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(key) is not None:
             raise NotImplementedError(f"attn_implementation={name!r} does not support {what} ({key}={kwargs[key]!r})")
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"output_attentions=True: attn_implementation={name!r} does not return attention weights "
+                         "(neither does 'sdpa'); load the model with attn_implementation='eager' to get them")
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     if not is_causal:
         raise NotImplementedError(f"attn_implementation={name!r} computes causal attention only (is_causal=False)")
-    if kwargs.get("position_ids") is None and kwargs.get("cu_seq_lens_q") is not None:
-        raise NotImplementedError(
-            f"attn_implementation={name!r} reads packed documents from position_ids, not cu_seq_lens; pass position_ids"
-        )
 
 
-def kernel_inputs(query, key, value, attention_mask, position_ids):
-    """Turns what transformers passes into the kernel's (key, value, attention_mask, position_ids).
-
-    attention_mask: None or the 2-D bool mask from `padding_mask`; position_ids: None or
-    (batch or 1, q_len). See the module docstring for the rules.
-    """
-    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_parallel=False, cu_seq_lens=None):
+    """(key, value, attention_mask, position_ids) for a kernel from what transformers passes."""
+    batch, q_len = query.shape[0], query.shape[2]
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(
@@ -136,177 +136,158 @@ def kernel_inputs(query, key, value, attention_mask, position_ids):
                 f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}: custom dense masks "
                 "cannot be honoured (pass a 2-D attention_mask and position_ids instead)"
             )
-        if attention_mask.shape[-1] < kv_len:  # static cache: drop the slots not written yet
-            if attention_mask.shape[-1] < q_len:
-                raise ValueError(
-                    f"attention_mask covers {attention_mask.shape[-1]} tokens, fewer than the {q_len} queries"
-                )
-            key, value = key[:, :, : attention_mask.shape[-1]], value[:, :, : attention_mask.shape[-1]]
-            kv_len = key.shape[2]
-    if position_ids is None:
-        return key, value, attention_mask, None
-    if position_ids.dim() != 2 or position_ids.shape[-1] != q_len:
-        raise ValueError(f"position_ids must have shape (batch, q_len={q_len}), got {tuple(position_ids.shape)}")
-    position_ids = position_ids.to(key.device).expand(batch, q_len)
-    default = torch.arange(kv_len - q_len, kv_len, device=key.device)
-    if q_len == kv_len:
-        if bool((position_ids == default).all()):
-            return key, value, attention_mask, None  # the model's default: derive from the mask
-        return key, value, attention_mask, position_ids
-    # Decode: the kernel derives cached positions from the mask; the new tokens must agree.
-    if attention_mask is not None:
-        derived = (attention_mask.long().cumsum(-1) - 1)[:, -q_len:]
-        real = attention_mask[:, -q_len:]
-    else:
-        derived, real = default.expand(batch, q_len), torch.ones_like(position_ids, dtype=torch.bool)
-    agrees = (position_ids == derived) | (position_ids == default) | ~real
-    if not bool(agrees.all()):
-        raise ValueError(
-            "position_ids of the new tokens do not continue the cached keys' positions, which hf_dilated "
-            "derives from the attention mask (cumsum(mask) - 1); packed documents or custom positions "
-            "cannot be continued from a KV cache"
-        )
-    return key, value, attention_mask, None
+        seen = attention_mask.shape[-1]
+        if attention_mask.dtype == torch.bool and seen < key.shape[2]:  # static cache: drop unwritten slots
+            if seen < q_len:
+                raise ValueError(f"attention_mask covers {seen} tokens, fewer than the {q_len} queries")
+            key, value = key[:, :, :seen], value[:, :, :seen]
+    if sequence_parallel:  # local shards: the distributed kernels derive the global layout
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            return key, value, attention_mask, None
+        return key, value, None, position_ids
+    kv_len = key.shape[2]
+    cache_key = (batch, q_len, kv_len, str(key.device), cu_seq_lens is not None)
+    cached = _INPUTS.get(cache_key, attention_mask, position_ids)
+    if cached is None:
+        mask, positions = from_model_inputs(attention_mask, position_ids, batch=batch, q_len=q_len, kv_len=kv_len,
+                                            device=key.device, cu_seq_lens=cu_seq_lens)
+        if mask is not None and bool(mask.all()):
+            mask = None  # an all-ones mask says "one document per row": so does no mask, more cheaply
+        cached = (mask, positions)
+        _INPUTS.put(cache_key, attention_mask, position_ids, cached)
+    return key, value, *cached
 
 
-def _finish(out):
+def _attention(name, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """What every registered name runs: the kernel of hf_dilated.kinds.KINDS[name] on the inputs
+    of transformers' rule, under the model's DilatedConfig."""
+    from ..distributed import get_sequence_parallel_group, get_sequence_parallel_layout
+
+    _check_kwargs(module, name, kwargs)
+    kind, cfg = KINDS[name], config_for(module)
+    group = get_sequence_parallel_group() if kind.sequence_parallel else None
+    layout = None
+    if group is not None:
+        layout = get_sequence_parallel_layout()
+        if cfg.ring_layout is not None and cfg.ring_layout != layout:
+            raise ValueError(
+                f"attn_implementation={name!r}: the model config asks for ring_layout={cfg.ring_layout!r} but the "
+                f"active sequence-parallel group shards sequences as {layout!r}"
+            )
+    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None and \
+            not torch.equal(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]):
+        raise ValueError(f"attn_implementation={name!r}: cu_seq_lens_q and cu_seq_lens_k differ; only causal "
+                         "self-attention over packed sequences is supported")
+    key, value, mask, positions = kernel_inputs(
+        query, key, value, attention_mask, kwargs.get("position_ids"), sequence_parallel=group is not None,
+        cu_seq_lens=kwargs.get("cu_seq_lens_q"))
+    dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
+    if dropout_p and not kind.dropout:
+        raise NotImplementedError(f"attn_implementation={name!r} has no attention dropout; set attention_dropout=0")
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Follow autocast as sdpa does: q, k and v in the autocast dtype (RoPE may have left q and k
+        # in float32 while v comes out of a projection in bfloat16), the output in it too.
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    settings = {field: getattr(cfg, field) for field in kind.settings}
+    if "pattern" in settings:
+        from ..ops.block_patterns import make_pattern
+
+        settings["pattern"] = make_pattern(settings["pattern"])
+    with torch.autocast(device_type, enabled=False):
+        out = kind.run(query, key, value, settings, is_causal=True, attention_mask=mask, position_ids=positions,
+                       scale=scaling, dropout_p=dropout_p, group=group, layout=layout)
+        if group is None and mask is not None:
+            out = _padded_last_query_as_sdpa(out, query, key, value, mask, scaling)
     # (batch, heads, q_len, head_dim) -> (batch, q_len, heads, head_dim), as sdpa_attention_forward
     return out.transpose(1, 2).contiguous(), None
 
 
-def _dropout(module, dropout):
-    return float(dropout) if getattr(module, "training", False) else 0.0
+def _padded_last_query_as_sdpa(out, query, key, value, mask, scale):
+    """SPEC leaves outputs at padded query slots unspecified, but generate() reads the logits of the
+    last slot even when it is padding (a right-padded prompt's first new token comes from there).
+    For those rows the last slot gets exactly what sdpa gives it: attention over the row's real
+    keys. One query per row, so O(kv_len)."""
+    rows = (~mask[:, -1] & mask.any(-1)).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return out
+    last = torch.nn.functional.scaled_dot_product_attention(
+        query[rows, :, -1:], key[rows], value[rows], attn_mask=mask[rows, None, None, :], scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1])
+    out = out.clone()  # out of place: autograd may hold the kernel's output
+    out[rows, :, -1:] = last.to(out.dtype)
+    return out
 
 
-def _sequence_parallel(cfg: DilatedConfig, name: str):
-    """(group, layout) of the active sequence-parallel group, or (None, None) when there is none."""
-    from .. import distributed
+def _adapter(name):
+    def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        return _attention(name, module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
-    group = distributed.get_sequence_parallel_group()
-    if group is None:
-        return None, None
-    layout = distributed.get_sequence_parallel_layout()
-    if cfg.ring_layout is not None and cfg.ring_layout != layout:
-        raise ValueError(
-            f"attn_implementation={name!r}: the model config asks for ring_layout={cfg.ring_layout!r} but the "
-            f"active sequence-parallel group shards sequences as {layout!r}"
-        )
-    return group, layout
+    attention_forward.__name__ = f"{name}_attention_forward"
+    attention_forward.__doc__ = f"transformers attention function of attn_implementation={name!r}."
+    return attention_forward
 
 
-def _distributed_kernel(fn_name: str, name: str):
-    from .. import distributed
-
-    fn = getattr(distributed, fn_name, None)
-    if fn is None:
-        raise NotImplementedError(
-            f"attn_implementation={name!r} under sequence parallelism needs hf_dilated.distributed.{fn_name}, "
-            "which is not available in this build"
-        )
-    return fn
-
-
-def _block_sparse_kernel(name: str):
-    try:
-        from ..ops.block_sparse import block_sparse_attention
-    except ImportError as exc:
-        raise NotImplementedError(
-            f"attn_implementation={name!r} needs hf_dilated.ops.block_sparse_attention, which is not "
-            f"available in this build ({exc})"
-        ) from None
-    return block_sparse_attention
-
-
-# --- one function per registered name ---------------------------------------------------------
-
-
-def dilated_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    _check_kwargs(module, "dilated", kwargs)
-    cfg = config_for(module)
-    key, value, mask, positions = kernel_inputs(query, key, value, attention_mask, kwargs.get("position_ids"))
-    out = dilated_attention(
-        query, key, value, cfg.segment_lengths, cfg.dilation_rates, mode=cfg.mode, scale=scaling,
-        dropout_p=_dropout(module, dropout), attention_mask=mask, position_ids=positions,
-    )
-    return _finish(out)
-
-
-def ring_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    _check_kwargs(module, "ring", kwargs)
-    cfg = config_for(module)
-    group, layout = _sequence_parallel(cfg, "ring")
-    if group is not None:  # q/k/v, mask and positions are this rank's shards of the global sequence
-        out = _distributed_kernel("ring_attention", "ring")(
-            query, key, value, group=group, layout=layout, scale=scaling, attention_mask=attention_mask,
-            position_ids=kwargs.get("position_ids"), dropout_p=_dropout(module, dropout),
-        )
-        return _finish(out)
-    # One process: exact dense causal attention = a single level covering the whole sequence.
-    key, value, mask, positions = kernel_inputs(query, key, value, attention_mask, kwargs.get("position_ids"))
-    out = dilated_attention(
-        query, key, value, [key.shape[2]], [1], scale=scaling, dropout_p=_dropout(module, dropout),
-        attention_mask=mask, position_ids=positions,
-    )
-    return _finish(out)
-
-
-def dilated_ring_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    _check_kwargs(module, "dilated_ring", kwargs)
-    cfg = config_for(module)
-    group, layout = _sequence_parallel(cfg, "dilated_ring")
-    if group is None:
-        return dilated_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    out = _distributed_kernel("dilated_ring_attention", "dilated_ring")(
-        query, key, value, cfg.segment_lengths, cfg.dilation_rates, mode=cfg.mode, group=group, layout=layout,
-        scale=scaling, attention_mask=attention_mask, position_ids=kwargs.get("position_ids"),
-        dropout_p=_dropout(module, dropout),
-    )
-    return _finish(out)
-
-
-def block_sparse_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    _check_kwargs(module, "block_sparse", kwargs)
-    block_sparse_attention = _block_sparse_kernel("block_sparse")
-    if _dropout(module, dropout) > 0.0:
-        raise NotImplementedError("attn_implementation='block_sparse' has no attention dropout; set attention_dropout=0")
-    cfg = config_for(module)
-    key, value, mask, positions = kernel_inputs(query, key, value, attention_mask, kwargs.get("position_ids"))
-    out = block_sparse_attention(
-        query, key, value, make_pattern(cfg.pattern), block_size=cfg.block_size, is_causal=True, scale=scaling,
-        attention_mask=mask, position_ids=positions,
-    )
-    return _finish(out)
-
-
-def block_sparse_ring_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    _check_kwargs(module, "block_sparse_ring", kwargs)
-    cfg = config_for(module)
-    group, layout = _sequence_parallel(cfg, "block_sparse_ring")
-    if group is None:
-        return block_sparse_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    if _dropout(module, dropout) > 0.0:
-        raise NotImplementedError("attn_implementation='block_sparse_ring' has no attention dropout")
-    out = _distributed_kernel("block_sparse_ring_attention", "block_sparse_ring")(
-        query, key, value, make_pattern(cfg.pattern), block_size=cfg.block_size, group=group, layout=layout,
-        scale=scaling, attention_mask=attention_mask, position_ids=kwargs.get("position_ids"),
-    )
-    return _finish(out)
-
-
-ATTENTION_FUNCTIONS = {
-    "dilated": dilated_attention_forward,
-    "dilated_ring": dilated_ring_attention_forward,
-    "ring": ring_attention_forward,
-    "block_sparse": block_sparse_attention_forward,
-    "block_sparse_ring": block_sparse_ring_attention_forward,
-}
+ATTENTION_FUNCTIONS = {name: _adapter(name) for name in NAMES}
 
 
 def register() -> None:
-    """Registers every name with transformers (idempotent)."""
+    """Registers every name with transformers and hooks model loading (both idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     for name, fn in ATTENTION_FUNCTIONS.items():
         AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, padding_mask)
+    _hook_attention_choice()
+
+
+# --- the choice of attention at load time ------------------------------------------------------
+
+
+
+def _hook_attention_choice() -> None:
+    """Wraps `PreTrainedModel._check_and_adjust_attn_implementation`, which transformers runs when
+    a model is built or loaded and on `set_attn_implementation`, so that:
+    - a checkpoint configured for one of our names comes back with it: `save_pretrained` drops
+      `attn_implementation` from config.json, so the name is also recorded in the `hf_dilated`
+      entry, which it keeps; an explicit `attn_implementation=` still wins;
+    - choosing one of our names validates the entry and the model family there and then (a
+      corrupt config.json fails at load, not at the first forward)."""
+    from transformers import PreTrainedModel
+
+    current = PreTrainedModel._check_and_adjust_attn_implementation
+    if getattr(current, "_hf_dilated", False):
+        return
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        entry = getattr(self.config, "hf_dilated", None)
+        if attn_implementation is None and isinstance(entry, dict) and entry.get(RECORDED_NAME) in NAMES:
+            attn_implementation = entry[RECORDED_NAME]
+        if attn_implementation in NAMES:
+            check_model_supported(self.config, attn_implementation)
+        chosen = current(self, attn_implementation, *args, **kwargs)
+        if isinstance(entry, dict) and isinstance(chosen, str):
+            if chosen in NAMES:
+                entry[RECORDED_NAME] = chosen
+            else:
+                entry.pop(RECORDED_NAME, None)
+        return chosen
+
+    _check_and_adjust_attn_implementation._hf_dilated = True
+    PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
+
+
+def check_model_supported(config, name: str) -> None:
+    """A ValueError unless `config` is of a family hf_dilated supports with a valid entry."""
+    from ..patches import family_for
+
+    try:
+        family_for(getattr(config, "model_type", None))
+    except ValueError as exc:
+        raise ValueError(f"attn_implementation={name!r}: {exc}") from None
+    try:
+        DilatedConfig.from_model_config(config)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"attn_implementation={name!r}: invalid 'hf_dilated' config entry: {exc}") from None

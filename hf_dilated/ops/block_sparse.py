@@ -41,7 +41,7 @@ import torch
 from .backend import attention_backward, attention_forward
 from .block_patterns import AdaptivePattern, CustomPattern, _check_int, make_pattern
 from .merge import merge_dtype, merge_into
-from .positions import token_layout
+from .token_layout import token_layout
 from .validate import check_qkv, check_scale_dropout
 
 # Elements of gathered K plus V per fused call: bounds the transient memory of a call.

@@ -40,7 +40,7 @@ import torch
 from .backend import attention_backward, attention_forward
 from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
-from .positions import TokenLayout, token_layout
+from .token_layout import TokenLayout, token_layout
 from .validate import check_dilated_config, check_qkv, check_scale_dropout
 
 # Upper bound on the elements of one explicit bias block; larger ones are cut into row chunks.
