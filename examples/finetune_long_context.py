@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp-size", type=int, default=1, help="sequence-parallel group size (divides the process count)")
     p.add_argument("--sp-layout", choices=("zigzag", "contiguous"), default="zigzag")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a process waits on the others (a collective, a barrier) before that becomes an error; "
+                        "without it a stopped rank leaves the others blocked forever")
     # Checkpoints.
     p.add_argument("--save-every", type=int, default=0, help="save a resumable checkpoint every N steps (0: only at the end)")
     p.add_argument("--keep-checkpoints", type=int, default=2, help="resumable checkpoints kept (oldest removed)")
@@ -112,6 +115,8 @@ def parse_args(argv=None):
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.passkey_ratio != 1 and not ("passkey" in args.data and len(args.data) > 1):
         raise SystemExit("--passkey-ratio mixes text and passkey rows: give --data passkey and text files")
+    if args.timeout <= 0:
+        raise SystemExit(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         raise SystemExit(f"--stop-after-steps must be >= 1, got {args.stop_after_steps}")
     if args.attn in ("sdpa", "dilated", "block_sparse") and args.sp_size > 1:
@@ -291,12 +296,19 @@ def token_loss_sum(logits, labels, row_counts=None):
 
 def train(args, dataset=None) -> dict:
     """dataset: rows to train on instead of the ones --data describes (pretrain_tiny.py's mixture)."""
+    import datetime
+
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
     from transformers import AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
 
     # Without CUDA, cpu=True makes processes started by torchrun (accelerate's multi-GPU launcher)
     # join one gloo group instead of each running alone.
-    accelerator = Accelerator(cpu=args.cpu or not torch.cuda.is_available(), gradient_accumulation_steps=args.grad_accum,
+    cpu = args.cpu or not torch.cuda.is_available()
+    timeout = datetime.timedelta(seconds=args.timeout)
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # by accelerate launch / torchrun
+    handlers = [InitProcessGroupKwargs(backend="gloo" if cpu else "nccl", timeout=timeout)] if launched else []
+    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=args.grad_accum, kwargs_handlers=handlers,
                               mixed_precision=mixed_precision(args.mixed_precision))
     world, rank = accelerator.num_processes, accelerator.process_index
     if world % args.sp_size:
@@ -309,7 +321,7 @@ def train(args, dataset=None) -> dict:
     if args.sp_size > 1:
         from hf_dilated.distributed import setup_sequence_parallel
 
-        sp = setup_sequence_parallel(args.sp_size, layout=args.sp_layout)
+        sp = setup_sequence_parallel(args.sp_size, layout=args.sp_layout, timeout=timeout)
     dp_size, dp_rank = (sp.dp_size, sp.dp_rank) if sp else (world, rank)
     torch.manual_seed(args.seed)
 
@@ -348,7 +360,10 @@ def train(args, dataset=None) -> dict:
     history = []
     log = open(args.log_file, "a") if (args.log_file and accelerator.is_main_process) else None
     end_step = args.max_steps if args.stop_after_steps is None else min(args.max_steps, start_step + args.stop_after_steps)
+    stall = os.environ.get("HF_DILATED_TEST_STALL")  # tests: "RANK:STEP" makes that rank stop there (a hung peer)
     for step in range(start_step, end_step):
+        if stall and stall == f"{rank}:{step}":
+            time.sleep(3600)
         t0 = time.perf_counter()
         lr = optimizer.param_groups[0]["lr"]  # the rate this step trains with
         step_loss = torch.zeros((), device=accelerator.device)

@@ -382,3 +382,23 @@ def test_training_model_keeps_packed_documents_apart(checkpoint, attn):
         packed = model(input_ids=row["input_ids"][None], position_ids=row["position_ids"][None]).logits[0, second]
         alone = model(input_ids=row["input_ids"][None, second], position_ids=row["position_ids"][None, second]).logits[0]
     torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
+
+
+def test_a_stopped_rank_becomes_an_error_within_the_timeout(checkpoint, tmp_path):
+    """--timeout: two real gloo processes, rank 1 stops before step 2 (HF_DILATED_TEST_STALL); rank 0's
+    next collective fails after the timeout instead of blocking forever, and the launch fails."""
+    import time
+
+    out = tmp_path / "stall"
+    cmd = ["accelerate", "launch", "--config_file", EXAMPLES / "accelerate_configs/cpu_2proc.yaml",
+           "--main_process_port", free_port(),
+           *finetune_cmd(checkpoint, out, "--no-final-model", "--timeout", 5, "--save-every", 0, python=())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "ACCELERATE_DISABLE_RICH": "1", "HF_DILATED_TEST_STALL": "1:1"}
+    t0 = time.monotonic()
+    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert elapsed < 200, elapsed  # bounded by the timeout, not by the stopped rank's hour
+    assert [r["step"] for r in read_log(out / "log.jsonl")] == [1]  # step 2 never completed
+    assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-3000:]
