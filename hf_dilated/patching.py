@@ -25,7 +25,10 @@ def patch(model, attn_implementation: str = "dilated", *, context_length: int | 
         pattern, ring_layout) overriding the default derived from the model config.
     """
     _check_name(attn_implementation)
-    config = model.config
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"model: hf_dilated.patch takes a transformers model (a PreTrainedModel), got "
+                        f"{type(model).__name__}")
     family = family_for(getattr(config, "model_type", None))
     updates = family.convert_config(config, context_length, rope, **dilated_fields)
     for name, value in updates.items():

@@ -1,0 +1,140 @@
+"""What a user meets through transformers' own entry points: mixed precision, save and reload,
+config edits and validation, packed batches from DataCollatorWithFlattening, output_attentions,
+unsupported families (issue 15). Real tiny models, saved and loaded as safetensors."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, DataCollatorWithFlattening, GPT2Config, GPTNeoXConfig,
+                          LlamaConfig)
+
+import hf_dilated
+from hf_dilated.integrations.transformers import NAMES
+
+
+def _config(family, **extra):
+    common = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                  max_position_embeddings=64, pad_token_id=0, **extra)
+    return LlamaConfig(num_key_value_heads=2, **common) if family == "llama" else GPTNeoXConfig(**common)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    dirs = {}
+    for family in ("llama", "gpt_neox"):
+        path = tmp_path_factory.mktemp(family)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(_config(family)).save_pretrained(path, safe_serialization=True)
+        dirs[family] = path
+    return dirs
+
+
+def ids(batch, n, seed=0):
+    return torch.randint(3, 99, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", ("llama", "gpt_neox"))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_autocast_training_step_follows_sdpa(saved, family, dtype):
+    x = ids(2, 40)
+    results = {}
+    for name in ("sdpa", *NAMES):
+        model = AutoModelForCausalLM.from_pretrained(saved[family], attn_implementation=name, dtype=torch.float32)
+        model.train()
+        with torch.autocast("cpu", dtype=dtype):
+            loss = model(x, labels=x, use_cache=False).loss
+        loss.backward()
+        grad = next(p for n, p in model.named_parameters() if "layers.0" in n and p.grad is not None).grad
+        results[name] = (loss.detach().float(), grad.float())
+    want_loss, want_grad = results["sdpa"]
+    for name in NAMES:
+        loss, grad = results[name]
+        assert torch.isfinite(grad).all(), name
+        torch.testing.assert_close(loss, want_loss, atol=2e-2, rtol=2e-2, msg=name)
+        torch.testing.assert_close(grad, want_grad, atol=5e-2 * float(want_grad.abs().max()), rtol=0.1, msg=name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_checkpoint_configured_for_our_name_reloads_with_it(saved, tmp_path, name):
+    model = hf_dilated.patch(AutoModelForCausalLM.from_pretrained(saved["llama"]), name, context_length=128)
+    model.eval()
+    x = ids(1, 100)
+    with torch.no_grad():
+        want = model(x).logits
+    model.save_pretrained(tmp_path / "saved")
+    shutil.copytree(tmp_path / "saved", tmp_path / "copied")  # what pushing and pulling a folder does
+    for folder in ("saved", "copied"):
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / folder).eval()
+        assert again.config._attn_implementation == name
+        with torch.no_grad():
+            torch.testing.assert_close(again(x).logits, want, atol=1e-5, rtol=1e-5)
+    # An explicit choice still wins, and is what the next save records.
+    dense = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="sdpa")
+    assert dense.config._attn_implementation == "sdpa"
+    dense.save_pretrained(tmp_path / "dense")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "dense").config._attn_implementation == "sdpa"
+
+
+def test_config_edits_after_the_first_forward_are_noticed(saved):
+    model = hf_dilated.patch(AutoModelForCausalLM.from_pretrained(saved["llama"]), "dilated").eval()
+    x = ids(1, 60)
+    with torch.no_grad():
+        dense = model(x).logits
+        model.config.hf_dilated["segment_lengths"] = [16, 32, 64]
+        model.config.hf_dilated["dilation_rates"] = [1, 2, 4]
+        sparse = model(x).logits
+        assert (sparse - dense).abs().max() > 1e-3  # the new segments took effect
+        model.config.hf_dilated["dilation_rates"] = [1, 3, 4]  # 3 does not divide 32
+        with pytest.raises(ValueError, match="dilation"):
+            model(x)
+
+
+def test_a_corrupt_entry_fails_at_load_not_at_the_first_forward(saved, tmp_path):
+    hf_dilated.patch(AutoModelForCausalLM.from_pretrained(saved["llama"]), "dilated").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["hf_dilated"]["segment_lengths"] = [64, 100]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="invalid 'hf_dilated' config entry"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_flattened_batches_without_position_ids_keep_documents_apart(saved, name):
+    model = AutoModelForCausalLM.from_pretrained(saved["llama"], attn_implementation=name).eval()
+    docs = [ids(1, n, seed=n)[0].tolist() for n in (12, 20, 9)]
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)
+    batch = collate([{"input_ids": d} for d in docs])
+    assert "position_ids" not in batch and "cu_seq_lens_q" in batch
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"],
+                       cu_seq_lens_k=batch["cu_seq_lens_k"], max_length_q=batch["max_length_q"],
+                       max_length_k=batch["max_length_k"], use_cache=False).logits[0]
+        start = 0
+        for d in docs:
+            alone = model(torch.tensor([d])).logits[0]
+            torch.testing.assert_close(packed[start:start + len(d)], alone, atol=1e-4, rtol=1e-4)
+            start += len(d)
+
+
+def test_output_attentions_is_an_error_not_an_empty_tuple(saved):
+    model = AutoModelForCausalLM.from_pretrained(saved["llama"], attn_implementation="dilated")
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(ids(1, 8), output_attentions=True)
+
+
+def test_unsupported_families_and_objects_are_refused_with_the_supported_list():
+    def gpt2():
+        return GPT2Config(vocab_size=99, n_embd=32, n_layer=1, n_head=4, n_positions=64, bos_token_id=1,
+                          eos_token_id=2)
+
+    for name in NAMES:
+        with pytest.raises(ValueError, match="supported: llama"):
+            AutoModelForCausalLM.from_config(gpt2(), attn_implementation=name)
+    model = AutoModelForCausalLM.from_config(gpt2())
+    with pytest.raises(ValueError, match="supported: llama"):
+        model.set_attn_implementation("dilated")
+    with pytest.raises(TypeError, match="transformers model"):
+        hf_dilated.patch(torch.nn.Linear(4, 4))
