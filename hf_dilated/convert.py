@@ -1,25 +1,41 @@
 """`hf-dilated convert` (write a long-context copy of a checkpoint) and `hf-dilated info`.
 
 A conversion never touches SRC and never leaves a half-written DST: it builds the new checkpoint
-in a temporary directory beside DST and renames it into place at the end. Only config.json
-changes; weight files are hard-linked (byte-identical, no extra disk) where the filesystem
-allows, else copied; everything else (tokenizer, generation config, ...) is copied. Because hard
-links share storage, never write into a converted directory in place (e.g. `save_pretrained(DST)`
-would overwrite SRC's weights through the link): save elsewhere, or convert with `--copy`.
+in a temporary directory beside DST (named after DST, this process and this host), checks it and
+renames it into place at the end. A temporary directory that a killed run left is removed by the
+next run for the same DST, once its process is gone. Only config.json changes; weight files are
+hard-linked (byte-identical, no extra disk) where the filesystem allows, else copied; everything
+else (tokenizer, generation config, ...) is copied. Symbolic links in SRC (the Hugging Face cache
+layout: every file a link into ../../blobs/) are resolved: DST holds the files themselves. Because
+hard links share storage, never write into a converted directory in place (e.g.
+`save_pretrained(DST)` would overwrite SRC's weights through the link): save elsewhere, or
+convert with `--copy`.
+
+`--force` replaces an existing DST only when that is safe: DST must not be SRC, lie inside it,
+contain it or contain a file SRC links to, and must be an empty directory or a checkpoint written
+by hf-dilated (a config.json with an `hf_dilated` entry); anything else is refused.
+
+Re-converting a converted checkpoint keeps its attention implementation and RoPE scheme unless the
+options say otherwise; valid but unusual requests print a warning saying what was kept.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import secrets
 import shutil
-import tempfile
+import socket
+import stat
+import sys
+import warnings
 from pathlib import Path
 
 from .integrations.config import CONFIG_KEY, DilatedConfig
 from .integrations.transformers import NAMES
 from .patches import family_for
-from .patches.context import ROPE_CHOICES
+from .patches.context import MAX_CONTEXT_LENGTH, ROPE_CHOICES, ConversionWarning, check_context_length
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
@@ -35,26 +51,45 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="source checkpoint directory (config.json + weights); never modified")
     p.add_argument("dst", help="directory to create")
     p.add_argument("--attn", choices=NAMES, default=None,
-                   help="attention implementation stored in config.json (default: the preset's, else 'dilated')")
-    p.add_argument("--context", type=int, default=None, help="target context length in tokens")
+                   help="attention implementation stored in config.json (default: the preset's, else the one an "
+                        "earlier conversion stored, else 'dilated')")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"target context length in tokens (from the original length to {MAX_CONTEXT_LENGTH:,})")
     p.add_argument("--preset", default=None, help="a model_configs preset (e.g. llama2-7b-32k)")
     p.add_argument("--rope", choices=ROPE_CHOICES, default=None,
-                   help="RoPE scaling (default: the preset's, else linear for an unscaled checkpoint)")
+                   help="RoPE scaling (default: the preset's, else the one an earlier conversion chose, else linear "
+                        "for an unscaled checkpoint)")
     p.add_argument("--mode", choices=("union", "longnet", "head_groups"), default=None)
     p.add_argument("--segment-lengths", type=_int_list, default=None, help="e.g. 4096,8192,16384")
     p.add_argument("--dilation-rates", type=_int_list, default=None, help="e.g. 1,2,4")
     p.add_argument("--copy", action="store_true", help="copy weight files instead of hard-linking them")
-    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--force", action="store_true",
+                   help="replace DST if it exists (only an empty directory or a checkpoint hf-dilated wrote)")
+
+
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
 
 
 def convert_main(args) -> int:
     fields = {k: v for k, v in (("mode", args.mode), ("segment_lengths", args.segment_lengths),
                                 ("dilation_rates", args.dilation_rates)) if v is not None}
-    try:
-        dst = convert_checkpoint(args.src, args.dst, attn_implementation=args.attn, context_length=args.context,
-                                 preset=args.preset, rope=args.rope, force=args.force, copy=args.copy, **fields)
-    except (ValueError, TypeError, FileExistsError, FileNotFoundError) as exc:
-        print(f"hf-dilated convert: error: {exc}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConversionWarning)
+        try:
+            dst = convert_checkpoint(args.src, args.dst, attn_implementation=args.attn, context_length=args.context,
+                                     preset=args.preset, rope=args.rope, force=args.force, copy=args.copy, **fields)
+        except (ValueError, TypeError, OSError) as exc:
+            error = exc
+        else:
+            error = None
+    for w in caught:  # ours as one line each; any other library's warning as Python shows it
+        if issubclass(w.category, ConversionWarning):
+            print(f"hf-dilated convert: warning: {_one_line(w.message)}", file=sys.stderr)
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    if error is not None:
+        print(f"hf-dilated convert: error: {_one_line(error)}", file=sys.stderr)
         return 2
     print(f"wrote {dst}")
     print(describe(dst))
@@ -66,27 +101,43 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
     """Writes the converted checkpoint to `dst` and returns its path. See the module docstring."""
     from transformers import AutoConfig
 
-    src, dst = Path(src).resolve(), Path(dst).resolve()
+    src = Path(src).resolve()
+    # DST's parent resolved, its last component not: a DST that is a symlink is judged as the link.
+    dst = Path(os.path.abspath(dst))
+    dst = dst.parent.resolve() / dst.name
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"src: {src} is not a checkpoint directory (no config.json)")
-    if dst == src or src in dst.parents:
-        raise ValueError(f"dst ({dst}) must not be src or lie inside it")
-    if dst.exists() and not force:
-        raise FileExistsError(f"dst: {dst} exists; pass --force (force=True) to replace it")
+    files = _list_tree(src)
+    _check_dst(src, dst, files, force)
+    _clean_leftovers(dst)
 
     raw = json.loads((src / "config.json").read_text())
     config = AutoConfig.from_pretrained(src)  # normalised view (rope_parameters etc.)
     family = family_for(config.model_type)
+    converted_before = isinstance(raw.get(CONFIG_KEY), dict)
     if preset is not None:
         from .model_configs import check_source, load_preset
 
         p = load_preset(preset)
         check_source(p, config, preset)
-        attn_implementation = attn_implementation or p["attn_implementation"]
-        context_length = context_length or p["context_length"]
-        rope = rope or p["rope"]
+        attn_implementation = p["attn_implementation"] if attn_implementation is None else attn_implementation
+        context_length = p["context_length"] if context_length is None else context_length
+        rope = p["rope"] if rope is None else rope
         dilated_fields = {**p.get("hf_dilated", {}), **dilated_fields}
-    attn_implementation = attn_implementation or "dilated"
+    if context_length is not None:
+        check_context_length(config, context_length)
+    elif rope is not None:
+        if not converted_before:
+            raise ValueError("rope: --rope needs --context (the context length to scale RoPE for)")
+        context_length = DilatedConfig.from_model_config(config).target_length or config.max_position_embeddings
+        warnings.warn(f"context_length: no --context given: kept the earlier conversion's context of {context_length} "
+                      f"tokens for --rope {rope}", ConversionWarning, stacklevel=2)
+    if attn_implementation is None:
+        earlier = raw.get("attn_implementation")
+        attn_implementation = earlier if converted_before and earlier in NAMES else "dilated"
+        if attn_implementation != "dilated":
+            warnings.warn(f"attn: kept the earlier conversion's attn_implementation {earlier!r} (pass "
+                          "attn_implementation / --attn to change it)", ConversionWarning, stacklevel=2)
     if attn_implementation not in NAMES:
         raise ValueError(f"attn_implementation must be one of {NAMES}, got {attn_implementation!r}")
 
@@ -96,40 +147,204 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
     if "rope_parameters" in updates:
         new.pop("rope_scaling", None)  # transformers reads a legacy rope_scaling before rope_parameters
     new["attn_implementation"] = attn_implementation  # from_pretrained(DST) uses it (after `import hf_dilated`)
-
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
-        _copy_tree(src, tmp, link_weights=not copy)
-        (tmp / "config.json").unlink()
-        (tmp / "config.json").write_text(json.dumps(new, indent=2, sort_keys=True) + "\n")
-        if dst.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.replace(dst, old / "x")
-            os.replace(tmp, dst)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _write(src, dst, files, json.dumps(new, indent=2, sort_keys=True) + "\n", link_weights=not copy, force=force)
     return dst
 
 
-def _copy_tree(src: Path, dst: Path, link_weights: bool) -> None:
-    for path in sorted(src.rglob("*")):
-        target = dst / path.relative_to(src)
-        if path.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
+# --- what SRC holds, and whether DST may be (re)placed ------------------------------------------
+
+
+def _list_tree(src: Path) -> list[tuple[Path, Path | None]]:
+    """(path relative to src, the real file it is or links to; None for a directory) for everything
+    under src, in a stable order. Links are followed, so DST gets files, never links."""
+    out = []
+
+    def walk(directory: Path, rel: Path, ancestors: frozenset) -> None:
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            path = Path(entry.path)
+            real = path.resolve()
+            if not real.exists():
+                raise FileNotFoundError(f"src: {path} is a broken symbolic link (to {os.readlink(path)})")
+            if real.is_dir():
+                if real in ancestors:
+                    raise ValueError(f"src: {path} links back to {real}, a directory that contains it")
+                out.append((rel / entry.name, None))
+                walk(real, rel / entry.name, ancestors | {real})
+            elif real.is_file():
+                out.append((rel / entry.name, real))
+            else:
+                raise ValueError(f"src: {path} is neither a regular file nor a directory")
+
+    walk(src, Path(), frozenset({src}))
+    return out
+
+
+def _within(path: Path, directory: Path) -> bool:
+    return path == directory or directory in path.parents
+
+
+def _check_dst(src: Path, dst: Path, files, force: bool) -> None:
+    for where in {dst, dst.resolve()}:  # the link and what it points to, when DST is a link
+        if _within(where, src) or _within(src, where):
+            raise ValueError(
+                f"dst: {dst} must not be src, lie inside it or contain it (src: {src}); refusing, whatever --force says"
+            )
+        for rel, real in files:
+            if real is not None and _within(real, where):
+                raise ValueError(f"dst: {dst} must not contain {real}, which src's {rel} links to; refusing, "
+                                 "whatever --force says")
+    if not os.path.lexists(dst):
+        return
+    if not force:
+        raise FileExistsError(f"dst: {dst} exists; pass --force (force=True) to replace it")
+    if dst.is_symlink() or not dst.is_dir():
+        raise ValueError(f"dst: {dst} is not a directory (or is a symbolic link); --force replaces only an empty "
+                         "directory or a checkpoint written by hf-dilated convert")
+    if any(dst.iterdir()) and not _written_by_us(dst):
+        raise ValueError(f"dst: {dst} is not a checkpoint written by hf-dilated convert (no '{CONFIG_KEY}' entry in "
+                         "its config.json); refusing to replace it even with --force: remove it yourself or choose "
+                         "another DST")
+
+
+def _written_by_us(directory: Path) -> bool:
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get(CONFIG_KEY), dict)
+
+
+# --- temporary directories: named after DST, process and host, so a later run knows whose they are
+
+
+_HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _temporary_dir(dst: Path, kind: str) -> Path:
+    """A new directory beside dst (mode from the umask, unlike tempfile.mkdtemp's 0700)."""
+    while True:
+        path = dst.parent / f".{dst.name}.{kind}-{os.getpid()}@{_HOST}-{secrets.token_hex(4)}"
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
             continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if link_weights and path.name.endswith(WEIGHT_SUFFIXES):
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _clean_leftovers(dst: Path) -> None:
+    """Removes the temporary directories of earlier runs for dst on this host whose process is gone.
+    A run killed between moving the old DST aside and moving the new one in left the old DST in its
+    `.old-` directory: with no DST in place, that is put back first."""
+    pattern = re.compile(rf"\.{re.escape(dst.name)}\.(tmp|old)-(\d+)@(.+)-[0-9a-f]{{8}}")
+    try:
+        entries = sorted(os.scandir(dst.parent), key=lambda e: e.name)
+    except OSError:  # no parent yet, or not readable: nothing of ours there
+        return
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if not match or match[3] != _HOST or _alive(int(match[2])) or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = Path(entry.path)
+        if match[1] == "old" and not os.path.lexists(dst) and os.path.isdir(path / "previous"):
             try:
-                os.link(path, target)
-                continue
-            except OSError:  # another filesystem, or links not allowed: copy
+                os.rename(path / "previous", dst)
+            except OSError:  # another run got there first
                 pass
-        shutil.copy2(path, target)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def _write(src: Path, dst: Path, files, config_text: str, link_weights: bool, force: bool) -> None:
+    created = []  # parents of dst this run made: removed again if it fails
+    for parent in reversed([dst.parent, *dst.parent.parents]):
+        if not parent.exists():
+            try:
+                os.mkdir(parent)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                _remove_empty(created)
+                raise type(exc)(f"dst: cannot create {parent}: {exc.strerror}") from None
+            created.append(parent)
+    try:
+        tmp = _temporary_dir(dst, "tmp")
+    except OSError as exc:
+        _remove_empty(created)
+        raise type(exc)(f"dst: cannot create {dst}: {exc.strerror} (in {dst.parent})") from None
+    try:
+        for rel, real in files:
+            target = tmp / rel
+            if real is None:
+                target.mkdir()
+            elif rel != Path("config.json"):
+                _place(real, target, link=link_weights and rel.name.endswith(WEIGHT_SUFFIXES))
+        (tmp / "config.json").write_text(config_text)
+        _verify_weights(tmp, files)
+        if os.path.lexists(dst):
+            if not force:  # appeared while this run was copying
+                raise FileExistsError(f"dst: {dst} exists; pass --force (force=True) to replace it")
+            old = _temporary_dir(dst, "old")
+            os.rename(dst, old / "previous")
+            os.rename(tmp, dst)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
+        raise
+
+
+def _remove_empty(directories) -> None:
+    for directory in reversed(directories):
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass
+
+
+def _place(real: Path, target: Path, link: bool) -> None:
+    if link:
+        try:
+            os.link(real, target)  # `real` is a file, never a link: the new name shares its data
+            return
+        except OSError:  # another filesystem, or links not allowed: copy
+            pass
+    shutil.copy2(real, target)
+
+
+def _verify_weights(tmp: Path, files) -> None:
+    """Every weight file in tmp is a readable regular file with the bytes of the one in SRC."""
+    for rel, real in files:
+        if real is None or not rel.name.endswith(WEIGHT_SUFFIXES):
+            continue
+        path = tmp / rel
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise OSError(f"dst: {rel} was not written as a regular file")
+        with open(path, "rb") as written:
+            if os.path.samefile(path, real):
+                continue  # a hard link: the same data, no need to read it
+            with open(real, "rb") as original:
+                while True:
+                    a, b = written.read(1 << 24), original.read(1 << 24)
+                    if a != b:
+                        raise OSError(f"dst: {rel} differs from src's {real} after copying")
+                    if not a:
+                        break
 
 
 # --- info -------------------------------------------------------------------------------------

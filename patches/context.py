@@ -6,10 +6,19 @@ config fields to set, so the same result can patch a loaded model or a config.js
 """
 from __future__ import annotations
 
+import warnings
+
 from hf_dilated.integrations.config import CONFIG_KEY, DilatedConfig, context_lengths
 
 ROPE_CHOICES = ("linear", "dynamic", "yarn", "none")
 _OURS = ("linear", "dynamic", "yarn")
+# Far beyond any context this package is meant for, yet small enough that a mistyped length fails
+# here rather than as a multi-gigabyte allocation at the top dilated level of the first forward.
+MAX_CONTEXT_LENGTH = 2**24
+
+
+class ConversionWarning(UserWarning):
+    """A valid but unusual conversion request: the message says what was kept instead."""
 
 
 def original_length(config) -> int:
@@ -20,29 +29,61 @@ def original_length(config) -> int:
     return context_lengths(config)[0]
 
 
+def check_context_length(config, context_length) -> int:
+    """`context_length` if a conversion of `config` can target it, else a ValueError saying why."""
+    name = "context_length (--context)"
+    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length <= 0:
+        raise ValueError(f"{name} must be a positive int, got {context_length!r}")
+    if context_length > MAX_CONTEXT_LENGTH:
+        raise ValueError(f"{name} {context_length:,} is above the limit of {MAX_CONTEXT_LENGTH:,} tokens (2**24)")
+    original = original_length(config)
+    if context_length < original:
+        raise ValueError(
+            f"{name} {context_length} is shorter than the checkpoint's original context of {original} tokens: "
+            "a conversion can only lengthen it"
+        )
+    return context_length
+
+
 def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
     """Config fields that give a RoPE model `context_length` tokens of context.
 
     rope: "linear" (position interpolation, factor = context / original), "dynamic" (dynamic NTK:
     max_position_embeddings stays the original length, frequencies stretch beyond it), "yarn",
-    or "none" (keep the checkpoint's RoPE). None picks "linear" for an unscaled checkpoint and
-    "none" for one whose RoPE is already scaled.
+    or "none" (keep the checkpoint's RoPE). None keeps the scheme of an earlier hf_dilated conversion,
+    else picks "linear" for an unscaled checkpoint and "none" for one whose RoPE is already scaled.
+    `context_length` must lie between the original context and MAX_CONTEXT_LENGTH. Choices that
+    keep something other than asked for are told with a ConversionWarning.
     """
-    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length <= 0:
-        raise ValueError(f"context_length must be a positive int, got {context_length!r}")
     if rope is not None and rope not in ROPE_CHOICES:
         raise ValueError(f"rope must be one of {ROPE_CHOICES} or None, got {rope!r}")
+    check_context_length(config, context_length)
     params = dict(getattr(config, "rope_parameters", None) or {})
     if not params or "rope_theta" not in params:
         raise ValueError(f"{type(config).__name__} has no rope_parameters: cannot rescale its positions")
     original = original_length(config)
     current = params.get("rope_type", "default")
     converted_before = isinstance(getattr(config, CONFIG_KEY, None), dict)
-    if rope is None:
-        rope = "linear" if current == "default" or (converted_before and current in _OURS) else "none"
+    if rope is None and converted_before and current in _OURS:
+        rope = current  # re-converting: keep the scheme the earlier conversion chose
+        if rope != "linear":  # what a first conversion would pick: say so when it differs
+            warnings.warn(f"rope: kept the earlier conversion's {rope!r} RoPE scaling, now for {context_length} "
+                          "tokens (pass rope / --rope to change it)", ConversionWarning, stacklevel=3)
+    elif rope is None and converted_before and current == "default" and config.max_position_embeddings > original:
+        # An earlier conversion lengthened the context with rope='none': it wanted positions unscaled.
+        rope = "none"
+        warnings.warn(f"rope: kept the earlier conversion's unscaled RoPE (rope='none') for {context_length} tokens "
+                      "(pass rope / --rope to scale it)", ConversionWarning, stacklevel=3)
+    elif rope is None:
+        rope = "linear" if current == "default" else "none"
     if rope == "none":
-        keep_max = current == "dynamic"  # dynamic NTK reads max_position_embeddings as the original length
-        return {} if keep_max else {"max_position_embeddings": max(context_length, config.max_position_embeddings)}
+        if current == "dynamic":  # dynamic NTK reads max_position_embeddings as the original length
+            return {}
+        if context_length < config.max_position_embeddings:
+            warnings.warn(f"max_position_embeddings: kept max_position_embeddings = {config.max_position_embeddings} "
+                          f"(the checkpoint's own RoPE covers more than the {context_length} tokens asked for; only "
+                          "the hf_dilated levels use the new length)", ConversionWarning, stacklevel=3)
+        return {"max_position_embeddings": max(context_length, config.max_position_embeddings)}
     if current != "default" and not (converted_before and current in _OURS):
         raise ValueError(
             f"the checkpoint's RoPE is already scaled (rope_type={current!r}); converting it to {rope!r} would "
@@ -76,8 +117,16 @@ def dilated_entry(config, context_length: int | None = None, **fields) -> dict:
         base = existing
         target = existing.get("target_length") or context_lengths(config)[1]
     else:
+        check_context_length(config, context_length)
         base = {k: existing[k] for k in _KEPT_ON_RECONVERT if k in existing}
         target = context_length
+        chosen = {k: existing[k] for k in ("segment_lengths", "dilation_rates") if k in existing}
+        if chosen and not {"segment_lengths", "dilation_rates"} & set(fields):
+            default = DilatedConfig.default(original, existing.get("target_length") or original)
+            if chosen != {"segment_lengths": default.segment_lengths, "dilation_rates": default.dilation_rates}:
+                warnings.warn(f"hf_dilated: the earlier conversion's own levels {chosen} were replaced by the default "
+                              f"ones for {context_length} tokens (pass segment_lengths and dilation_rates to "
+                              "keep or choose levels)", ConversionWarning, stacklevel=3)
     base = {k: v for k, v in base.items() if k not in ("original_length", "target_length")}
     base.update(fields)
     return DilatedConfig.default(original, target, **base).to_dict()

@@ -86,7 +86,7 @@ def test_failed_conversions_leave_nothing_behind(source, tmp_path):
         convert_checkpoint(source, tmp_path / "x", preset="llama2-7b-32k")
     with pytest.raises(ValueError, match="3 does not divide 64"):
         convert_checkpoint(source, tmp_path / "x", segment_lengths=[32, 64], dilation_rates=[1, 3])
-    with pytest.raises(ValueError, match="must not be src or lie inside it"):
+    with pytest.raises(ValueError, match="must not be src, lie inside it or contain it"):
         convert_checkpoint(source, source / "inner")
     with pytest.raises(FileNotFoundError, match="no config.json"):
         convert_checkpoint(tmp_path, tmp_path / "x")
@@ -105,7 +105,7 @@ def test_cli_convert_and_info(source, tmp_path, capsys):
     assert config["hf_dilated"]["mode"] == "longnet"
     assert config["hf_dilated"]["segment_lengths"] == [32, 64, 128, 256]
     assert cli(["convert", str(source), str(dst), "--context", "256"]) == 2
-    assert "exists; pass --force" in capsys.readouterr().out
+    assert "exists; pass --force" in capsys.readouterr().err
     assert cli(["info", str(dst)]) == 0
     out = capsys.readouterr().out
     assert "attn_implementation:  dilated" in out and "yarn (factor 8)" in out
@@ -183,3 +183,282 @@ def test_expected_presets_exist_and_bad_presets_are_rejected():
     ]:
         with pytest.raises(ValueError, match=match):
             validate_preset({**good, **change}, "edited")
+
+
+# --- issue 15: nothing lost, nothing silent ---------------------------------------------------
+
+def _copy_of(source, where):
+    """A private copy of the tiny checkpoint (tests that need SRC in a particular place)."""
+    import shutil
+
+    shutil.copytree(source, where)
+    return where
+
+
+def _hub_cache(source, root):
+    """`source` laid out as the Hugging Face cache does (what `snapshot_download` returns): every
+    file of snapshots/<rev>/ a relative symlink to blobs/<sha256>."""
+    repo = root / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / ("0123456789abcdef" * 3)[:40]
+    for path in sorted(source.rglob("*")):
+        rel = path.relative_to(source)
+        if path.is_dir():
+            (snapshot / rel).mkdir(parents=True)
+            continue
+        data = path.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.write_bytes(data)
+        (snapshot / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(blob, (snapshot / rel).parent), snapshot / rel)
+    return repo, snapshot
+
+
+def test_force_never_replaces_a_dst_that_holds_src(source, tmp_path, capsys):
+    models = tmp_path / "models"
+    src = _copy_of(source, models / "llama")
+    (models / "other.txt").write_text("someone else's file\n")
+    before = _digest(tmp_path)
+    for dst in (models, tmp_path, src, src / "inner"):
+        with pytest.raises(ValueError, match="must not be src, lie inside it or contain it"):
+            convert_checkpoint(src, dst, context_length=128, force=True)
+    assert cli(["convert", str(src), str(models), "--context", "128", "--force"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-dilated convert: error: dst:") and err.count("\n") == 1
+    # The same through a symlink to the parent, and through a relative path.
+    os.symlink(models, tmp_path / "alias")
+    with pytest.raises(ValueError, match="contain it"):
+        convert_checkpoint(src, tmp_path / "alias", context_length=128, force=True)
+    os.unlink(tmp_path / "alias")
+    cwd = os.getcwd()
+    try:
+        os.chdir(src)
+        with pytest.raises(ValueError, match="contain it"):
+            convert_checkpoint(".", "..", context_length=128, force=True)
+    finally:
+        os.chdir(cwd)
+    assert _digest(tmp_path) == before
+
+
+def test_force_replaces_only_a_converted_checkpoint(source, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("not a checkpoint\n")
+    plain = _copy_of(source, tmp_path / "plain")  # a checkpoint hf-dilated did not write
+    (tmp_path / "file").write_text("a file\n")
+    before = _digest(tmp_path)
+    for dst, match in ((work, "not a checkpoint written by hf-dilated convert"),
+                       (plain, "not a checkpoint written by hf-dilated convert"),
+                       (tmp_path / "file", "not a directory")):
+        with pytest.raises(ValueError, match=match):
+            convert_checkpoint(source, dst, context_length=128, force=True)
+    assert _digest(tmp_path) == before
+    (tmp_path / "empty").mkdir()
+    assert (convert_checkpoint(source, tmp_path / "empty", context_length=128, force=True) / "config.json").is_file()
+
+
+def test_hub_cache_layout_converts_to_real_files(source, tmp_path):
+    repo, snapshot = _hub_cache(source, tmp_path / "hub")
+    assert (snapshot / "model.safetensors").is_symlink()
+    before = _digest(repo)
+    for copy in (False, True):
+        dst = convert_checkpoint(snapshot, tmp_path / f"long-{copy}", context_length=128, copy=copy)
+        for path in dst.rglob("*"):
+            assert not path.is_symlink(), path
+        weights = dst / "model.safetensors"
+        assert weights.read_bytes() == (source / "model.safetensors").read_bytes()
+        assert os.path.samefile(weights, (snapshot / "model.safetensors").resolve()) is not copy
+        assert (dst / "extra" / "notes.txt").read_text() == "kept as is\n"
+        model = AutoModelForCausalLM.from_pretrained(dst)
+        assert model.model.rotary_emb.rope_type == "linear"
+    assert _digest(repo) == before
+    # A DST holding the blobs SRC links to is refused like one holding SRC itself.
+    with pytest.raises(ValueError, match="links to"):
+        convert_checkpoint(snapshot, repo / "blobs", context_length=128, force=True)
+    assert _digest(repo) == before
+
+
+def test_a_broken_symlink_in_src_is_a_clear_error(source, tmp_path):
+    repo, snapshot = _hub_cache(source, tmp_path / "hub")
+    (snapshot / "model.safetensors").resolve().unlink()  # an interrupted download
+    with pytest.raises(FileNotFoundError, match="src: .*model.safetensors is a broken symbolic link"):
+        convert_checkpoint(snapshot, tmp_path / "long", context_length=128)
+    assert sorted(os.listdir(tmp_path)) == ["hub"]
+
+
+_CHILD = r"""
+import os, signal, sys
+from hf_dilated.convert import convert_checkpoint
+
+src, dst, when, sig = sys.argv[1:5]
+
+fired = []
+
+def hook(event, args):
+    # Stops this process once, at a chosen point of a real conversion, as `kill` would at random.
+    copying = when == "copy" and event in ("os.link", "shutil.copyfile") and ".tmp-" in str(args[1])
+    swapping = when == "swap" and event == "os.rename" and ".tmp-" in str(args[0]) and str(args[1]) == dst
+    if (copying or swapping) and not fired:
+        fired.append(event)
+        os.kill(os.getpid(), getattr(signal, sig))
+
+sys.addaudithook(hook)
+convert_checkpoint(src, dst, context_length=128, force=True)
+"""
+
+
+def _child(src, dst, when, sig):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(dst), when, sig])
+
+
+def test_a_later_run_removes_what_a_killed_run_left(source, tmp_path):
+    dst = tmp_path / "long"
+    child = _child(source, dst, "copy", "SIGKILL")
+    assert child.wait(timeout=120) == -9
+    left = os.listdir(tmp_path)
+    assert len(left) == 1 and left[0].startswith(".long.tmp-")  # what the killed run left
+    (tmp_path / left[0] / "big.bin").write_bytes(b"\0" * 1024)  # as a half-copied weight file
+    convert_checkpoint(source, dst, context_length=128)
+    assert sorted(os.listdir(tmp_path)) == ["long"]
+
+
+def test_a_run_killed_while_replacing_dst_loses_nothing(source, tmp_path):
+    dst = convert_checkpoint(source, tmp_path / "long", context_length=64)
+    child = _child(source, dst, "swap", "SIGKILL")
+    assert child.wait(timeout=120) == -9
+    assert not dst.exists()  # killed between moving the old DST aside and moving the new one in
+    # A later run, even a failing one, puts the previous DST back before anything else ...
+    with pytest.raises(ValueError, match="assumes max_position_embeddings = 4096"):
+        convert_checkpoint(source, dst, preset="llama2-7b-32k", force=True)
+    assert sorted(os.listdir(tmp_path)) == ["long"]
+    assert json.loads((dst / "config.json").read_text())["max_position_embeddings"] == 64
+    convert_checkpoint(source, dst, context_length=128, force=True)  # ... and a good one replaces it
+    assert json.loads((dst / "config.json").read_text())["max_position_embeddings"] == 128
+    assert sorted(os.listdir(tmp_path)) == ["long"]
+
+
+def test_a_concurrent_run_keeps_its_temporary_directory(source, tmp_path):
+    import signal
+
+    dst = tmp_path / "long"
+    child = _child(source, dst, "copy", "SIGSTOP")
+    try:
+        _, status = os.waitpid(child.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        theirs = [n for n in os.listdir(tmp_path) if n.startswith(".long.tmp-")]
+        assert len(theirs) == 1
+        convert_checkpoint(source, dst, context_length=64, force=True)  # cleans only dead runs' leftovers
+        assert (tmp_path / theirs[0]).is_dir()
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+    assert child.wait(timeout=120) == 0  # the other run completes: it replaced ours
+    assert json.loads((dst / "config.json").read_text())["max_position_embeddings"] == 128
+    assert sorted(os.listdir(tmp_path)) == ["long"]
+
+
+def test_dst_permissions_follow_the_umask(source, tmp_path):
+    for umask, mode in ((0o022, 0o755), (0o027, 0o750)):
+        old = os.umask(umask)
+        try:
+            dst = convert_checkpoint(source, tmp_path / f"long-{umask:o}", context_length=128)
+        finally:
+            os.umask(old)
+        assert os.stat(dst).st_mode & 0o777 == mode
+        assert os.stat(dst / "extra").st_mode & 0o777 == mode
+        assert os.stat(dst / "config.json").st_mode & 0o777 == mode & 0o666
+
+
+def _make_read_only(directory):
+    """Makes `directory` unwritable even for root (chattr +i); returns the undo, or skips."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        os.chmod(directory, 0o555)
+        undo = lambda: os.chmod(directory, 0o755)  # noqa: E731
+    elif subprocess.run(["chattr", "+i", str(directory)], capture_output=True).returncode == 0:
+        undo = lambda: subprocess.run(["chattr", "-i", str(directory)], check=True)  # noqa: E731
+    else:
+        pytest.skip("cannot make a directory read-only here (root without chattr +i)")
+    try:
+        os.mkdir(directory / "probe")
+    except PermissionError:
+        return undo
+    os.rmdir(directory / "probe")
+    undo()
+    pytest.skip("could not make a directory read-only here")
+
+
+def test_an_unwritable_parent_is_a_one_line_cli_error(source, tmp_path, capsys):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    undo = _make_read_only(parent)
+    try:
+        assert cli(["convert", str(source), str(parent / "long"), "--context", "128"]) == 2
+        assert cli(["convert", str(source), str(parent / "a" / "long"), "--context", "128"]) == 2
+    finally:
+        undo()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and all(line.startswith("hf-dilated convert: error: dst: cannot create") for line in err)
+    assert os.listdir(parent) == []
+
+
+def test_reconverting_keeps_the_rope_and_attention_it_had(source, tmp_path):
+    first = convert_checkpoint(source, tmp_path / "a", context_length=128, rope="yarn", attn_implementation="dilated_ring")
+    with pytest.warns(UserWarning) as caught:
+        second = convert_checkpoint(first, tmp_path / "b", context_length=256)
+    messages = " | ".join(str(w.message) for w in caught)
+    assert "kept the earlier conversion's 'yarn'" in messages and "'dilated_ring'" in messages
+    config = json.loads((second / "config.json").read_text())
+    assert config["attn_implementation"] == "dilated_ring"
+    assert config["rope_parameters"] == {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0,
+                                         "original_max_position_embeddings": 32}
+    assert config["hf_dilated"]["original_length"] == 32 and config["hf_dilated"]["target_length"] == 256
+    # Options still win.
+    third = convert_checkpoint(first, tmp_path / "c", context_length=256, rope="linear", attn_implementation="dilated")
+    config = json.loads((third / "config.json").read_text())
+    assert config["attn_implementation"] == "dilated" and config["rope_parameters"]["rope_type"] == "linear"
+    # An earlier `--rope none` is kept too.
+    unscaled = convert_checkpoint(source, tmp_path / "d", context_length=64, rope="none")
+    with pytest.warns(UserWarning, match="unscaled RoPE"):
+        again = convert_checkpoint(unscaled, tmp_path / "e", context_length=128)
+    config = json.loads((again / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "default" and config["max_position_embeddings"] == 128
+
+
+def test_bad_context_lengths_are_clear_errors(source, tmp_path, capsys):
+    for value, match in ((16, "shorter than the checkpoint's original context of 32 tokens"),
+                         (10**12, "above the limit of 16,777,216 tokens"),
+                         (0, "must be a positive int"), (-5, "must be a positive int")):
+        with pytest.raises(ValueError, match=match):
+            convert_checkpoint(source, tmp_path / "x", context_length=value)
+        with pytest.raises(ValueError, match=match):
+            convert_checkpoint(source, tmp_path / "x", context_length=value, preset="tiny-llama")
+        assert cli(["convert", str(source), str(tmp_path / "x"), "--context", str(value)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hf-dilated convert: error: context_length (--context)") and err.count("\n") == 1
+    converted = convert_checkpoint(source, tmp_path / "long", context_length=128)
+    with pytest.raises(ValueError, match="original context of 32 tokens"):  # the original, not the converted one
+        convert_checkpoint(converted, tmp_path / "x", context_length=16)
+    with pytest.raises(ValueError, match="--rope needs --context"):
+        convert_checkpoint(source, tmp_path / "x", rope="yarn")
+    assert sorted(os.listdir(tmp_path)) == ["long"]
+
+
+def test_odd_but_valid_options_warn_what_was_kept(source, tmp_path):
+    converted = convert_checkpoint(source, tmp_path / "long", context_length=128)
+    with pytest.warns(UserWarning, match="kept the earlier conversion's context of 128 tokens"):
+        yarn = convert_checkpoint(converted, tmp_path / "yarn", rope="yarn")  # --rope without --context
+    config = json.loads((yarn / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["max_position_embeddings"] == 128
+    native = _copy_of(source, tmp_path / "native")  # a checkpoint whose own RoPE already covers 256 tokens
+    raw = json.loads((native / "config.json").read_text())
+    raw.update(max_position_embeddings=256, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                             "original_max_position_embeddings": 32})
+    (native / "config.json").write_text(json.dumps(raw))
+    with pytest.warns(UserWarning, match="kept max_position_embeddings = 256"):
+        dst = convert_checkpoint(native, tmp_path / "native-128", context_length=128)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["max_position_embeddings"] == 256 and config["hf_dilated"]["target_length"] == 128
