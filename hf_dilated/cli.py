@@ -1,35 +1,57 @@
-"""The `hf-dilated` command. Each subcommand lives in its own module, which exposes
-`add_arguments(parser)` and `main(args) -> int`; they are imported only when used."""
+"""The `hf-dilated` command: `bench`, `convert`, `info` and `eval` subcommands.
+
+Each subcommand's parser calls `set_defaults(func=...)` with the function that runs it. The
+benchmarks' measurement code is imported only when a benchmark runs, and `hf_dilated.eval` only
+when `eval` runs (so the command works while that package is absent)."""
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 
-SUBCOMMANDS = {
-    # name: (module, one-line help)
-    "bench": ("hf_dilated.bench", "measure every attention variant against sdpa and print a report"),
-    "convert": ("hf_dilated.convert", "write a long-context copy of a checkpoint"),
-    "info": ("hf_dilated.convert", "print what a checkpoint is configured to do"),
-}
+
+def _run_eval(args, eval_argv: list[str]) -> int:
+    """Parses `eval`'s own arguments with the parser hf_dilated.eval defines, then runs it."""
+    try:
+        import hf_dilated.eval as evaluation
+    except ImportError as e:
+        print(f"hf-dilated eval: error: the evaluation package hf_dilated.eval is not available in this "
+              f"installation ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    parser = argparse.ArgumentParser(prog="hf-dilated eval", description=evaluation.__doc__)
+    evaluation.add_arguments(parser)
+    return int(evaluation.main(parser.parse_args(eval_argv)) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .bench.cli import add_subcommands as add_bench_subcommands
+    from .convert import add_convert_arguments, add_info_arguments, convert_main, info_main
+
+    parser = argparse.ArgumentParser(prog="hf-dilated", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bench = sub.add_parser("bench", help="measure the attention kernels against sdpa and write a report",
+                           description="Benchmarks; each writes report.md and results.json to --out.")
+    add_bench_subcommands(bench)
+    convert = sub.add_parser("convert", help="write a long-context copy of a checkpoint")
+    add_convert_arguments(convert)
+    convert.set_defaults(func=convert_main)
+    info = sub.add_parser("info", help="print what a checkpoint is configured to do")
+    add_info_arguments(info)
+    info.set_defaults(func=info_main)
+    # eval's arguments belong to hf_dilated.eval, imported only when it runs: its parser takes
+    # every argument after `eval` (help included), so this one must not answer --help itself.
+    evaluate = sub.add_parser("eval", help="evaluate a model (hf_dilated.eval)", add_help=False)
+    evaluate.set_defaults(func=_run_eval, takes_unparsed=True)
+    return parser
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-dilated", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
-        p.set_defaults(_module=module_name)
-        p.set_defaults(_name=name)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    # Parse the command name first, then let its module define the rest of the arguments.
-    known, _ = parser.parse_known_args(argv[:1] if argv and not argv[0].startswith("-") else argv)
-    module = importlib.import_module(known._module)
-    p = argparse.ArgumentParser(prog=f"hf-dilated {known._name}", description=SUBCOMMANDS[known._name][1])
-    getattr(module, f"add_{known._name}_arguments", getattr(module, "add_arguments", lambda _p: None))(p)
-    args = p.parse_args(argv[1:])
-    entry = getattr(module, f"{known._name}_main", None) or getattr(module, "main")
-    return int(entry(args) or 0)
+    parser = build_parser()
+    args, unparsed = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    if getattr(args, "takes_unparsed", False):
+        return args.func(args, unparsed)
+    if unparsed:
+        parser.error(f"unrecognized arguments: {' '.join(unparsed)}")
+    return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
-"""The benchmark's pair counts against a brute-force evaluation of SPEC.md's sets, and a smoke run
-of `hf-dilated bench` that checks the files it writes."""
+"""The benchmark's pair counts against a brute-force evaluation of SPEC.md's sets, its worker and
+timing rules, smoke runs of every `hf-dilated bench` subcommand that check the files they write,
+and the `hf-dilated` command's wiring."""
 import json
+import os
 import random
+import subprocess
+import sys
+import types
 
 import numpy as np
 import pytest
 import torch
 
-from hf_dilated.bench_count import (
+from hf_dilated.bench.counts import (
     dense_pair_count, dilated_pair_count, head_groups_sizes, layout_pair_count,
 )
 
@@ -100,7 +105,7 @@ def test_flex_union_mask_is_the_union_pattern():
     import torch
     from reference import dilated_key_counts
 
-    from hf_dilated.bench_worker import union_mask_mod
+    from hf_dilated.bench.variants import union_mask_mod
 
     seg, dil, heads, n = [8, 16, 32], [1, 2, 4], 5, 70
     mask_mod = union_mask_mod(seg, dil)
@@ -139,7 +144,7 @@ def expected_pairs(variant, spec):
 @pytest.mark.parametrize("variant", ["sdpa", "union", "longnet", "head_groups", "block_sparse", "ring",
                                      "dilated_ring", "auto"])
 def test_worker_runs_variant_and_counts_its_pairs(variant):
-    from hf_dilated.bench_worker import run_case
+    from hf_dilated.bench.worker import run_case
 
     result = run_case(dict(KERNEL_SPEC, variant=variant))
     assert "error" not in result and "unavailable" not in result, result
@@ -150,45 +155,61 @@ def test_worker_runs_variant_and_counts_its_pairs(variant):
         assert p["peak_extra_bytes"] >= 0 and p["inputs_bytes"] > 0
 
 
+def test_worker_reports_flash_attn_unavailable_on_cpu():
+    from hf_dilated.bench.worker import run_case
+
+    result = run_case(dict(KERNEL_SPEC, variant="flash_attn"))
+    assert "CUDA" in result["unavailable"] and result["passes"] == {}
+
+
 def test_worker_times_every_pass_before_tightening_the_allocator(monkeypatch):
     """The memory measurement's allocator settings cannot be undone, so every timed call of a case
     (forward and backward) comes before them; run_case in a caller's process never sets them."""
-    from hf_dilated import bench_worker
+    from hf_dilated.bench import probe
+    from hf_dilated.bench.worker import run_case
 
     events = []
-    time_pass = bench_worker._time_pass
-    monkeypatch.setattr(bench_worker, "_strict_allocator", lambda: events.append("strict") or True)
-    monkeypatch.setattr(bench_worker, "_time_pass", lambda *a: events.append("timed") or time_pass(*a))
+    time_calls = probe.time_calls
+    monkeypatch.setattr(probe, "strict_allocator", lambda: events.append("strict") or True)
+    monkeypatch.setattr(probe, "time_calls", lambda *a, **k: events.append("timed") or time_calls(*a, **k))
     spec = dict(KERNEL_SPEC, variant="union")
-    result = bench_worker.run_case(spec, own_process=True)
+    result = run_case(spec, own_process=True)
     assert events == ["timed", "timed", "strict"], events
     assert all(result["passes"][name]["peak_extra_bytes"] >= 0 for name in ("forward", "backward"))
     assert not any("memory_note" in p for p in result["passes"].values())
     events.clear()
-    bench_worker.run_case(spec)
+    run_case(spec)
     assert events == ["timed", "timed"], events
     # Where the settings cannot be made (not glibc), each memory figure says it is over-stated.
-    monkeypatch.setattr(bench_worker, "_strict_allocator", lambda: False)
-    result = bench_worker.run_case(spec, own_process=True)
+    monkeypatch.setattr(probe, "strict_allocator", lambda: False)
+    result = run_case(spec, own_process=True)
     assert all("over-stated" in result["passes"][name]["memory_note"] for name in ("forward", "backward"))
 
 
-@pytest.mark.slow
-def test_bench_smoke_writes_report_json_and_plots(tmp_path):
-    """`hf-dilated bench --smoke` end to end through the command's entry point (tiny shapes; each
-    case still runs in its own process)."""
+SMOKE_ALL = ["bench", "all", "--smoke", "--threads", "1", "--variants", "union",
+             "--e2e-impls", "sdpa,dilated,not_an_implementation"]
+
+
+@pytest.fixture(scope="module")
+def smoke_all(tmp_path_factory):
+    """`hf-dilated bench all --smoke` through the command's entry point (tiny shapes; each case
+    still runs in its own process): its output directory."""
     from hf_dilated.cli import main
 
-    out = tmp_path / "bench"
-    argv = ["bench", "--smoke", "--threads", "1", "--out", str(out), "--variants", "union",
-            "--e2e-impls", "sdpa,dilated,not_an_implementation"]
-    assert main(argv) == 0
+    out = tmp_path_factory.mktemp("bench") / "all"
+    assert main(SMOKE_ALL + ["--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_bench_all_smoke_writes_report_json_and_plots(smoke_all):
+    out = smoke_all
     report = json.loads((out / "results.json").read_text())
     md = (out / "report.md").read_text()
     for png in ("time_vs_length.png", "memory_vs_length.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # sdpa is always measured: every ratio is to it, in the same run.
-    rows = {(r["variant"], r["n"], r["pass"]): r for r in report["kernel_rows"]}
+    rows = {(r["variant"], r["n"], r["pass"]): r for r in report["kernels"]["rows"]}
     for variant in ("sdpa", "union"):
         for n in (128, 256):
             for pass_name in ("forward", "backward"):
@@ -199,7 +220,7 @@ def test_bench_smoke_writes_report_json_and_plots(tmp_path):
                 assert row["ratio_to_sdpa"] == pytest.approx(want)
     assert rows[("sdpa", 256, "forward")]["pairs"] == dense_pair_count(256, 8)
     assert rows[("union", 256, "forward")]["pairs"] == dilated_pair_count(256, 8, [32, 64, 128], [1, 2, 4])
-    assert {e["variant"] for e in report["exponents"]} == {"sdpa", "union"}
+    assert {e["variant"] for e in report["kernels"]["exponents"]} == {"sdpa", "union"}
     # The length search ran for each variant and pass; within a 6 MiB budget something fails.
     assert len(report["search"]) == 4
     assert any(s["first_failure"] for s in report["search"])
@@ -210,15 +231,46 @@ def test_bench_smoke_writes_report_json_and_plots(tmp_path):
     assert e2e["sdpa"]["passes"]["backward"]["median_s"] > 0
     assert e2e["dilated"]["passes"]["backward"]["median_s"] > 0
     assert "not_an_implementation" in report["e2e"]["unavailable"]
+    # --smoke leaves out the multi-process rows, and --variants without block_sparse its comparison.
+    assert "distributed" not in report and "block_sparse" not in report
     for section in ("## Kernels", "## Growth with sequence length", "## Longest sequence", "## End to end",
-                    "not_an_implementation", report["machine"]["torch"]):
+                    "not_an_implementation", report["machine"]["torch"], "Plots: time_vs_length.png"):
         assert section in md
+
+
+@pytest.mark.slow
+def test_report_is_written_without_matplotlib(smoke_all, tmp_path):
+    """Where matplotlib does not import, the report says so in one line and everything else is
+    written: a run never fails at its end for want of a plotting library."""
+    out = tmp_path / "no-plots"
+    script = (
+        "import json, sys\n"
+        "sys.modules['matplotlib'] = None  # `import matplotlib` now raises ImportError\n"
+        "from pathlib import Path\n"
+        "from hf_dilated.bench.cli import _sections\n"
+        "from hf_dilated.bench.report import write_report\n"
+        f"report = json.loads(Path({str(smoke_all / 'results.json')!r}).read_text())\n"
+        "sections = [(key, md) for key, (_, md) in _sections().items()]\n"
+        f"text, files = write_report(report, Path({str(out)!r}), sections)\n"
+        "print(json.dumps([str(f) for f in files]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    files = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(os.path.basename(f) for f in files) == ["report.md", "results.json"]
+    assert not list(out.glob("*.png"))
+    md = (out / "report.md").read_text()
+    notes = [line for line in md.splitlines() if "matplotlib" in line]
+    assert len(notes) == 1 and notes[0].startswith("No plots: matplotlib is not installed"), notes
+    assert md.replace(notes[0], "") == (smoke_all / "report.md").read_text().replace(
+        "Plots: time_vs_length.png, memory_vs_length.png", "")
+    assert json.loads((out / "results.json").read_text()) == json.loads((smoke_all / "results.json").read_text())
 
 
 def test_block_sparse_bench_interleaves_variants_and_reports_failures():
     """Each round times every variant once, in turn (a slow spell of the machine then falls on all
     of them), after one warm-up call each; a variant that raises is reported, not timed."""
-    from hf_dilated.bench_block_sparse import _time_interleaved
+    from hf_dilated.bench.probe import time_interleaved
 
     calls, logged = [], []
 
@@ -233,7 +285,7 @@ def test_block_sparse_bench_interleaves_variants_and_reports_failures():
 
     fns = [("a", lambda: calls.append("a")), ("broken", broken), ("late", fails_when_timed),
            ("b", lambda: calls.append("b"))]
-    times = _time_interleaved(fns, repeats=2, log=logged.append)
+    times = time_interleaved(fns, repeats=2, log=logged.append)
     assert calls == ["a", "broken", "late", "b", "a", "late", "b", "a", "b"]
     assert times[1] is None and times[2] is None and len(times[0]) == len(times[3]) == 2
     assert all(t >= 0 for t in times[0] + times[3])
@@ -241,12 +293,12 @@ def test_block_sparse_bench_interleaves_variants_and_reports_failures():
 
 
 def test_block_sparse_bench_rows_count_pairs_and_compare_to_sdpa():
-    """A small run of the block-sparse benchmark: the useful pairs are the layout's exact count and
-    every ratio is to sdpa measured in the same run."""
-    from hf_dilated.bench_block_sparse import run_block_sparse_bench
+    """A small run of the block-sparse benchmark: the useful pairs are the layout's exact count,
+    every ratio is to sdpa measured in the same run, and each row has its memory figure."""
+    from hf_dilated.bench.block_sparse import compare_block_sparse
 
-    rows = run_block_sparse_bench(n=1024, heads=2, head_dim=16, block_size=64, global_blocks=1, window=2,
-                                  repeats=2, flex=False, backward=True, log=lambda *_: None)
+    rows = compare_block_sparse(n=1024, heads=2, head_dim=16, block_size=64, global_blocks=1, window=2,
+                                repeats=2, flex=False, log=lambda *_: None)
     by = {(r["variant"], r["mode"]): r for r in rows}
     assert set(by) == {(v, m) for v in ("sdpa (dense causal)", "block_sparse") for m in ("forward", "forward+backward")}
     assert by[("sdpa (dense causal)", "forward")]["useful_pairs"] == dense_pair_count(1024, 2)
@@ -256,7 +308,135 @@ def test_block_sparse_bench_rows_count_pairs_and_compare_to_sdpa():
     assert sparse["useful_pairs"] == layout_pair_count(1024, 64, layout[0]) * 2 < dense_pair_count(1024, 2)
     for (variant, mode), row in by.items():
         assert row["runs"] == 2 and row["min"] <= row["seconds"] <= row["max"]
+        assert row["peak_extra_bytes"] >= 0 and row["memory_note"] is None
         base = by[("sdpa (dense causal)", mode)]
         assert row["vs_sdpa"] == pytest.approx(row["pairs_per_s"] / base["pairs_per_s"])
         best_rate = lambda r: r["useful_pairs"] / r["min"]  # noqa: E731
         assert row["vs_sdpa_best"] == pytest.approx(best_rate(row) / best_rate(base))
+
+
+# --- the `hf-dilated` command: every bench subcommand, parsed and run for real in smoke mode ---
+
+def _run_bench(tmp_path, *argv):
+    from hf_dilated.cli import main
+
+    out = tmp_path / "out"
+    assert main(["bench", *argv, "--smoke", "--threads", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["command"] == f"bench {argv[0]}" and report["settings"]["profile"] == "smoke"
+    return report, (out / "report.md").read_text()
+
+
+def _sections_in(report):
+    return {key for key in ("kernels", "search", "million", "block_sparse", "decode", "e2e", "distributed")
+            if key in report}
+
+
+@pytest.mark.slow
+def test_cli_bench_kernels(tmp_path):
+    report, md = _run_bench(tmp_path, "kernels", "--variants", "union", "--lengths", "128", "--no-search")
+    assert _sections_in(report) == {"kernels"}
+    rows = {(r["variant"], r["pass"]): r for r in report["kernels"]["rows"]}
+    assert set(rows) == {(v, p) for v in ("sdpa", "union") for p in ("forward", "backward")}
+    assert all(r["median_s"] > 0 for r in rows.values())
+    assert "## Kernels" in md and "## End to end" not in md
+
+
+@pytest.mark.slow
+def test_cli_bench_block_sparse(tmp_path):
+    report, md = _run_bench(tmp_path, "block-sparse", "--lengths", "512", "--heads", "2", "--head-dim", "16",
+                            "--block-size", "64", "--block-pattern",
+                            '{"type": "global_local", "global_blocks": 1, "window": 2}')
+    assert _sections_in(report) == {"block_sparse"}
+    rows = {(r["variant"], r["mode"]): r for r in report["block_sparse"]["rows"]}
+    assert set(rows) == {(v, m) for v in ("sdpa (dense causal)", "block_sparse") for m in ("forward", "forward+backward")}
+    sparse = rows[("block_sparse", "forward")]
+    assert sparse["n"] == 512 and sparse["useful_pairs"] < rows[("sdpa (dense causal)", "forward")]["useful_pairs"]
+    assert all(r["runs"] == 2 and r["peak_extra_bytes"] >= 0 for r in rows.values())
+    assert "FlexAttention left out" in md  # --smoke leaves compiled FlexAttention out, and says so
+
+
+@pytest.mark.slow
+def test_cli_bench_decode(tmp_path):
+    report, md = _run_bench(tmp_path, "decode", "--heads", "4", "--kv-heads", "2", "--head-dim", "16")
+    assert _sections_in(report) == {"decode"}
+    results = report["decode"]["results"]
+    assert [r["spec"]["n"] for r in results] == [256, 1024]  # the smoke profile's contexts
+    for r in results:
+        assert r["spec"]["heads"] == 4 and r["spec"]["original"] == 64
+        assert r["segment_lengths"][0] == 64 and r["segment_lengths"][-1] >= r["spec"]["n"]
+        for name in ("sdpa", "dilated"):
+            p = r["passes"][name]
+            assert len(p["times_s"]) == 2 and p["median_s"] > 0 and p["peak_extra_bytes"] >= 0, p
+    assert "## Decode" in md
+
+
+@pytest.mark.slow
+def test_cli_bench_distributed(tmp_path):
+    report, md = _run_bench(tmp_path, "distributed", "--heads", "2", "--head-dim", "16")
+    assert _sections_in(report) == {"distributed"}
+    rows = {(r["kernel"], r["processes"]): r for r in report["distributed"]["rows"]}
+    assert set(rows) == {(k, p) for k in ("ring", "dilated_ring") for p in (1, 2)}
+    for (kernel, processes), r in rows.items():
+        assert "error" not in r, r
+        assert r["time_s"] > 0 and r["peak_extra_bytes"] >= 0
+        assert (r["sent_bytes"] > 0) == (processes > 1), r  # one process exchanges nothing
+    assert report["distributed"]["config"]["n"] == 256
+    assert "## Multi-process" in md
+
+
+@pytest.mark.slow
+def test_cli_bench_e2e(tmp_path):
+    report, md = _run_bench(tmp_path, "e2e", "--e2e-impls", "sdpa")
+    assert _sections_in(report) == {"e2e"}
+    (row,) = report["e2e"]["rows"]
+    assert row["spec"]["attn_implementation"] == "sdpa" and row["spec"]["n"] == 128
+    assert row["passes"]["backward"]["median_s"] > 0
+    assert "## End to end" in md
+
+
+def test_cli_bench_refuses_unknown_settings(capsys):
+    from hf_dilated.cli import main
+
+    assert main(["bench", "kernels", "--variants", "union,not_a_variant"]) == 2
+    assert "not_a_variant" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "kernels", "--no-such-option"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):  # a benchmark must be named
+        main(["bench"])
+
+
+def test_cli_eval_is_imported_when_run(monkeypatch, capsys):
+    """`hf-dilated eval` hands its arguments to hf_dilated.eval's own parser, and says clearly when
+    that package is missing."""
+    import hf_dilated
+    from hf_dilated.cli import main
+
+    monkeypatch.setitem(sys.modules, "hf_dilated.eval", None)  # `import hf_dilated.eval` now fails
+    monkeypatch.delattr(hf_dilated, "eval", raising=False)
+    assert main(["eval", "--help"]) == 2
+    assert "hf_dilated.eval is not available" in capsys.readouterr().err
+
+    seen = []
+    stand_in = types.ModuleType("hf_dilated.eval", "stand-in for the evaluation package")
+    stand_in.add_arguments = lambda parser: parser.add_argument("--samples", type=int, required=True)
+    stand_in.main = lambda args: seen.append(args.samples) or 7
+    monkeypatch.setitem(sys.modules, "hf_dilated.eval", stand_in)
+    monkeypatch.setattr(hf_dilated, "eval", stand_in, raising=False)
+    assert main(["eval", "--samples", "3"]) == 7 and seen == [3]
+    with pytest.raises(SystemExit):
+        main(["eval"])  # --samples is required by eval's own parser
+
+
+def test_cli_imports_no_benchmark_code_to_parse():
+    """Building and using the parser (here for `info`) imports the bench argument definitions only:
+    no measurement module, and not hf_dilated.eval."""
+    script = ("import sys\n"
+              "from hf_dilated.cli import build_parser\n"
+              "args = build_parser().parse_args(['info', 'some/dir'])\n"
+              "assert args.dir == 'some/dir'\n"
+              "print(sorted(m for m in sys.modules if m.startswith(('hf_dilated.bench', 'hf_dilated.eval'))))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "['hf_dilated.bench', 'hf_dilated.bench.cli']"

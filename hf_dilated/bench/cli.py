@@ -1,0 +1,255 @@
+"""`hf-dilated bench SUBCOMMAND` (or `python -m hf_dilated.bench SUBCOMMAND`): the argument
+definitions, the settings they resolve to, and the driver that runs the chosen sections and writes
+the report. This module imports nothing heavy at load time; the measurement modules are imported
+when a benchmark runs.
+
+    hf-dilated bench kernels        every attention variant against sdpa (+ --search, --million)
+    hf-dilated bench block-sparse   block-sparse against sdpa and FlexAttention with the same mask
+    hf-dilated bench decode         one token against a KV cache of N tokens, dilated vs sdpa
+    hf-dilated bench distributed    ring / dilated_ring over 1, 2, ... gloo processes
+    hf-dilated bench e2e            a tiny Llama's training step with each attn_implementation
+    hf-dilated bench all            kernels, length search, block-sparse, e2e and distributed in one report
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+FLEX = ("flex", "flex_union")
+FLEX_SKIP_REASON = "FlexAttention compiles for ~30 s per shape on CPU; --flex (or naming it in --variants) includes it"
+# Values the options take unless given, per profile. "quick" stays within a few minutes on 2 CPU
+# cores; "smoke" is for the test suite (tiny everything, every section exercised).
+PROFILES = {
+    "full": dict(
+        lengths=[4096, 8192, 16384, 32768], dtypes=["float32", "bfloat16"], warmup=1, repeats=3,
+        segment_lengths=[2048, 4096, 8192, 16384, 32768], dilation_rates=[1, 2, 4, 8, 16], search=True,
+        budget_gib=4.0, search_start=4096, search_max=1 << 21, search_timeout=120.0, bisect_steps=3,
+        e2e_lengths=[4096, 16384], case_timeout=1800.0, flex=True, distributed=True, processes=[1, 2],
+        contexts=[8192, 32768, 131072], original=4096,
+    ),
+    "quick": dict(
+        lengths=[1024, 4096], dtypes=["float32"], warmup=1, repeats=3,
+        segment_lengths=[256, 512, 1024, 2048, 4096], dilation_rates=[1, 2, 4, 8, 16], search=False,
+        budget_gib=0.25, search_start=2048, search_max=1 << 16, search_timeout=20.0, bisect_steps=0,
+        e2e_lengths=[1024], case_timeout=120.0, flex=False, distributed=False, processes=[1, 2],
+        contexts=[4096, 16384], original=1024,
+    ),
+    "smoke": dict(
+        lengths=[128, 256], dtypes=["float32"], warmup=0, repeats=2,
+        segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4], search=True, budget_gib=6 / 1024,
+        search_start=256, search_max=1024, search_timeout=30.0, bisect_steps=1,
+        e2e_lengths=[128], case_timeout=120.0, flex=False, distributed=False, processes=[1, 2],
+        contexts=[256, 1024], original=64,
+    ),
+}
+# Values no profile changes.
+DEFAULTS = dict(out="bench-results", device=None, threads=None, batch=1, heads=8, kv_heads=None, head_dim=64,
+                block_size=256, block_pattern=None, variants=None, million=False, e2e=True, e2e_impls=None,
+                distributed_length=None)
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+
+def _names(text: str) -> list[str]:
+    return [x for x in text.replace(" ", "").split(",") if x]
+
+
+def _group(build) -> argparse.ArgumentParser:
+    """A parent parser whose options are absent from the namespace unless given, so that one place
+    (PROFILES, DEFAULTS, a subcommand's set_defaults) gives every default."""
+    p = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    build(p)
+    return p
+
+
+def _common(p):
+    profile = p.add_mutually_exclusive_group()
+    profile.add_argument("--quick", action="store_true", help="small sizes, float32, no length search")
+    profile.add_argument("--smoke", action="store_true", help="tiny sizes through every section (for the tests)")
+    p.add_argument("--out", help=f"output directory (default: {DEFAULTS['out']})")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--threads", type=int, help="torch threads per case (default: torch's)")
+    p.add_argument("--dtypes", type=_names, help="float32, bfloat16, float16 (comma separated)")
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--repeats", type=int, help="timed runs (rounds, where variants are interleaved)")
+    p.add_argument("--case-timeout", type=float, help="seconds before a case is abandoned")
+
+
+def _shape(p):
+    p.add_argument("--lengths", type=_ints, help="sequence lengths, comma separated")
+    p.add_argument("--heads", type=int, help=f"query heads (default: {DEFAULTS['heads']})")
+    p.add_argument("--kv-heads", type=int, help="default: --heads")
+    p.add_argument("--head-dim", type=int, help=f"default: {DEFAULTS['head_dim']}")
+
+
+def _pattern(p):
+    p.add_argument("--segment-lengths", type=_ints)
+    p.add_argument("--dilation-rates", type=_ints)
+    p.add_argument("--block-size", type=int, help=f"default: {DEFAULTS['block_size']}")
+    p.add_argument("--block-pattern", type=json.loads,
+                   help='block-sparse pattern as JSON (default: {"type": "global_local", "global_blocks": 1, "window": 5})')
+    p.add_argument("--flex", action=argparse.BooleanOptionalAction,
+                   help="include compiled FlexAttention (default: on, off with --quick/--smoke)")
+
+
+def _kernels(p):
+    p.add_argument("--variants", type=_names, help="kernel variants, comma separated (default: all; sdpa always runs)")
+    p.add_argument("--batch", type=int, help=f"default: {DEFAULTS['batch']}")
+    p.add_argument("--search", action=argparse.BooleanOptionalAction,
+                   help="find the longest sequence within --budget-gib (default: on, off with --quick)")
+    p.add_argument("--budget-gib", type=float, help="memory budget of the length search (inputs included)")
+    p.add_argument("--search-start", type=int)
+    p.add_argument("--search-max", type=int)
+    p.add_argument("--search-timeout", type=float, help="seconds per attempt of the length search")
+    p.add_argument("--bisect-steps", type=int)
+    p.add_argument("--million", action="store_true",
+                   help="also run issue 2's memory check: a float32 forward at 1,048,576 tokens per dilated mode")
+
+
+def _distributed(p):
+    p.add_argument("--processes", type=_ints, help="process counts (default: 1,2)")
+    p.add_argument("--distributed-length", type=int,
+                   help="global sequence length (default: the longest of --lengths up to 8192)")
+
+
+def _e2e(p):
+    p.add_argument("--e2e-lengths", type=_ints)
+    p.add_argument("--e2e-impls", type=_names, help="attn_implementations (default: sdpa + all hf_dilated registers)")
+
+
+def _decode(p):
+    p.add_argument("--contexts", type=_ints, help="KV cache lengths N, comma separated")
+    p.add_argument("--original", type=int, help="pretrained context of the DilatedConfig.default")
+    p.add_argument("--heads", type=int, help="query heads (default: 32)")
+    p.add_argument("--kv-heads", type=int, help="default: 8")
+    p.add_argument("--head-dim", type=int, help="default: 128")
+
+
+def _all(p):
+    p.add_argument("--e2e", action=argparse.BooleanOptionalAction, help="tiny-Llama rows (default: on)")
+    p.add_argument("--distributed", action=argparse.BooleanOptionalAction,
+                   help="multi-process rows (default: on, off with --quick/--smoke)")
+
+
+def _kernel_sections(s):
+    return ["kernels"] + ["search"] * s["search"] + ["million"] * s["million"]
+
+
+def _all_sections(s):
+    return (_kernel_sections(s) + ["block_sparse"] * ("block_sparse" in s["variants"]) + ["e2e"] * s["e2e"]
+            + ["distributed"] * s["distributed"])
+
+
+# name: (help, option groups, sections to run, subcommand defaults)
+SUBCOMMANDS = {
+    "kernels": ("every attention variant against sdpa: time, useful pairs/s, memory",
+                (_common, _shape, _pattern, _kernels), _kernel_sections, {}),
+    "block-sparse": ("block-sparse against sdpa and FlexAttention with the same mask, interleaved rounds",
+                     (_common, _shape, _pattern), lambda s: ["block_sparse"], {}),
+    "decode": ("one new token against a KV cache of N tokens, dilated vs sdpa",
+               (_common, _decode), lambda s: ["decode"], dict(heads=32, kv_heads=8, head_dim=128)),
+    "distributed": ("ring / dilated_ring over gloo processes: time, memory, bytes sent per rank",
+                    (_common, _shape, _pattern, _distributed), lambda s: ["distributed"], {}),
+    "e2e": ("a tiny Llama's forward + backward with each attn_implementation",
+            (_common, _shape, _pattern, _e2e), lambda s: ["e2e"], {}),
+    "all": ("the full report: kernels, length search, block-sparse, end to end, distributed",
+            (_common, _shape, _pattern, _kernels, _distributed, _e2e, _all), _all_sections, {}),
+}
+
+
+def add_subcommands(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    for name, (help_text, groups, sections, defaults) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           parents=[_group(build) for build in groups])
+        p.set_defaults(func=run, sections=sections, **defaults)
+
+
+def resolve_settings(args) -> dict:
+    """Every setting of the run: the profile's values and the defaults, overridden by the options
+    given. Raises ValueError for a value no benchmark can use."""
+    import torch
+
+    from ..ops.validate import check_dilated_config
+    from .variants import KERNEL_VARIANTS
+
+    given = {k: v for k, v in vars(args).items() if k in DEFAULTS or k in PROFILES["full"]}
+    profile = "smoke" if getattr(args, "smoke", False) else "quick" if getattr(args, "quick", False) else "full"
+    s = {**DEFAULTS, **PROFILES[profile], **given, "profile": profile}
+    s["device"] = s["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+    s["kv_heads"] = s["kv_heads"] or s["heads"]
+    s["block_pattern"] = s["block_pattern"] or {"type": "global_local", "global_blocks": 1, "window": 5}
+    named = s["variants"] or []
+    unknown = sorted(set(named) - set(KERNEL_VARIANTS))
+    if unknown:
+        raise ValueError(f"--variants: unknown {unknown}; choose among {', '.join(KERNEL_VARIANTS)}")
+    s["skipped_variants"] = [] if named or s["flex"] else list(FLEX)
+    s["flex"] = s["flex"] or "flex" in named
+    s["skip_reason"] = FLEX_SKIP_REASON
+    s["variants"] = named or [v for v in KERNEL_VARIANTS if v not in s["skipped_variants"]]
+    if "sdpa" not in s["variants"]:
+        s["variants"] = ["sdpa"] + s["variants"]  # every ratio is to sdpa measured in this run
+    bad = sorted(set(s["dtypes"]) - set(DTYPE_NAMES))
+    if bad:
+        raise ValueError(f"--dtypes: unknown {bad}; choose among {', '.join(DTYPE_NAMES)}")
+    if any(n <= 0 for n in s["lengths"] + s["contexts"] + s["processes"]):
+        raise ValueError("--lengths, --contexts and --processes must be positive")
+    check_dilated_config(s["segment_lengths"], s["dilation_rates"], "union")
+    return s
+
+
+def _sections():
+    """Report key -> (run(settings, runner, report so far), markdown(section, settings)), in report order."""
+    from . import block_sparse, decode, distributed, e2e, kernels, search
+
+    return {
+        "kernels": (kernels.run_section, kernels.markdown_section),
+        "search": (search.run_section, search.markdown_section),
+        "million": (kernels.run_million, kernels.markdown_million),
+        "block_sparse": (block_sparse.run_section, block_sparse.markdown_section),
+        "decode": (decode.run_section, decode.markdown_section),
+        "e2e": (e2e.run_section, e2e.markdown_section),
+        "distributed": (distributed.run_section, distributed.markdown_section),
+    }
+
+
+def run(args) -> int:
+    """Runs the subcommand's sections and writes the report; 2 for settings no benchmark can use."""
+    start = time.perf_counter()
+    try:
+        s = resolve_settings(args)
+    except (TypeError, ValueError) as e:
+        print(f"hf-dilated bench {args.bench_command}: error: {e}", file=sys.stderr)
+        return 2
+    from .report import machine_info, say, write_report
+    from .worker import CaseRunner
+
+    sections, runner = _sections(), CaseRunner()
+    report = {"command": f"bench {args.bench_command}", "settings": s, "machine": machine_info(s["device"], s["threads"])}
+    m = report["machine"]
+    say(f"hf-dilated bench {args.bench_command} ({s['profile']}): {m['cpu']}, torch {m['torch']}, "
+        f"{m['torch_threads']} threads, device {s['device']}, dtypes {s['dtypes']}")
+    markdown = [(key, md) for key, (_, md) in sections.items()]
+    for key in args.sections(s):
+        say(f"{key}:")
+        report[key] = sections[key][0](s, runner, report)
+        # Written after every section, so that a run stopped later keeps what it measured.
+        write_report(report, Path(s["out"]), markdown, plots=False)
+    report["elapsed_s"] = time.perf_counter() - start
+    text, files = write_report(report, Path(s["out"]), markdown)
+    print(text)
+    say(f"wrote {', '.join(map(str, files))} in {report['elapsed_s']:.0f} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hf_dilated.bench", description=__doc__.splitlines()[0])
+    add_subcommands(parser)
+    args = parser.parse_args(argv)
+    return args.func(args)

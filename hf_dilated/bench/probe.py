@@ -1,0 +1,187 @@
+"""Time and memory measurement, the one implementation every benchmark uses (kernels, block-sparse,
+decode, distributed, end to end).
+
+Time: calls run under glibc's default allocator settings, as in any user's process (after the
+warm-up, blocks up to 32 MiB are reused from the heap instead of being mapped afresh, and
+page-faulted, on every call). On CUDA every timed call is bracketed by synchronisations.
+
+Memory: one more call per measured step, after *all* the timed calls of the process (the
+allocator settings below cannot be undone). On CPU glibc is told (mallopt) to hand every block
+over 64 KiB back to the OS when it is freed, the retained heap is trimmed, and the resident
+high-water mark is reset (/proc/self/clear_refs) right before the call, so the figure is the peak
+of that call alone beyond a baseline of the inputs. Measuring memory under those settings during
+the timed calls would add a fresh mapping and its page faults to every allocation, which slows
+kernels that allocate many temporaries and is no user's setting. On CUDA:
+torch.cuda.max_memory_allocated beyond the allocation at the baseline. The settings are only made
+in a process that exists for its case alone (`own_process`), never in a caller's.
+"""
+from __future__ import annotations
+
+import gc
+import resource
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+# Errors a measured call may raise that are reported as that measurement's outcome.
+CALL_ERRORS = (RuntimeError, MemoryError, NotImplementedError)
+NOT_GLIBC_NOTE = "allocator settings unavailable (not glibc): freed heap stays resident, the peak is over-stated"
+
+
+def error_text(e: BaseException) -> str:
+    """One line for a report: the exception's type and the first line of its message."""
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(step: Callable[[], object], device: torch.device, warmup: int, repeats: int,
+               before: Callable[[], object] | None = None) -> dict:
+    """`warmup` untimed calls, then `repeats` (at least 1) timed ones; `before` runs untimed ahead
+    of each timed call (a barrier of a process group)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(max(1, repeats)):
+        if before is not None:
+            before()
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return {"times_s": times, "median_s": statistics.median(times)}
+
+
+def time_interleaved(fns, repeats: int, warmup: int = 1, log=print,
+                     device: torch.device | None = None) -> list[list[float] | None]:
+    """Times every (name, fn) once per round, in turn, for `repeats` rounds after `warmup` calls each.
+
+    Interleaving makes a slow spell of a busy machine fall on every variant alike, so the ratios
+    between them stay meaningful; timing one variant after another lets it skew just one of them.
+    A function that raises, in its warm-up or in any round, is logged and left out (None)."""
+    times: list[list[float] | None] = [[] for _ in fns]
+    for rnd in range(-warmup, repeats):  # negative rounds: warm-up, not timed
+        for i, (name, fn) in enumerate(fns):
+            if times[i] is None:
+                continue
+            try:
+                if device is not None:
+                    sync(device)
+                start = time.perf_counter()
+                fn()
+                if device is not None:
+                    sync(device)
+                if rnd >= 0:
+                    times[i].append(time.perf_counter() - start)
+            except Exception as exc:  # noqa: BLE001 - any failure drops this variant, not the run
+                log(f"{name} failed: {type(exc).__name__}: {exc}")
+                times[i] = None
+    return times
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class MemoryProbe:
+    """Peak memory beyond a baseline taken at `start()`, on the device the case runs on."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.can_reset = False
+        self.baseline = 0
+
+    def current(self) -> int:
+        if self.cuda:
+            return torch.cuda.memory_allocated()
+        rss = _status_bytes("VmRSS")
+        return rss if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def start(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # reset the resident high-water mark (Linux >= 4.0)
+                self.can_reset = True
+            except OSError:
+                self.can_reset = False
+        self.baseline = self.current()
+
+    def peak_extra(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.baseline
+        hwm = _status_bytes("VmHWM") if self.can_reset else None
+        if hwm is None:  # no resettable high-water mark: the process-lifetime peak (an upper bound)
+            hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return max(0, hwm - self.baseline)
+
+
+def strict_allocator() -> bool:
+    """glibc: map every block over 64 KiB on its own and unmap it when freed, and give the retained
+    heap back, so the resident set follows the live allocations (for the memory measurement).
+    Returns whether the settings took (False where the C library is not glibc)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+        libc.mallopt(m_mmap_threshold, 64 * 1024)
+        libc.mallopt(m_trim_threshold, 128 * 1024)
+        gc.collect()
+        libc.malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def measure_memory(steps: dict, results: dict, device: torch.device, own_process: bool,
+                   errors: tuple = CALL_ERRORS) -> None:
+    """Peak memory of one more call of each step, stored as results[name]["peak_extra_bytes"]
+    (or results[name] = {"error": ...}). Call it after every timed call of the process; the strict
+    allocator is set only in a process of the case's own (`own_process`)."""
+    note = None
+    if device.type == "cpu" and steps and own_process and not strict_allocator():
+        note = NOT_GLIBC_NOTE
+    probe = MemoryProbe(device)
+    for name, step in steps.items():
+        try:
+            probe.start()
+            step()
+            results[name]["peak_extra_bytes"] = probe.peak_extra()
+            if note:
+                results[name]["memory_note"] = note
+        except errors as e:
+            results[name] = {"error": error_text(e)}
+        gc.collect()
+
+
+def limit_memory(budget_bytes: int | None, device: torch.device) -> None:
+    """Make allocations beyond the budget fail (CPU: RLIMIT_DATA over the current data size)."""
+    if not budget_bytes:
+        return
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (budget_bytes + torch.cuda.memory_allocated()) / total))
+        return
+    data = _status_bytes("VmData")
+    if data is not None:
+        resource.setrlimit(resource.RLIMIT_DATA, (data + budget_bytes, resource.RLIM_INFINITY))
