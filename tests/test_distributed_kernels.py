@@ -19,7 +19,7 @@ LOW_TOL = 2e-2  # bfloat16
 
 
 def make_case(kernel, *, seed, batch=2, q_heads=4, kv_heads=2, seq_len=32, head_dim=8, layout="zigzag",
-              padding=False, packed=False, dtype=torch.float32, **kwargs):
+              padding=False, packed=False, holes=False, offset=0, dtype=torch.float32, **kwargs):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, q_heads, seq_len, head_dim, generator=g).to(dtype)
     k = torch.randn(batch, kv_heads, seq_len, head_dim, generator=g).to(dtype)
@@ -34,6 +34,12 @@ def make_case(kernel, *, seed, batch=2, q_heads=4, kv_heads=2, seq_len=32, head_
         pos = torch.cat([torch.arange(7), torch.arange(13), torch.arange(seq_len - 20)]).expand(batch, seq_len)
         pos = pos.clone()
         pos[1] = torch.cat([torch.arange(11), torch.arange(seq_len - 11)])
+    if holes:  # padding inside the sequence, so inside one rank's shard
+        mask = torch.ones(batch, seq_len, dtype=torch.long) if mask is None else mask
+        mask[:, 9] = 0
+        mask[-1, 17:19] = 0
+    if offset:  # positions that do not start at 0 (SPEC: ring is dense whatever the positions)
+        pos = (torch.arange(seq_len).expand(batch, seq_len) if pos is None else pos) + offset
     return dict(kernel=kernel, q=q, k=k, v=v, dout=dout, attention_mask=mask, position_ids=pos,
                 layout=layout, kwargs=kwargs)
 
@@ -58,11 +64,12 @@ def reference_result(case):
 def single_process_result(case):
     """The single-process kernel on the whole sequence, float32: what the ranks must reproduce."""
     from hf_dilated.ops import dilated_attention
+    from hf_dilated.ops.dense import dense_attention
 
     q, k, v = (case[n].clone().requires_grad_() for n in ("q", "k", "v"))
     kw = dict(attention_mask=case["attention_mask"], position_ids=case["position_ids"])
     if case["kernel"] == "ring":
-        out = dilated_attention(q, k, v, [k.shape[2]], [1], **kw)
+        out = dense_attention(q, k, v, **kw)
     elif case["kernel"] == "dilated_ring":
         a = case["kwargs"]
         out = dilated_attention(q, k, v, a["segment_lengths"], a["dilation_rates"], mode=a.get("mode", "union"), **kw)
@@ -186,6 +193,9 @@ RING_CASES = [
     make_case("ring", seed=4, packed=True, padding=True),
     make_case("ring", seed=5, seq_len=30),  # not a multiple of 2P: padded at the end
     make_case("ring", seed=6, packed=True, dtype=torch.bfloat16),
+    make_case("ring", seed=7, offset=100),
+    make_case("ring", seed=8, offset=45, packed=True, holes=True, layout="contiguous"),
+    make_case("ring", seed=9, holes=True, padding=True),
 ]
 
 
@@ -213,6 +223,23 @@ BLOCK_CASES = [
 ]
 
 
+@pytest.mark.parametrize("offset", (0, 17, 100, 1000))
+def test_ring_on_one_process_is_dense_whatever_the_positions(offset):
+    """With no group, ring_attention is exact dense causal attention: it used to cut segments at
+    multiples of kv_len in position space, so positions 100..131 split the sequence at 128."""
+    from hf_dilated.distributed import ring_attention
+
+    for case in (make_case("ring", seed=30, offset=offset), make_case("ring", seed=31, offset=offset, holes=True,
+                                                                        packed=True)):
+        q, k, v = (case[n].clone().requires_grad_() for n in ("q", "k", "v"))
+        out = ring_attention(q, k, v, attention_mask=case["attention_mask"], position_ids=case["position_ids"])
+        w = query_weights(case)
+        (out * case["dout"] * w).sum().backward()
+        want_out, *want_grads = reference_result(case)
+        for a, b in zip((out.detach() * w, q.grad, k.grad, v.grad), (want_out * w, *want_grads)):
+            assert (a.double() - b).abs().max() < TOL
+
+
 def test_kernels_two_ranks():
     runs = [(2, [RING_CASES + DILATED_CASES + BLOCK_CASES])]
     check(launch(run_cases, 2, runs), runs)
@@ -220,7 +247,7 @@ def test_kernels_two_ranks():
 
 def test_kernels_four_ranks_and_dp_sp_grid():
     # One ring of four ranks, then 2 data-parallel x 2 sequence-parallel groups with different data.
-    four = [RING_CASES[0], RING_CASES[4], RING_CASES[5], DILATED_CASES[1], DILATED_CASES[4], BLOCK_CASES[1],
+    four = [RING_CASES[0], RING_CASES[4], RING_CASES[5], RING_CASES[7], RING_CASES[8], DILATED_CASES[1], DILATED_CASES[4], BLOCK_CASES[1],
             BLOCK_CASES[3]]
     runs = [(4, [four]), (2, [[RING_CASES[2], DILATED_CASES[0]], [RING_CASES[3], DILATED_CASES[2]]])]
     check(launch(run_cases, 4, runs), runs)

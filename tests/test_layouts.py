@@ -241,3 +241,26 @@ def test_beyond_the_first_segment_matches_the_reference(checkpoint_dirs, name, l
     for query, key, value, scaling, out in calls:
         want = _reference(name, query, key, value, scaling, mask, positions).transpose(1, 2)
         _compare(out.double(), want, mask)
+
+
+@pytest.mark.parametrize("name", ("dilated", "ring"))
+@pytest.mark.parametrize("layout", ("packed_no_mask", "holes", "no_padding"))
+def test_every_layer_after_the_first_reuses_the_plan(checkpoint_dirs, monkeypatch, name, layout):
+    """The kernel's plan cache is keyed by the identity of the mask and position tensors; the glue
+    hands every layer the same derived tensors (it used to expand position_ids anew per layer, so
+    packed inputs rebuilt the plan in every layer)."""
+    import hf_dilated.ops.dilated as dilated_module
+
+    builds, plan = [], dilated_module.plan_levels
+
+    def counting(*args, **kwargs):
+        builds.append(1)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(dilated_module, "plan_levels", counting)
+    kwargs, _ = FORWARD_LAYOUTS[layout]()
+    m = model(checkpoint_dirs, "llama", name)
+    with torch.no_grad():
+        m(**kwargs)
+    layers = m.config.num_hidden_layers
+    assert layers > 1 and len(builds) <= 1
