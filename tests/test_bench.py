@@ -400,6 +400,8 @@ def test_cli_bench_refuses_unknown_settings(capsys):
 
     assert main(["bench", "kernels", "--variants", "union,not_a_variant"]) == 2
     assert "not_a_variant" in capsys.readouterr().err
+    assert main(["bench", "decode", "--threads", "0"]) == 2
+    assert "--threads must be positive" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["bench", "kernels", "--no-such-option"])
     assert exc.value.code == 2

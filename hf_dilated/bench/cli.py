@@ -198,8 +198,9 @@ def resolve_settings(args) -> dict:
     bad = sorted(set(s["dtypes"]) - set(DTYPE_NAMES))
     if bad:
         raise ValueError(f"--dtypes: unknown {bad}; choose among {', '.join(DTYPE_NAMES)}")
-    if any(n <= 0 for n in s["lengths"] + s["contexts"] + s["processes"]):
-        raise ValueError("--lengths, --contexts and --processes must be positive")
+    counts = s["lengths"] + s["contexts"] + s["processes"] + ([] if s["threads"] is None else [s["threads"]])
+    if any(n <= 0 for n in counts):
+        raise ValueError("--lengths, --contexts, --processes and --threads must be positive")
     check_dilated_config(s["segment_lengths"], s["dilation_rates"], "union")
     return s
 
