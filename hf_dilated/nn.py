@@ -25,7 +25,6 @@ when none is set) and `layout=None` that group's layout.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +33,7 @@ from torch import nn
 
 from .integrations.config import default_schedule
 from .kinds import KINDS as _KINDS
+from .ops.validate import DILATED_MODES
 
 KINDS = (*_KINDS, "auto")
 
@@ -118,14 +118,14 @@ def create_attention(kind: str, **config) -> Attention:
        fits in the first segment (the pattern is dense there), else "dilated_ring".
     3. A single process: "dense" (sdpa) when the sequence fits in the first segment, else "dilated".
 
-    Why 4096 on CPU (`hf-dilated bench --variants union --segment-lengths 4096,8192,16384
+    Why 4096 on CPU (`hf-dilated bench kernels --variants union --segment-lengths 4096,8192,16384
     --dilation-rates 1,2,4`, 2 shared cores, float32, batch 1, 8 heads, head_dim 64): at 4096
     tokens the pattern is dense and the kernels tie (union 704 ms vs sdpa 770 ms forward); at 8192
     the dilated pattern already takes 0.79x sdpa's forward time and 0.95x its forward+backward,
     at 16384 0.48x and 0.40x. So the first doubling past 4096 pays. The CUDA default (16384) is
     not measured in this project yet: dense flash attention is far cheaper there relative to the
     gathers of the dilated kernel, so the crossover is expected later; check it with
-    `hf-dilated bench --device cuda --variants auto`.
+    `hf-dilated bench kernels --device cuda --variants auto`.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(map(repr, KINDS))}, got {kind!r}")
@@ -146,8 +146,8 @@ def create_attention(kind: str, **config) -> Attention:
         if cfg.get("segment_lengths") is not None:
             seg, dil = check_dilated_config(cfg["segment_lengths"], cfg["dilation_rates"], cfg["mode"])
             cfg["segment_lengths"], cfg["dilation_rates"] = seg, dil
-        elif cfg["mode"] not in ("union", "longnet", "head_groups"):
-            raise ValueError(f"mode must be one of 'union', 'longnet', 'head_groups', got {cfg['mode']!r}")
+        elif cfg["mode"] not in DILATED_MODES:
+            raise ValueError(f"mode must be one of {', '.join(map(repr, DILATED_MODES))}, got {cfg['mode']!r}")
     if "pattern" in cfg:
         from .ops.block_patterns import _check_int, make_pattern
 

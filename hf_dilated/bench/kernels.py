@@ -18,7 +18,8 @@ import torch
 
 from . import probe
 from .report import PASS_LABEL, case_summary, mib, say
-from .variants import BUILDERS, DILATED_MODES, Unavailable
+from ..ops.validate import DILATED_MODES
+from .variants import BUILDERS, Unavailable
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Issue 2's target shape and figures.

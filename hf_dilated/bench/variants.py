@@ -7,7 +7,6 @@ import torch
 
 from .counts import dense_pair_count, dilated_pair_count, layout_pair_count
 
-DILATED_MODES = ("union", "longnet", "head_groups")
 # create_block_mask evaluates a mask_mod on the whole (heads, N, N) grid.
 FLEX_MASK_LIMIT = 1 << 28
 

@@ -6,7 +6,7 @@ process each equals its single-process counterpart.
 """
 from .block_sparse_ring import block_sparse_ring_attention
 from .dilated_ring import dilated_ring_attention
-from .exchange import bytes_sent, reset_bytes_sent
+from .utils import bytes_sent, reset_bytes_sent
 from .groups import (
     SequenceParallel,
     destroy_sequence_parallel,

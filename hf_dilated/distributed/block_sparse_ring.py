@@ -1,7 +1,7 @@
 """Block-sparse attention over a sequence sharded across a process group.
 
 Computes exactly the single-process `hf_dilated.ops.block_sparse_attention` on the global
-sequence, the same way dilated_ring does (exchange.windowed_attention): each local chunk of
+sequence, the same way dilated_ring does (windows.windowed_attention): each local chunk of
 queries runs the single-process kernel over a window of the global sequence and receives from the
 other ranks only the keys of blocks some local query block may read (per kv head when the layout
 has a head axis). Static patterns (local, dilated, global_local, hierarchical, custom) are
@@ -14,7 +14,9 @@ import torch
 
 from ..ops.block_patterns import AdaptivePattern, CustomPattern, _check_int, make_pattern
 from ..ops.validate import check_qkv, check_scale_dropout
-from .exchange import Exchange, GlobalTokens, plan_windows, prepare_call, windowed_attention
+from .tokens import GlobalTokens, prepare_call
+from .utils import Exchange
+from .windows import plan_windows, windowed_attention
 from .groups import group_size_rank
 from .layout import check_layout
 

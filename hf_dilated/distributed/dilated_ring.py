@@ -2,7 +2,7 @@
 
 Computes exactly the single-process `hf_dilated.ops.dilated_attention` on the global sequence.
 Each local chunk of queries runs the single-process kernel over a window of the global sequence
-(exchange.windowed_attention); from the other ranks it receives only the K/V entries its queries
+(windows.windowed_attention); from the other ranks it receives only the K/V entries its queries
 can see:
 - a level whose segments do not cross a rank boundary needs nothing from other ranks;
 - at a level with dilation r, kv head h needs only the keys selected for the offsets of its
@@ -16,7 +16,9 @@ from __future__ import annotations
 import torch
 
 from ..ops.validate import check_dilated_config, check_qkv, check_scale_dropout
-from .exchange import Exchange, GlobalTokens, plan_windows, prepare_call, windowed_attention
+from .tokens import GlobalTokens, prepare_call
+from .utils import Exchange
+from .windows import plan_windows, windowed_attention
 from .groups import group_size_rank
 from .layout import check_layout
 

@@ -7,7 +7,7 @@ log-sum-exp (ops/merge.py). The backward is a ring too: K/V travel again and the
 dK/dV travel with their block, arriving back at its owner after the last step.
 
 Visibility (SPEC "Ring attention" = dense causal with padding and documents) is a function of
-global token indices and the gathered metadata (exchange.global_tokens), so padding and packed
+global token indices and the gathered metadata (tokens.global_tokens), so padding and packed
 documents are honoured whatever rank a key comes from. Without padding or packing the blocks of
 a step are either fully visible, causal (the rank's own block) or invisible, so no mask is built.
 """
@@ -20,7 +20,8 @@ import torch
 from ..ops.backend import attention_backward, attention_forward
 from ..ops.merge import merge_dtype, merge_into
 from ..ops.validate import check_qkv, check_scale_dropout
-from .exchange import Exchange, GlobalTokens, prepare_call, wait_all
+from .tokens import GlobalTokens, prepare_call
+from .utils import Exchange, wait_all
 from .groups import group_size_rank
 from .layout import check_layout, chunks_per_rank, rank_chunks
 

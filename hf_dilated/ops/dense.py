@@ -2,7 +2,6 @@
 process (SPEC.md, "Ring attention") and what `create_attention("dense")` returns."""
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from .dilated import dilated_attention

@@ -50,9 +50,13 @@ def check_scale_dropout(scale, dropout_p) -> None:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
 
 
+# The dilated attention modes of SPEC.md: the one list every parser and check reads.
+DILATED_MODES = ("union", "longnet", "head_groups")
+
+
 def check_dilated_config(segment_lengths, dilation_rates, mode) -> tuple[list[int], list[int]]:
-    if mode not in ("union", "longnet", "head_groups"):
-        raise ValueError(f"mode must be one of 'union', 'longnet', 'head_groups', got {mode!r}")
+    if mode not in DILATED_MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, DILATED_MODES))}, got {mode!r}")
     seg = list(segment_lengths) if isinstance(segment_lengths, (list, tuple)) else None
     dil = list(dilation_rates) if isinstance(dilation_rates, (list, tuple)) else None
     if seg is None or not seg:
