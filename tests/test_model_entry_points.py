@@ -147,3 +147,22 @@ def test_a_hand_written_entry_without_pattern_gets_the_documented_default():
 
     written = DilatedConfig.from_dict({"segment_lengths": [512, 1024], "dilation_rates": [1, 2]})
     assert written.pattern == DilatedConfig.default(512, 1024).pattern == {"type": "local", "window": 8}
+
+
+def test_a_checkpoint_with_scaled_rope_is_unchanged_on_every_input_it_supports(tmp_path):
+    """Llama-3.1 style RoPE (rope_type "llama3": pre-scaling length 32, configured for 256): the
+    default first segment is the configured 256 tokens, so our names equal sdpa up to 256 tokens
+    (the first segment used to be the pre-scaling 32)."""
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=37, max_position_embeddings=256,
+                         rope_parameters=rope)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    x = ids(1, 200)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()(x).logits
+        for name in ("dilated", "block_sparse"):
+            model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=name).eval()
+            torch.testing.assert_close(model(x).logits, want, atol=1e-4, rtol=1e-4)

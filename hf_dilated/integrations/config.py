@@ -46,10 +46,9 @@ class DilatedConfig:
     with 2^k L the first >= target_length. In mode "union" a document no longer than L then gets
     exactly dense causal attention, so a patched checkpoint gives the same logits as `sdpa` on
     such inputs. The default block-sparse pattern is a local window of L / block_size blocks
-    (at least 1), which is also dense within the first L positions. The original length is
-    `rope_parameters["original_max_position_embeddings"]` when the checkpoint's RoPE is scaled
-    and records it, else `max_position_embeddings`; the target length is `max_position_embeddings`
-    (the conversion in `hf_dilated.patches` stores both explicitly).
+    (at least 1), which is also dense within the first L positions. Without an entry both lengths
+    are `max_position_embeddings`, also for a checkpoint whose RoPE is already scaled (it was
+    trained at that length); the conversion in `hf_dilated.patches` stores both explicitly.
     """
 
     segment_lengths: list[int]
@@ -141,15 +140,15 @@ def default_schedule(first_segment: int, length: int) -> tuple[list[int], list[i
 
 
 def context_lengths(config) -> tuple[int, int]:
-    """(original, target) context lengths of a transformers config with no hf_dilated entry."""
+    """(original, target) context lengths of a transformers config with no hf_dilated entry: both
+    `max_position_embeddings`, the context the checkpoint is configured for. A checkpoint whose
+    RoPE is already scaled (Llama-3.1's "llama3", YaRN) was trained at that length too, so its
+    first segment covers all of it and the model is unchanged on every input it supports (the
+    pre-scaling `original_max_position_embeddings` would cut it into levels)."""
     target = getattr(config, "max_position_embeddings", None)
-    if not isinstance(target, int) or target <= 0:
+    if isinstance(target, bool) or not isinstance(target, int) or target <= 0:
         raise ValueError(
             f"cannot derive a default hf_dilated config: {type(config).__name__} has no positive "
             "max_position_embeddings; pass segment_lengths and dilation_rates explicitly"
         )
-    rope = getattr(config, "rope_parameters", None) or {}
-    original = rope.get("original_max_position_embeddings") if rope.get("rope_type", "default") != "default" else None
-    if not isinstance(original, int) or original <= 0 or original > target:
-        original = target
-    return original, target
+    return target, target
