@@ -79,11 +79,14 @@ def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
     if rope == "none":
         if current == "dynamic":  # dynamic NTK reads max_position_embeddings as the original length
             return {}
-        if context_length < config.max_position_embeddings:
-            warnings.warn(f"max_position_embeddings: kept max_position_embeddings = {config.max_position_embeddings} "
-                          f"(the checkpoint's own RoPE covers more than the {context_length} tokens asked for; only "
-                          "the hf_dilated levels use the new length)", ConversionWarning, stacklevel=3)
-        return {"max_position_embeddings": max(context_length, config.max_position_embeddings)}
+        # What the checkpoint covers by itself: its max_position_embeddings, unless an earlier
+        # conversion set that (then the original length it recorded).
+        own = original if converted_before else config.max_position_embeddings
+        if context_length < own:
+            warnings.warn(f"max_position_embeddings: kept max_position_embeddings = {own} (the checkpoint's own RoPE "
+                          f"covers more than the {context_length} tokens asked for; only the hf_dilated levels use "
+                          "the new length)", ConversionWarning, stacklevel=3)
+        return {"max_position_embeddings": max(context_length, own)}
     if current != "default" and not (converted_before and current in _OURS):
         raise ValueError(
             f"the checkpoint's RoPE is already scaled (rope_type={current!r}); converting it to {rope!r} would "

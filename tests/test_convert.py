@@ -14,7 +14,7 @@ from hf_dilated.cli import main as cli
 from hf_dilated.convert import convert_checkpoint, describe
 from hf_dilated.integrations.config import DilatedConfig
 from hf_dilated.model_configs import build_model_config, list_presets, load_preset, validate_preset
-from hf_dilated.patches.context import rope_updates
+from hf_dilated.patches.context import original_length, rope_updates
 
 
 def _digest(directory):
@@ -458,7 +458,11 @@ def test_odd_but_valid_options_warn_what_was_kept(source, tmp_path):
     raw.update(max_position_embeddings=256, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
                                                              "original_max_position_embeddings": 32})
     (native / "config.json").write_text(json.dumps(raw))
-    with pytest.warns(UserWarning, match="kept max_position_embeddings = 256"):
+    if original_length(AutoConfig.from_pretrained(native)) == 256:  # a scaled RoPE counts as trained at its length
+        with pytest.raises(ValueError, match="shorter than the checkpoint's original context of 256 tokens"):
+            convert_checkpoint(native, tmp_path / "native-128", context_length=128)
+        return
+    with pytest.warns(UserWarning, match="kept max_position_embeddings = 256"):  # original: the pre-scaling 32
         dst = convert_checkpoint(native, tmp_path / "native-128", context_length=128)
     config = json.loads((dst / "config.json").read_text())
     assert config["max_position_embeddings"] == 256 and config["hf_dilated"]["target_length"] == 128
