@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The README's test command: install the package with its test extras, then run the suite.
+# The README's test command: install the package with its test extras, then run the suite, with
+# the interpreter `python` on PATH (a virtual environment, a conda env or the system's; $PYTHON
+# overrides it). torch 2.13.0 (CPU) first, so that no other requirement pulls another build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install --quiet torch==2.13.0
-python -m pip install --quiet -e ".[dev]"
-python -m pytest -q -p no:cacheprovider "$@"
+PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
+"$PYTHON" -m pip install --quiet torch==2.13.0
+"$PYTHON" -m pip install --quiet -e ".[dev]"
+"$PYTHON" -m pytest -q -p no:cacheprovider "$@"
