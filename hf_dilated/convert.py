@@ -142,6 +142,10 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
         raise ValueError(f"attn_implementation must be one of {NAMES}, got {attn_implementation!r}")
 
     updates = family.convert_config(config, context_length, rope, **dilated_fields)
+    longest = max(updates[CONFIG_KEY]["segment_lengths"])
+    if longest > 2 * MAX_CONTEXT_LENGTH:  # the default levels stay below it for any allowed --context
+        raise ValueError(f"segment_lengths (--segment-lengths): a level of {longest:,} tokens is above the limit of "
+                         f"{2 * MAX_CONTEXT_LENGTH:,} (2**25)")
     new = dict(raw)
     new.update(updates)
     if "rope_parameters" in updates:
@@ -357,8 +361,8 @@ def add_info_arguments(p: argparse.ArgumentParser) -> None:
 def info_main(args) -> int:
     try:
         print(describe(args.dir))
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        print(f"hf-dilated info: error: {exc}")
+    except (ValueError, TypeError, OSError) as exc:
+        print(f"hf-dilated info: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     return 0
 

@@ -444,6 +444,11 @@ def test_bad_context_lengths_are_clear_errors(source, tmp_path, capsys):
         convert_checkpoint(converted, tmp_path / "x", context_length=16)
     with pytest.raises(ValueError, match="--rope needs --context"):
         convert_checkpoint(source, tmp_path / "x", rope="yarn")
+    with pytest.raises(ValueError, match=r"segment_lengths \(--segment-lengths\): a level of 68,719,476,736 tokens"):
+        convert_checkpoint(source, tmp_path / "x", segment_lengths=[32, 2**36], dilation_rates=[1, 2])
+    assert cli(["info", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-dilated info: error:") and "no config.json" in err and err.count("\n") == 1
     assert sorted(os.listdir(tmp_path)) == ["long"]
 
 
