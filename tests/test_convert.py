@@ -152,8 +152,10 @@ def test_default_config_doubles_segments_and_dilations_up_to_the_target():
     assert DilatedConfig.default(4096).pattern == {"type": "local", "window": 64}
     config = AutoConfig.for_model("llama", max_position_embeddings=131072, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0, "original_max_position_embeddings": 8192})
-    derived = DilatedConfig.from_model_config(config)  # a checkpoint without an hf_dilated entry
-    assert derived.segment_lengths == [8192, 16384, 32768, 65536, 131072]
+    # A checkpoint without an hf_dilated entry whose RoPE is already scaled was trained at its
+    # configured length: one dense-within-segment level covers all of it.
+    derived = DilatedConfig.from_model_config(config)
+    assert derived.segment_lengths == [131072] and derived.original_length == 131072
     assert DilatedConfig.from_dict(derived.to_dict()) == derived
 
 

@@ -236,6 +236,10 @@ def test_set_attn_implementation_and_save_roundtrip(checkpoints, preset, tmp_pat
         torch.testing.assert_close(switched(ids).logits, want)
     model.save_pretrained(tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    # The entry survives, with the name it runs under recorded (save_pretrained drops the
+    # top-level attn_implementation); test_model_entry_points checks the reload picks it up.
+    recorded = saved["hf_dilated"].pop("attn_implementation")
+    assert recorded == load_preset(preset)["attn_implementation"]
     assert saved["hf_dilated"] == json.loads((long / "config.json").read_text())["hf_dilated"]
     reloaded = load(tmp_path / "saved", "dilated_ring")
     with torch.no_grad():
