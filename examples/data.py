@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from passkey import IGNORE_INDEX, min_length, passkey_sample
+from passkey import IGNORE_INDEX, min_length, multikey_length, multikey_sample, passkey_sample
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
 JSON_SUFFIXES = {".jsonl", ".json"}
@@ -31,11 +31,14 @@ class PasskeyDataset(Dataset):
     recalls: at most this many questions answered mid-text per document (a random number from 0,
     so some documents look exactly like the evaluation's), at random distances from the key.
     learn_all: learn every token (see passkey.passkey_sample).
+    keys: above 1, each document holds 1..keys keys (as many as its length allows), each in its own
+    brackets and asked for at the end (passkey.multikey_sample): several long-range answers per document.
     """
 
     def __init__(self, tokenizer, seq_len: int, num_rows: int, *, min_doc_len: int | None = None,
-                 max_doc_len: int | None = None, seed: int = 0, recalls: int = 0, learn_all: bool = False):
-        self.tokenizer, self.seq_len, self.num_rows, self.seed = tokenizer, seq_len, num_rows, seed
+                 max_doc_len: int | None = None, seed: int = 0, recalls: int = 0, learn_all: bool = False,
+                 keys: int = 1):
+        self.tokenizer, self.seq_len, self.num_rows, self.seed, self.keys = tokenizer, seq_len, num_rows, seed, keys
         self.recalls, self.learn_all = recalls, learn_all
         self.min_doc_len = max(min_length(), min_doc_len or min_length())
         if seq_len < self.min_doc_len:
@@ -55,8 +58,12 @@ class PasskeyDataset(Dataset):
             # Leave no gap shorter than a document: the last document takes the rest.
             if free - length < self.min_doc_len:
                 length = free
-            docs.append(passkey_sample(self.tokenizer, length, rng.random(), rng, recalls=rng.randint(0, self.recalls),
-                                       learn_all=self.learn_all))
+            if self.keys > 1:
+                fit = max(k for k in range(1, self.keys + 1) if multikey_length(k) <= length)
+                docs.append(multikey_sample(self.tokenizer, length, rng, rng.randint(1, fit)))
+            else:
+                docs.append(passkey_sample(self.tokenizer, length, rng.random(), rng, recalls=rng.randint(0, self.recalls),
+                                           learn_all=self.learn_all))
             free -= length
         input_ids = torch.cat([d["input_ids"] for d in docs])
         labels = torch.cat([d["labels"] for d in docs])

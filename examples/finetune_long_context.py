@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passkey-recalls", type=int, default=0,
                    help="passkey: also ask and answer the question this many times mid-text per document, "
                         "at random distances from the key (more answers to learn from per row)")
+    p.add_argument("--passkey-keys", type=int, default=1,
+                   help="passkey: up to this many keys per document (1-4), each in its own brackets and asked for "
+                        "at the end, so one document gives several long-range answers to learn from")
     p.add_argument("--loss-mean", choices=("token", "row"), default="token",
                    help="token: the mean over all labelled tokens of a batch (transformers' default); row: each "
                         "row's own mean, averaged over rows, so that rows with few labels (passkey answers) "
@@ -162,7 +165,8 @@ def build_dataset(args, tokenizer):
     passkey = None
     if "passkey" in args.data:
         passkey = PasskeyDataset(tokenizer, args.seq_len, args.num_rows, min_doc_len=args.passkey_min_doc_len,
-                                 max_doc_len=args.passkey_max_doc_len, seed=args.seed, recalls=args.passkey_recalls, learn_all=args.passkey_learn_all)
+                                 max_doc_len=args.passkey_max_doc_len, seed=args.seed, recalls=args.passkey_recalls, learn_all=args.passkey_learn_all,
+                                 keys=args.passkey_keys)
         if not files:
             return passkey
     text = PackedTextDataset(tokenizer, find_text_files(files), args.seq_len, text_field=args.text_field,

@@ -2,4 +2,4 @@
 and the training examples use one definition; re-exported here for the examples."""
 from hf_dilated.eval.passkey import (  # noqa: F401
     FILLER, IGNORE_INDEX, INTRO, KEY_COPIES, KEY_DIGITS, KEY_SENTENCE, QUESTION, RECALL_END, min_length,
-    passkey_sample)
+    multikey_length, multikey_sample, passkey_sample)

@@ -48,8 +48,61 @@ def build_initial_checkpoint(preset: str, path: Path, seed: int) -> None:
     tokenizer.save_pretrained(path)
 
 
+def measure(model_dir: Path, context: int, samples: int = 8) -> dict:
+    """The base model's figures at its own context with sdpa: the held-out loss of the first `context`
+    tokens of the held-out sources of at least 4 x context bytes (the main job's evaluation
+    documents), the loss by 32-token position bucket over every whole `context`-token window of
+    those files, and passkey keys right at `context` tokens (depths 0..1, `samples` each, the
+    evaluation's seed)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_dilated.eval import core
+    from data import tokenize_files
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    files = stdlib_files("heldout", min_bytes=4 * context + 64)
+    docs = [d[:context] for d in tokenize_files(tokenizer, files)]
+    losses = core.token_losses(model, torch.stack(docs), batch_size=8)
+    # every whole `context`-token window of those documents (starting mid-file, like the training
+    # windows): the loss by position within the context, over many tokens
+    windows = torch.stack([w for d in tokenize_files(tokenizer, files) for w in d.split(context) if len(w) == context])
+    buckets = core.bucket_means(core.token_losses(model, windows, batch_size=16), 32)
+    keys = digits = total = 0
+    for depth in (0.0, 0.25, 0.5, 0.75, 1.0):
+        hit, dig = core.passkey_scores(model, core.make_passkey_samples(tokenizer, context, depth, samples, 1234), 8)
+        keys, digits, total = keys + sum(hit), digits + sum(dig), total + len(hit)
+    # the slice tests/test_eval.py re-scores (fast): the first 4 documents, 3 depths x 4 samples
+    slice_keys = [k for d in (0.0, 0.5, 1.0)
+                  for k in core.passkey_scores(model, core.make_passkey_samples(tokenizer, context, d, 4, 1234), 6)[0]]
+    return {"heldout_documents": [Path(f).name for f in files], "heldout_loss_0_L": float(losses.mean()),
+            "slice_loss_0_L": float(losses[:4].mean()), "slice_passkey_keys_at_L": sum(slice_keys) / len(slice_keys),
+            "heldout_windows": len(windows), "heldout_windows_loss_by_32_tokens": [round(b, 4) for b in buckets],
+            "passkey_keys_at_L": keys / total, "passkey_digits_at_L": digits / (5 * total), "passkey_samples": total}
+
+
+def export(src: Path, dest: Path, record: dict) -> None:
+    """Copies a trained model (safetensors, config, tokenizer) to `dest` with training.json: the
+    record (seed, commands, data) and the measured figures."""
+    import json
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.suffix in (".json", ".safetensors", ".txt") and f.name != "training.json":
+            shutil.copy2(f, dest / f.name)
+    import platform
+    record = {**record, "python": platform.python_version(), "torch": torch.__version__,
+              "train_files": len(stdlib_files("train")), "figures": measure(dest, record["context"])}
+    (dest / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record["figures"], indent=1))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--export", default=None, metavar="MODEL_DIR",
+                   help="do not train: copy MODEL_DIR to --output-dir with training.json (--record: a JSON file "
+                        "with seed, commands and data) and the figures measured at its context")
+    p.add_argument("--record", default=None, help="with --export: JSON file merged into training.json")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--preset", default=DEFAULT_PRESET, help="model_configs preset with a model_config")
     p.add_argument("--init", default=None, help="start from this checkpoint instead of the preset's random weights")
@@ -60,6 +113,15 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args, rest = p.parse_known_args(argv)  # everything else goes to the training loop
     out = Path(args.output_dir)
+    if args.export:
+        import json
+
+        from hf_dilated.model_configs import load_preset
+
+        record = json.loads(Path(args.record).read_text()) if args.record else {}
+        record.setdefault("context", load_preset(args.preset)["assumes"]["max_position_embeddings"])
+        export(Path(args.export), out, record)
+        return 0
     init = out / "init"
     if not (init / "config.json").is_file():
         if args.init:

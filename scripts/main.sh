@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# The README's main job: install, then run the embedded default end to end. Nothing is downloaded.
-#   1. pretrain_tiny.py  a tiny Llama (model_configs/tiny-llama-passkey.json) with a byte-level
-#                        tokenizer, pre-trained at 512 tokens with sdpa on the standard library's sources
-#                        alternating with short passkey documents (retrieval within the original context)
-#   2. hf-dilated convert  to 2048 tokens: dilated levels [512, 1024, 2048] x [1, 2, 4], YaRN RoPE
-#   3. finetune_long_context.py  LoRA (+ embeddings and norms) with dilated_ring on passkey data
-#   4. eval_passkey.py   accuracy by length and depth, dilated_ring vs sdpa: table + plot
+# The README's main job: install, then run the embedded default end to end. Nothing is downloaded
+# and nothing is pre-trained here: the base model is committed (examples/tiny_base/, how it was
+# trained is in its training.json).
+#   1. hf-dilated convert     the 256-token base to 1024 tokens (preset tiny-llama-passkey: dilated
+#                             levels [256, 512, 1024] x [1, 2, 4], its RoPE setting)
+#   2. finetune_long_context  LoRA (+ embeddings and norms) with dilated_ring at 1024 tokens on the
+#                             standard library's sources (training split) alternating with passkey rows
+#   3. the same with sdpa, the dense reference at the same budget (SDPA_FINETUNE=0 skips it)
+#   4. hf-dilated eval        the base (sdpa), the converted model before fine-tuning (dilated_ring) and
+#                             each fine-tuned model: loss by position on held-out sources (whole context
+#                             and context cut to 256), passkey keys by length x depth, forward cost
+# Output in runs/default/eval/ (eval.md, eval.json, loss_by_position.png, passkey.png, finetune.json).
 # Sizes can be overridden from the environment (e.g. FINETUNE_STEPS=50 bash scripts/main.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,25 +20,84 @@ if [ -z "${SKIP_INSTALL:-}" ]; then  # SKIP_INSTALL=1: already installed
 fi
 
 OUT=${OUT:-runs/default}
-PRETRAIN_STEPS=${PRETRAIN_STEPS:-800}
-FINETUNE_STEPS=${FINETUNE_STEPS:-600}
-CONTEXT=2048  # the preset's context length
-EVAL_SAMPLES=${EVAL_SAMPLES:-4}
+BASE=${BASE:-examples/tiny_base}
+FINETUNE_STEPS=${FINETUNE_STEPS:-150}
+SDPA_FINETUNE=${SDPA_FINETUNE:-1}
+EVAL_SAMPLES=${EVAL_SAMPLES:-8}
+EVAL_DOCS=${EVAL_DOCS:-16}
+CONTEXT=1024  # the preset's context length, 4x the base's 256
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-rm -rf "$OUT/pretrain" "$OUT/long" "$OUT/finetune" "$OUT/eval"  # a fresh run every time
+rm -rf "$OUT/long" "$OUT/ft_dilated_ring" "$OUT/ft_sdpa" "$OUT/eval" "$OUT/heldout"  # a fresh run every time
+mkdir -p "$OUT/eval"
+START=$(date +%s)
 
-echo "== 1/4 pre-train a tiny Llama at 512 tokens (sdpa, standard-library sources)"
-python examples/pretrain_tiny.py --output-dir "$OUT/pretrain" --max-steps "$PRETRAIN_STEPS" \
-    --log-file "$OUT/pretrain/log.jsonl"
+# The standard library's sources: the training split, and the held-out split (files of at least
+# 1024 tokens, the longest evaluated length) linked into one folder for the evaluation.
+TRAIN_FILES=$(python -c "import sys; sys.path.insert(0, 'examples'); from data import stdlib_files; print(' '.join(stdlib_files('train')))")
+mkdir -p "$OUT/heldout"
+python - "$OUT/heldout" "$CONTEXT" "$EVAL_DOCS" <<'EOF'
+import os, sys
+sys.path.insert(0, "examples")
+from data import stdlib_files
+out, context, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+for f in stdlib_files("heldout", min_bytes=context + 64)[:count]:
+    os.symlink(os.path.abspath(f), os.path.join(out, os.path.basename(f)))
+EOF
 
-echo "== 2/4 convert to $CONTEXT tokens"
-hf-dilated convert "$OUT/pretrain/model" "$OUT/long" --preset tiny-llama-passkey --force
+echo "== 1/4 convert $BASE to $CONTEXT tokens"
+hf-dilated convert "$BASE" "$OUT/long" --preset tiny-llama-passkey --force
 
-echo "== 3/4 LoRA fine-tune with dilated_ring on passkey retrieval"
-python examples/finetune_long_context.py --model "$OUT/long" --output-dir "$OUT/finetune" --attn dilated_ring \
-    --seq-len "$CONTEXT" --data passkey --passkey-recalls 2 --max-steps "$FINETUNE_STEPS" --lora-rank 32 --lora-alpha 64 --lr 2e-3 \
-    --warmup-steps 10 --no-gradient-checkpointing --save-every 200 --log-file "$OUT/finetune/log.jsonl"
+finetune() {  # $1: attention
+    python examples/finetune_long_context.py --model "$OUT/long" --output-dir "$OUT/ft_$1" --attn "$1" \
+        --seq-len "$CONTEXT" --data passkey $TRAIN_FILES --passkey-ratio 1 --passkey-min-doc-len "${PASSKEY_MIN_DOC:-512}" \
+        --max-steps "$FINETUNE_STEPS" --batch-size 2 --lora-rank 32 --lora-alpha 64 --lr "${FINETUNE_LR:-2e-3}" \
+        --warmup-steps 10 --loss-mean row --no-gradient-checkpointing --log-file "$OUT/ft_$1/log.jsonl"
+}
 
-echo "== 4/4 passkey evaluation"
-python examples/eval_passkey.py --model "$OUT/finetune/model" --attn dilated_ring sdpa \
-    --lengths 512 1024 "$CONTEXT" --depths 0 0.25 0.5 0.75 1 --samples "$EVAL_SAMPLES" --output-dir "$OUT/eval"
+echo "== 2/4 LoRA fine-tune with dilated_ring: stdlib sources + passkey rows at $CONTEXT tokens"
+finetune dilated_ring
+MODELS=("base=$BASE@sdpa" "converted=$OUT/long@dilated_ring" "ft-dilated_ring=$OUT/ft_dilated_ring/model@dilated_ring")
+if [ "$SDPA_FINETUNE" != 0 ]; then
+    echo "== 3/4 the same with sdpa (dense reference, same budget)"
+    finetune sdpa
+    MODELS+=("ft-sdpa=$OUT/ft_sdpa/model@sdpa")
+else
+    echo "== 3/4 skipped (SDPA_FINETUNE=0)"
+fi
+python - "$OUT" <<'EOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+report = {}
+for log in sorted(out.glob("ft_*/log.jsonl")):
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    steady = rows[len(rows) // 10:] or rows  # the first steps include warm-up
+    report[log.parent.name] = {"steps": len(rows), "final_loss": rows[-1]["loss"],
+                               "tokens_per_s": sum(r["tokens_per_s"] for r in steady) / len(steady)}
+    print(f"{log.parent.name}: {len(rows)} steps, {report[log.parent.name]['tokens_per_s']:.0f} tokens/s")
+(out / "eval" / "finetune.json").write_text(json.dumps(report, indent=1) + "\n")
+EOF
+
+echo "== 4/4 evaluate"
+python -m hf_dilated.eval --model "${MODELS[@]}" --text "$OUT/heldout" --lengths 256 512 "$CONTEXT" \
+    --ppl-length "$CONTEXT" --bucket 256 --samples "$EVAL_SAMPLES" --depths 0 0.25 0.5 0.75 1 --output-dir "$OUT/eval"
+python - "$OUT/eval/eval.json" <<'EOF2'
+import json, sys
+rows = {r["model"]: r for r in json.load(open(sys.argv[1]))["rows"]}
+d, base, s = rows["ft-dilated_ring"], rows["base"], rows.get("ft-sdpa")
+def far(r, key):  # tokens 512..1023 (2L..4L): buckets 2 and 3, equal token counts
+    return (r[key][2] + r[key][3]) / 2
+def keys(r, n):
+    cells = [c for c in r["passkey"] if c["length"] == n]
+    return sum(c["correct"] for c in cells) / sum(c["samples"] for c in cells)
+a = d["loss_by_bucket"][0] / base["loss_by_bucket"][0] - 1
+print(f"(a) 0..L loss: ft-dilated_ring {d['loss_by_bucket'][0]:.3f} vs base {base['loss_by_bucket'][0]:.3f}: {a:+.1%} (target <= +5%)")
+gain_d = far(d, "windowed_loss_by_bucket") - far(d, "loss_by_bucket")
+line = f"(b) 2L..4L: ft-dilated_ring whole {far(d, 'loss_by_bucket'):.3f}, cut to L {far(d, 'windowed_loss_by_bucket'):.3f} (gain {gain_d:+.3f})"
+if s:
+    gain_s = far(s, "windowed_loss_by_bucket") - far(s, "loss_by_bucket")
+    line += (f"; ft-sdpa whole {far(s, 'loss_by_bucket'):.3f} (gain {gain_s:+.3f}); gain ratio "
+             f"{gain_d / gain_s if gain_s else float('nan'):.2f} (target >= 0.5), loss {far(d, 'loss_by_bucket') / far(s, 'loss_by_bucket') - 1:+.1%} vs sdpa (target <= +5%)")
+print(line)
+print(f"(c) passkey keys at 1024: ft-dilated_ring {keys(d, 1024):.0%} (target >= 90%)" + (f", ft-sdpa {keys(s, 1024):.0%}" if s else ""))
+EOF2
+echo "main job: $(( $(date +%s) - START )) s (output in $OUT/eval)"

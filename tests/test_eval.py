@@ -189,9 +189,9 @@ def test_committed_base_model_scores_within_its_recorded_figures():
     tokenizer = AutoTokenizer.from_pretrained(BASE)
     files = stdlib_files("heldout", min_bytes=4 * L + 64)[:4]
     docs = [d[:L] for d in tokenize_files(tokenizer, files)]
-    loss = sum(core.bucket_losses(model, docs, L, L)) / 1
-    # a 4-document slice of the recorded held-out figure: within 15% of it
-    assert loss == pytest.approx(figures["heldout_loss_0_L"], rel=0.15)
+    loss = core.bucket_losses(model, docs, L, L)[0]
+    assert loss == pytest.approx(figures["slice_loss_0_L"], abs=0.02)
+    assert figures["heldout_loss_0_L"] < 3.0  # nats per byte; a random model scores about 5.6
     samples = [s for d in (0.0, 0.5, 1.0) for s in core.make_passkey_samples(tokenizer, L, d, 4, seed=1234)]
     keys, _ = core.passkey_scores(model, samples, batch_size=6)
-    assert sum(keys) / len(keys) >= figures["passkey_keys_at_L"] - 0.2
+    assert sum(keys) / len(keys) >= figures["slice_passkey_keys_at_L"] - 1 / 12

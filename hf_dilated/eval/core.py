@@ -16,7 +16,8 @@ digit would be the first one greedy decoding gets wrong). One forward pass per s
 Cost (`forward_cost`): wall time of a no-grad forward of one row of `length` tokens (median of a
 few calls after a warm-up) and the peak memory above what was held before it (CUDA: the
 allocator's peak; CPU: the resident high-water mark, reset through /proc/self/clear_refs where
-Linux allows it, else the process-lifetime peak, an upper bound, flagged).
+Linux allows it, under glibc settings that map each large block on its own so that the resident
+set follows the live tensors; elsewhere an upper bound, flagged).
 """
 from __future__ import annotations
 
@@ -145,6 +146,27 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
+def _strict_allocator(on: bool):
+    """glibc only: with `on`, map every block over 64 KiB on its own and give freed memory back at
+    once, so that the resident set follows the live allocations (a forward's temporaries otherwise
+    reuse memory the process already holds and its peak reads 0); off restores glibc's defaults
+    (128 KiB thresholds). Returns the libc handle, or None where this is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt, trim = libc.mallopt, libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    threshold = 64 * 1024 if on else 128 * 1024
+    if not (mallopt(m_mmap_threshold, threshold) and mallopt(m_trim_threshold, threshold if not on else 0)):
+        return None
+    trim(0)
+    return libc
+
+
 @torch.no_grad()
 def forward_cost(model, length: int, vocab_size: int, repeats: int = 3) -> dict:
     """Median seconds of a no-grad forward of one row of `length` tokens, and its peak memory (bytes)
@@ -170,16 +192,22 @@ def forward_cost(model, length: int, vocab_size: int, repeats: int = 3) -> dict:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
+        libc = _strict_allocator(True)  # every block over 64 KiB mapped on its own, unmapped when freed
         try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            exact = False
-        base = _status_bytes("VmRSS") or 0
-        _logits(model, ids)
-        hwm = _status_bytes("VmHWM") if exact else None
-        if hwm is None:
-            exact = False
-            hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        peak = max(0, hwm - base)
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                exact = False
+            base = _status_bytes("VmRSS") or 0
+            _logits(model, ids)
+            hwm = _status_bytes("VmHWM") if exact else None
+            if hwm is None:
+                exact = False
+                hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            peak = max(0, hwm - base)
+        finally:
+            if libc is not None:
+                _strict_allocator(False)
+        exact = exact and libc is not None
     return {"seconds": statistics.median(times), "peak_bytes": int(peak), "memory_exact": exact}

@@ -85,3 +85,61 @@ def passkey_sample(tokenizer, length: int, depth: float, rng: random.Random, *, 
         for t in range(offset, offset + KEY_DIGITS):
             labels[t] = ids[t + 1]
     return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "key": key}
+
+
+# Training only: several keys per document, each with its own brackets, so that one document asks
+# several long-range questions whose nearest copy is the key itself. The first pair is the
+# evaluation's "<" ">"; the question names the key by its opening bracket.
+BRACKETS = (("<", ">"), ("[", "]"), ("{", "}"), ("(", ")"))
+
+
+def multikey_length(keys: int) -> int:
+    """The shortest document that holds `keys` keys and their questions."""
+    sentence = len("The pass key is ") + (KEY_DIGITS + 4) * KEY_COPIES
+    return 1 + len(INTRO) + keys * (sentence + len(QUESTION) + KEY_DIGITS + 3) - 3
+
+
+def multikey_sample(tokenizer, length: int, rng: random.Random, keys: int) -> dict:
+    """One training document of exactly `length` tokens holding `keys` (1..4) keys, each written
+    KEY_COPIES times in its own brackets at a random depth of the filler, then asked for one after
+    another at the end in random order ("What is the pass key? The pass key is [71432]. ..."),
+    each answer's digits labelled. With keys=1 it is the evaluation's format with a random depth."""
+    if not 1 <= keys <= len(BRACKETS):
+        raise ValueError(f"keys must be in 1..{len(BRACKETS)}, got {keys}")
+    values = ["".join(rng.choice("0123456789") for _ in range(KEY_DIGITS)) for _ in range(keys)]
+    sentences = ["The pass key is " + f"{o}{v}{c}. " * KEY_COPIES for (o, c), v in zip(BRACKETS, values)]
+    order = list(range(keys))
+    rng.shuffle(order)
+    if 0 in order:  # the evaluation's "<" question last, as in evaluation
+        order.remove(0)
+        order.append(0)
+    questions = ["What is the pass key? The pass key is " + BRACKETS[i][0] + values[i] + (BRACKETS[i][1] + ". " if n < keys - 1 else "")
+                 for n, i in enumerate(order)]
+    fixed = multikey_length(keys)
+    fixed = 1 + len(INTRO) + sum(map(len, sentences)) + sum(map(len, questions))
+    if length < fixed:
+        raise ValueError(f"length {length} is too short for {keys} keys (needs {fixed})")
+    filler_chars = length - fixed
+    filler = (FILLER * (filler_chars // len(FILLER) + 1))[:filler_chars]
+    boundaries = [0] + [m.end() for m in re.finditer(r"\. ", filler)] + [filler_chars]
+    cuts = sorted(rng.choice(boundaries) for _ in range(keys))
+    placed = list(range(keys))
+    rng.shuffle(placed)
+    pieces, prev = [INTRO], 0
+    for cut, i in zip(cuts, placed):
+        pieces += [filler[prev:cut], sentences[i]]
+        prev = cut
+    pieces.append(filler[prev:])
+    answers = []
+    for q, i in zip(questions, order):
+        answers.append(sum(map(len, pieces)) + q.index(values[i]))  # text offset of the answer's digits
+        pieces.append(q)
+    text = "".join(pieces)
+    ids = [tokenizer.bos_token_id] + tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) != length:
+        raise ValueError(f"the tokenizer must give one token per character (got {len(ids)} tokens for {length})")
+    labels = [IGNORE_INDEX] * length
+    for offset in answers:
+        for t in range(offset, offset + KEY_DIGITS):
+            labels[t] = ids[t + 1]
+    return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "key": values[0]}
