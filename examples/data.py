@@ -251,3 +251,42 @@ class TextPasskeyMixture(Dataset):
         window = doc[start:start + self.seq_len + 1]
         return {"input_ids": window[:-1].clone(), "labels": window[1:].clone(),
                 "position_ids": torch.arange(self.seq_len)}
+
+
+class CopySpanDataset(Dataset):
+    """Long-range copying in real text: a `seq_len`-token window of one document (chosen as in
+    TextPasskeyMixture) in which a span of `min_span`..`max_span` tokens is written again
+    `min_gap`..`max_gap` tokens after its first occurrence (overwriting the text there). Only the
+    repeated span is labelled (from its second token: the first cannot be known), so every label
+    is a copy from far back; seeded by (seed, index). The fine-tune's densest long-range signal:
+    a passkey row has 5 labels, a copy row tens."""
+
+    def __init__(self, tokenizer, files: list[str], seq_len: int, num_rows: int, *, seed: int = 0,
+                 min_gap: int | None = None, max_gap: int | None = None, min_span: int = 32, max_span: int = 128):
+        self.seq_len, self.num_rows, self.seed = seq_len, num_rows, seed
+        self.min_gap = min_gap if min_gap is not None else seq_len // 4
+        self.max_gap = max_gap if max_gap is not None else seq_len - max_span - 1
+        self.min_span, self.max_span = min_span, max_span
+        if not 0 < self.min_gap <= self.max_gap or self.max_gap + max_span >= seq_len or min_span < 2:
+            raise ValueError(f"copy rows: need 0 < min_gap <= max_gap and max_gap + max_span < seq_len ({seq_len})")
+        self.docs = [d for d in tokenize_files(tokenizer, files) if len(d) > seq_len]
+        if not self.docs:
+            raise ValueError(f"no text document is longer than seq_len ({seq_len})")
+        self.cumulative = torch.tensor([len(d) for d in self.docs]).cumsum(0)
+
+    def __len__(self):
+        return self.num_rows
+
+    def __getitem__(self, index):
+        rng = random.Random(f"copy:{self.seed}:{index}")
+        doc = self.docs[int(torch.searchsorted(self.cumulative, rng.randrange(int(self.cumulative[-1])), right=True))]
+        start = rng.randrange(len(doc) - self.seq_len)
+        ids = doc[start:start + self.seq_len].clone()
+        span = rng.randint(self.min_span, self.max_span)
+        gap = rng.randint(self.min_gap, min(self.max_gap, self.seq_len - 2 * span))
+        first = rng.randrange(0, self.seq_len - gap - span + 1)
+        second = first + gap
+        ids[second:second + span] = ids[first:first + span].clone()
+        labels = torch.full((self.seq_len,), IGNORE_INDEX)
+        labels[second:second + span - 1] = ids[second + 1:second + span]  # labels[t] is token t + 1
+        return {"input_ids": ids, "labels": labels, "position_ids": torch.arange(self.seq_len)}

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from data import AlternatingDataset, PackedTextDataset, PasskeyDataset, find_text_files  # noqa: E402
+from data import AlternatingDataset, CopySpanDataset, PackedTextDataset, PasskeyDataset, find_text_files  # noqa: E402
 from passkey import IGNORE_INDEX  # noqa: E402
 
 ATTENTION_CHOICES = ("dilated_ring", "ring", "block_sparse_ring", "sdpa", "dilated", "block_sparse")
@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passkey-recalls", type=int, default=0,
                    help="passkey: also ask and answer the question this many times mid-text per document, "
                         "at random distances from the key (more answers to learn from per row)")
+    p.add_argument("--copy-rows", action="store_true",
+                   help="with text files and passkey data: every other passkey row becomes a copy row, a window of "
+                        "the text files in which a span is written again 1/4..3/4 of --seq-len later, only the "
+                        "repeat labelled (data.CopySpanDataset): long-range copying with tens of labels per row")
     p.add_argument("--passkey-keys", type=int, default=1,
                    help="passkey: up to this many keys per document (1-4), each in its own brackets and asked for "
                         "at the end, so one document gives several long-range answers to learn from")
@@ -116,6 +120,8 @@ def parse_args(argv=None):
     for name in ("seq_len", "max_steps", "batch_size", "grad_accum", "sp_size", "lora_rank", "num_rows", "passkey_ratio"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.copy_rows and not ("passkey" in args.data and len(args.data) > 1):
+        raise SystemExit("--copy-rows replaces half the passkey rows of a text+passkey mixture: give --data passkey and text files")
     if args.passkey_ratio != 1 and not ("passkey" in args.data and len(args.data) > 1):
         raise SystemExit("--passkey-ratio mixes text and passkey rows: give --data passkey and text files")
     if args.timeout <= 0:
@@ -171,6 +177,10 @@ def build_dataset(args, tokenizer):
             return passkey
     text = PackedTextDataset(tokenizer, find_text_files(files), args.seq_len, text_field=args.text_field,
                              max_rows=args.max_rows, cache_dir=os.path.join(args.output_dir, "datasets_cache"))
+    if passkey is not None and args.copy_rows:
+        copies = CopySpanDataset(tokenizer, [f for f in find_text_files(files) if not f.endswith((".json", ".jsonl"))],
+                                 args.seq_len, args.num_rows, seed=args.seed)
+        passkey = AlternatingDataset(passkey, copies)
     return text if passkey is None else AlternatingDataset(text, passkey, second_rows=args.passkey_ratio)
 
 

@@ -4,8 +4,9 @@
 # trained is in its training.json).
 #   1. hf-dilated convert     the 256-token base to 1024 tokens (preset tiny-llama-passkey: dilated
 #                             levels [256, 512, 1024] x [1, 2, 4], its RoPE setting)
-#   2. finetune_long_context  LoRA (+ embeddings and norms) with dilated_ring at 1024 tokens on the
-#                             standard library's sources (training split) alternating with passkey rows
+#   2. finetune_long_context  LoRA (+ embeddings and norms) with dilated_ring at 1024 tokens: rows alternate
+#                             between the standard library's sources (training split), passkey documents of
+#                             512-1024 tokens and copy rows (a span of the sources repeated 256-895 tokens later)
 #   3. the same with sdpa, the dense reference at the same budget (SDPA_FINETUNE=0 skips it)
 #   4. hf-dilated eval        the base (sdpa), the converted model before fine-tuning (dilated_ring) and
 #                             each fine-tuned model: loss by position on held-out sources (whole context
@@ -21,7 +22,7 @@ fi
 
 OUT=${OUT:-runs/default}
 BASE=${BASE:-examples/tiny_base}
-FINETUNE_STEPS=${FINETUNE_STEPS:-150}
+FINETUNE_STEPS=${FINETUNE_STEPS:-300}
 SDPA_FINETUNE=${SDPA_FINETUNE:-1}
 EVAL_SAMPLES=${EVAL_SAMPLES:-8}
 EVAL_DOCS=${EVAL_DOCS:-16}
@@ -49,8 +50,8 @@ hf-dilated convert "$BASE" "$OUT/long" --preset tiny-llama-passkey --force
 
 finetune() {  # $1: attention
     python examples/finetune_long_context.py --model "$OUT/long" --output-dir "$OUT/ft_$1" --attn "$1" \
-        --seq-len "$CONTEXT" --data passkey $TRAIN_FILES --passkey-ratio 1 --passkey-min-doc-len "${PASSKEY_MIN_DOC:-512}" \
-        --max-steps "$FINETUNE_STEPS" --batch-size 2 --lora-rank 32 --lora-alpha 64 --lr "${FINETUNE_LR:-2e-3}" \
+        --seq-len "$CONTEXT" --data passkey $TRAIN_FILES --passkey-ratio 1 --passkey-min-doc-len "${PASSKEY_MIN_DOC:-512}" --copy-rows \
+        --max-steps "$FINETUNE_STEPS" --batch-size 2 --lora-rank 32 --lora-alpha 64 --lr "${FINETUNE_LR:-1e-3}" \
         --warmup-steps 10 --loss-mean row --no-gradient-checkpointing --log-file "$OUT/ft_$1/log.jsonl"
 }
 

@@ -402,3 +402,59 @@ def test_a_stopped_rank_becomes_an_error_within_the_timeout(checkpoint, tmp_path
     assert elapsed < 200, elapsed  # bounded by the timeout, not by the stopped rank's hour
     assert [r["step"] for r in read_log(out / "log.jsonl")] == [1]  # step 2 never completed
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-3000:]
+
+
+def test_copy_rows_repeat_a_span_far_back_and_label_only_the_repeat(tmp_path):
+    from data import CopySpanDataset
+
+    text = tmp_path / "doc.py"
+    text.write_text("".join(f"line_{i} = {i * i}\n" for i in range(400)))
+    tokenizer = build_byte_tokenizer()
+    data = CopySpanDataset(tokenizer, [str(text)], 256, 20, seed=1, min_span=8, max_span=32)
+    for i in range(20):
+        row = data[i]
+        assert all(torch.equal(row[k], data[i][k]) for k in row)  # seeded by index
+        at = (row["labels"] != IGNORE_INDEX).nonzero().flatten()
+        span = len(at) + 1
+        assert 8 <= span <= 32 and torch.equal(at, torch.arange(at[0], at[0] + span - 1))  # one contiguous run
+        second = int(at[0])
+        ids = row["input_ids"]
+        # the labelled tokens repeat a span that starts 64..(256 - 32 - 1) tokens earlier
+        gaps = [g for g in range(64, second + 1) if torch.equal(ids[second - g:second - g + span], ids[second:second + span])]
+        assert gaps, i
+        assert torch.equal(row["labels"][at], ids[at + 1])
+
+
+def test_multikey_documents_ask_every_key_at_the_end():
+    from passkey import BRACKETS, multikey_length, multikey_sample
+
+    tokenizer = build_byte_tokenizer()
+    for keys in (1, 2, 4):
+        s = multikey_sample(tokenizer, multikey_length(keys) + 100, random.Random(keys), keys)
+        text = tokenizer.decode(s["input_ids"][1:])
+        assert s["input_ids"].shape == (multikey_length(keys) + 100,) and text.endswith("The pass key is <" + s["key"])
+        labelled = s["labels"] != IGNORE_INDEX
+        assert int(labelled.sum()) == KEY_DIGITS * keys
+        for o, c in BRACKETS[:keys]:
+            assert text.count(o) == KEY_COPIES + 1  # the copies and the question
+    with pytest.raises(ValueError, match="too short"):
+        multikey_sample(tokenizer, multikey_length(3) - 1, random.Random(0), 3)
+
+
+def test_stdlib_split_is_disjoint_and_mixture_rows_are_seeded():
+    from data import TextPasskeyMixture, stdlib_files
+
+    train, held = stdlib_files("train"), stdlib_files("heldout")
+    assert train and held and not set(train) & set(held)
+    tokenizer = build_byte_tokenizer()
+    mix = TextPasskeyMixture(tokenizer, train[:3], 256, 50, passkey_fraction=0.5, seed=2)
+    kinds = [int((mix[i]["labels"] != IGNORE_INDEX).sum()) == 256 for i in range(50)]
+    assert 10 < sum(kinds) < 40  # text rows label every token, passkey rows only the digits
+    assert all(torch.equal(mix[7][k], mix[7][k]) for k in mix[7])
+
+
+def test_copy_rows_need_a_text_and_passkey_mixture():
+    from finetune_long_context import parse_args
+
+    with pytest.raises(SystemExit, match="--copy-rows"):
+        parse_args(["--model", "m", "--output-dir", "o", "--seq-len", "64", "--max-steps", "1", "--copy-rows"])

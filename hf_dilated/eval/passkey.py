@@ -115,8 +115,8 @@ def multikey_sample(tokenizer, length: int, rng: random.Random, keys: int) -> di
         order.append(0)
     questions = ["What is the pass key? The pass key is " + BRACKETS[i][0] + values[i] + (BRACKETS[i][1] + ". " if n < keys - 1 else "")
                  for n, i in enumerate(order)]
-    fixed = multikey_length(keys)
     fixed = 1 + len(INTRO) + sum(map(len, sentences)) + sum(map(len, questions))
+    assert fixed == multikey_length(keys)
     if length < fixed:
         raise ValueError(f"length {length} is too short for {keys} keys (needs {fixed})")
     filler_chars = length - fixed
