@@ -96,8 +96,12 @@ gain_d = far(d, "windowed_loss_by_bucket") - far(d, "loss_by_bucket")
 line = f"(b) 2L..4L: ft-dilated_ring whole {far(d, 'loss_by_bucket'):.3f}, cut to L {far(d, 'windowed_loss_by_bucket'):.3f} (gain {gain_d:+.3f})"
 if s:
     gain_s = far(s, "windowed_loss_by_bucket") - far(s, "loss_by_bucket")
-    line += (f"; ft-sdpa whole {far(s, 'loss_by_bucket'):.3f} (gain {gain_s:+.3f}); gain ratio "
-             f"{gain_d / gain_s if gain_s else float('nan'):.2f} (target >= 0.5), loss {far(d, 'loss_by_bucket') / far(s, 'loss_by_bucket') - 1:+.1%} vs sdpa (target <= +5%)")
+    ratio = f"gain ratio {gain_d / gain_s:.2f} (target >= 0.5)" if gain_s > 0 else \
+        "no gain ratio: the sdpa fine-tune does not gain from the context beyond L either"
+    line += (f"; ft-sdpa whole {far(s, 'loss_by_bucket'):.3f} (gain {gain_s:+.3f}); {ratio}; "
+             f"loss {far(d, 'loss_by_bucket') / far(s, 'loss_by_bucket') - 1:+.1%} vs sdpa (target <= +5%)")
+if gain_d <= 0:
+    line += "\n    (a negative gain: the whole document scores worse than the context cut to L)"
 print(line)
 print(f"(c) passkey keys at 1024: ft-dilated_ring {keys(d, 1024):.0%} (target >= 90%)" + (f", ft-sdpa {keys(s, 1024):.0%}" if s else ""))
 EOF2
