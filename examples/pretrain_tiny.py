@@ -4,8 +4,11 @@ machine has (the Python standard library's sources, minus the held-out files `da
 keeps for evaluation) mixed with short passkey documents, so that the short-context model
 retrieves within its own context.
 
-    python examples/pretrain_tiny.py --output-dir runs/pretrain --max-steps 1000 --passkey-fraction 1
-    python examples/pretrain_tiny.py --output-dir runs/pretrain2 --init runs/pretrain/model --max-steps 8000
+    # how examples/tiny_base was made (one CPU thread each; about 25 minutes in all on an idle core):
+    python examples/pretrain_tiny.py --output-dir runs/pt/a50 --passkey-fraction 1 --max-steps 800 --save-every 200
+    python examples/pretrain_tiny.py --output-dir runs/pt/s2 --init runs/pt/a50/model --seed 1 \
+        --passkey-fraction 0.5 --max-steps 4500 --lr 1.5e-3 --warmup-steps 100 --save-every 250
+    python examples/pretrain_tiny.py --export runs/pt/s2/model --record RECORD.json --output-dir examples/tiny_base
 
 Each row is a passkey row with probability --passkey-fraction, else a window of one training
 file (data.TextPasskeyMixture); the loss is each row's own mean (--loss-mean row), so the few key
