@@ -3,7 +3,8 @@
 `import hf_dilated` registers the attention implementations "dilated", "dilated_ring", "ring",
 "block_sparse" and "block_sparse_ring" with transformers.
 """
-from .integrations import DilatedConfig, register as _register_with_transformers
+from .config import DilatedConfig
+from .integrations import register as _register_with_transformers
 from .nn import DilatedMultiheadAttention, create_attention
 from .ops import dilated_attention
 from .patching import lora_config, patch, patch_family, unpatch_family

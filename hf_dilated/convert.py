@@ -32,7 +32,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .integrations.config import CONFIG_KEY, DilatedConfig
+from .config import CONFIG_KEY, DilatedConfig
 from .integrations.transformers import NAMES
 from .patches import family_for
 from .patches.context import MAX_CONTEXT_LENGTH, ROPE_CHOICES, ConversionWarning, check_context_length

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .integrations.config import DEFAULT_BLOCK_SIZE
+from .config import DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)

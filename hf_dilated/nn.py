@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .integrations.config import default_schedule
+from .config import default_schedule
 from .kinds import KINDS as _KINDS
 from .ops.validate import DILATED_MODES
 

@@ -35,7 +35,7 @@ def load_preset(name: str) -> dict:
 
 
 def validate_preset(preset: dict, name: str = "<preset>") -> None:
-    from hf_dilated.integrations.config import DilatedConfig
+    from hf_dilated.config import DilatedConfig
     from hf_dilated.integrations.transformers import NAMES
     from hf_dilated.patches import family_for
     from hf_dilated.patches.context import ROPE_CHOICES

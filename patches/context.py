@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 
-from hf_dilated.integrations.config import CONFIG_KEY, DilatedConfig, context_lengths
+from hf_dilated.config import CONFIG_KEY, DilatedConfig, context_lengths
 
 ROPE_CHOICES = ("linear", "dynamic", "yarn", "none")
 _OURS = ("linear", "dynamic", "yarn")

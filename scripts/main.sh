@@ -79,7 +79,7 @@ for log in sorted(out.glob("ft_*/log.jsonl")):
 EOF
 
 echo "== 4/4 evaluate"
-python -m hf_dilated.eval --model "${MODELS[@]}" --text "$OUT/heldout" --lengths 256 512 "$CONTEXT" \
+hf-dilated eval --model "${MODELS[@]}" --text "$OUT/heldout" --lengths 256 512 "$CONTEXT" \
     --ppl-length "$CONTEXT" --bucket 256 --samples "$EVAL_SAMPLES" --depths 0 0.25 0.5 0.75 1 --output-dir "$OUT/eval"
 python - "$OUT/eval/eval.json" <<'EOF2'
 import json, sys

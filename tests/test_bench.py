@@ -165,7 +165,7 @@ def test_worker_reports_flash_attn_unavailable_on_cpu():
 def test_worker_times_every_pass_before_tightening_the_allocator(monkeypatch):
     """The memory measurement's allocator settings cannot be undone, so every timed call of a case
     (forward and backward) comes before them; run_case in a caller's process never sets them."""
-    from hf_dilated.bench import probe
+    from hf_dilated import measure as probe
     from hf_dilated.bench.worker import run_case
 
     events = []
@@ -270,7 +270,7 @@ def test_report_is_written_without_matplotlib(smoke_all, tmp_path):
 def test_block_sparse_bench_interleaves_variants_and_reports_failures():
     """Each round times every variant once, in turn (a slow spell of the machine then falls on all
     of them), after one warm-up call each; a variant that raises is reported, not timed."""
-    from hf_dilated.bench.probe import time_interleaved
+    from hf_dilated.measure import time_interleaved
 
     calls, logged = [], []
 

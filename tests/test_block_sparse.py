@@ -60,6 +60,13 @@ def _inputs(scenario):
         mask[0, :3] = 0
         pos = torch.cat([torch.zeros(3, dtype=torch.long), torch.arange(20), torch.arange(14)]).expand(BATCH, LENGTH)
         return mask, pos, 1, True
+    if scenario in ("holes", "holes_index_positions"):  # padding in the middle of documents (SPEC:
+        # a padded slot neither starts nor breaks a document, whether positions count it or not)
+        mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+        mask[0, [4, 5, 19]] = 0
+        mask[1, 30:33] = 0
+        pos = torch.arange(LENGTH).expand(BATCH, LENGTH) if scenario == "holes_index_positions" else None
+        return mask, pos, LENGTH, True
     if scenario == "not_causal":
         mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
         mask[1, 30:] = 0
@@ -108,7 +115,8 @@ def _check_against_reference(pattern, scenario, dtype, block_size=BLOCK, seed=0)
     return layout
 
 
-SCENARIOS = ["plain", "padding", "packed", "decode", "packed_padded_decode", "not_causal"]
+SCENARIOS = ["plain", "padding", "packed", "decode", "packed_padded_decode", "holes", "holes_index_positions",
+             "not_causal"]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import hf_dilated  # noqa: F401  (registers the names)
 from hf_dilated.cli import main as cli
 from hf_dilated.convert import convert_checkpoint, describe
-from hf_dilated.integrations.config import DilatedConfig
+from hf_dilated.config import DilatedConfig
 from hf_dilated.model_configs import build_model_config, list_presets, load_preset, validate_preset
 from hf_dilated.patches.context import original_length, rope_updates
 

@@ -33,7 +33,7 @@ class Case:
     kv_len: int = 16
     q_len: int | None = None  # None: q_len == kv_len (prefill)
     head_dim: int = 8
-    layout: str = "plain"  # plain | left | right | packed | offset | pad_packed | shared_pos
+    layout: str = "plain"  # plain | left | right | packed | offset | pad_packed | shared_pos | holes | holes_index
     scale: float | None = None
     seed: int = 0
 
@@ -74,6 +74,13 @@ def make_inputs(case: Case, dtype=torch.float32, device="cpu"):
                 t += len(seg)
         if mask is not None:  # Hugging Face style: padded slots get position 1
             pos = pos.masked_fill(mask == 0, 1)
+    if case.layout in ("holes", "holes_index"):  # padding inside the document; positions are the
+        # mask ranks, or the indices (which count the padded slots): one document either way
+        mask = torch.ones(case.batch, n, dtype=torch.long)
+        for b in range(case.batch):
+            mask[b, rng.sample(range(n - 1), max(1, n // 5))] = 0
+        if case.layout == "holes_index":
+            pos = torch.arange(n).expand(case.batch, n)
     real_query = (mask.bool() if mask is not None else torch.ones(case.batch, n, dtype=torch.bool))[:, n - q_len:]
     q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
     if mask is not None:
@@ -181,6 +188,8 @@ NAMED = {
     "docs_off_segment_boundary": dict(segment_lengths=(4, 8), dilation_rates=(1, 2), q_heads=2, kv_len=40, batch=2, layout="offset"),
     "padding_and_packing": dict(segment_lengths=(4, 8), dilation_rates=(2, 4), q_heads=4, kv_heads=2, kv_len=41, batch=2, layout="pad_packed"),
     "position_ids_shared_by_batch": dict(segment_lengths=(4, 8), dilation_rates=(1, 2), q_heads=2, kv_len=30, batch=2, layout="shared_pos"),
+    "holes_mask_ranks": dict(segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4), q_heads=4, kv_heads=2, kv_len=45, batch=2, layout="holes"),
+    "holes_index_positions": dict(segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4), q_heads=4, kv_heads=2, kv_len=45, batch=2, layout="holes_index"),
     "decode_q1": dict(segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4), q_heads=4, kv_heads=2, kv_len=50, q_len=1),
     "decode_q1_padded": dict(segment_lengths=(4, 8), dilation_rates=(1, 2), q_heads=2, kv_len=23, q_len=1, batch=2, layout="left"),
     "chunked_q7": dict(segment_lengths=(4, 8, 16), dilation_rates=(1, 2, 4), q_heads=2, kv_len=50, q_len=7, layout="packed"),

@@ -12,7 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface
 import hf_dilated
 from hf_dilated.convert import convert_checkpoint
 from hf_dilated.integrations import transformers as glue
-from hf_dilated.integrations.config import DilatedConfig
+from hf_dilated.config import DilatedConfig
 from hf_dilated.model_configs import build_model_config, load_preset
 from reference import dilated_reference
 

@@ -143,7 +143,7 @@ def test_unsupported_families_and_objects_are_refused_with_the_supported_list():
 def test_a_hand_written_entry_without_pattern_gets_the_documented_default():
     """One default per field: the block-sparse window of an entry that names no pattern is the one
     DilatedConfig.default gives (dense within the first segment), not a 1-block window."""
-    from hf_dilated.integrations.config import DilatedConfig
+    from hf_dilated.config import DilatedConfig
 
     written = DilatedConfig.from_dict({"segment_lengths": [512, 1024], "dilation_rates": [1, 2]})
     assert written.pattern == DilatedConfig.default(512, 1024).pattern == {"type": "local", "window": 8}

@@ -17,7 +17,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from . import probe
+from .. import measure as probe
 from .counts import dense_pair_count, layout_pair_count
 from .kernels import DTYPES
 from .report import mib, say

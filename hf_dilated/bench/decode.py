@@ -13,13 +13,13 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from . import probe
+from .. import measure as probe
 from .kernels import DTYPES
 from .report import mib, say
 
 
 def run_decode_case(spec: dict, own_process: bool = False) -> dict:
-    from ..integrations.config import DilatedConfig
+    from ..config import DilatedConfig
     from ..ops import dilated_attention
 
     device, dtype, n = torch.device(spec["device"]), DTYPES[spec["dtype"]], spec["n"]

@@ -15,7 +15,7 @@ import socket
 
 import torch
 
-from . import probe
+from .. import measure as probe
 from .report import say
 
 KERNELS = ("ring", "dilated_ring")

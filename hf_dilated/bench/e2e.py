@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from . import probe
+from .. import measure as probe
 from .kernels import DTYPES
 from .report import case_summary, mib, say
 

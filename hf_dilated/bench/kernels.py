@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from . import probe
+from .. import measure as probe
 from .report import PASS_LABEL, case_summary, mib, say
 from ..ops.validate import DILATED_MODES
 from .variants import BUILDERS, Unavailable

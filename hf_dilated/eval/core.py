@@ -21,15 +21,14 @@ set follows the live tensors; elsewhere an upper bound, flagged).
 """
 from __future__ import annotations
 
-import gc
 import random
-import resource
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from ..measure import MemoryProbe, strict_allocator, sync
 from .passkey import IGNORE_INDEX, KEY_DIGITS, passkey_sample
 
 
@@ -135,38 +134,6 @@ def passkey_scores(model, samples: list[dict], batch_size: int = 4, progress=Non
     return keys, digits
 
 
-def _status_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _strict_allocator(on: bool):
-    """glibc only: with `on`, map every block over 64 KiB on its own and give freed memory back at
-    once, so that the resident set follows the live allocations (a forward's temporaries otherwise
-    reuse memory the process already holds and its peak reads 0); off restores glibc's defaults
-    (128 KiB thresholds). Returns the libc handle, or None where this is not glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt, trim = libc.mallopt, libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    threshold = 64 * 1024 if on else 128 * 1024
-    if not (mallopt(m_mmap_threshold, threshold) and mallopt(m_trim_threshold, threshold if not on else 0)):
-        return None
-    trim(0)
-    return libc
-
-
 @torch.no_grad()
 def forward_cost(model, length: int, vocab_size: int, repeats: int = 3) -> dict:
     """Median seconds of a no-grad forward of one row of `length` tokens, and its peak memory (bytes)
@@ -176,38 +143,20 @@ def forward_cost(model, length: int, vocab_size: int, repeats: int = 3) -> dict:
     _logits(model, ids)  # warm-up (plans, kernels)
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         t0 = time.perf_counter()
         _logits(model, ids)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         times.append(time.perf_counter() - t0)
-    gc.collect()
-    exact = True
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    # Memory after the timed calls (measure.py): one more call, its peak above what was held before.
+    exact = device.type == "cuda" or strict_allocator(True)
+    probe = MemoryProbe(device)
+    try:
+        probe.start()
         _logits(model, ids)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        libc = _strict_allocator(True)  # every block over 64 KiB mapped on its own, unmapped when freed
-        try:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                exact = False
-            base = _status_bytes("VmRSS") or 0
-            _logits(model, ids)
-            hwm = _status_bytes("VmHWM") if exact else None
-            if hwm is None:
-                exact = False
-                hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            peak = max(0, hwm - base)
-        finally:
-            if libc is not None:
-                _strict_allocator(False)
-        exact = exact and libc is not None
+        peak = probe.peak_extra()
+    finally:
+        if device.type != "cuda":
+            strict_allocator(False)
+    exact = exact and (device.type == "cuda" or probe.can_reset)
     return {"seconds": statistics.median(times), "peak_bytes": int(peak), "memory_exact": exact}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,7 +209,6 @@ def work_units(args, runs: list[Run]) -> int:
     combos = sum(len(r.attns) for r in runs)
     units = 0
     if args.text:
-        ppl_length = args.ppl_length or max(args.lengths)
         n_docs = len(find_documents(args.text)) if args.max_docs is None else args.max_docs
         units += n_docs  # whole-context rows; the windowed rows are added as they come
     units += args.samples * len(args.lengths) * len(args.depths)
@@ -298,12 +296,7 @@ def plots(result: dict, out: Path) -> list[str]:
         ax.set_xlabel("target position (tokens)")
         ax.set_ylabel("loss (nats/token)")
         ax.set_title(f"Held-out loss by position (dashed: context cut to {s['window']})")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "loss_by_position.png", dpi=120)
-        plt.close(fig)
-        written.append("loss_by_position.png")
+        written.append(_save(plt, fig, ax, out / "loss_by_position.png"))
     pk_rows = [r for r in rows if "passkey" in r]
     if pk_rows:
         fig, ax = plt.subplots(figsize=(7, 4.4))
@@ -319,13 +312,17 @@ def plots(result: dict, out: Path) -> list[str]:
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("keys right (%), mean over depths")
         ax.set_title("Passkey retrieval")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "passkey.png", dpi=120)
-        plt.close(fig)
-        written.append("passkey.png")
+        written.append(_save(plt, fig, ax, out / "passkey.png"))
     return [f"wrote {out / w}" for w in written]
+
+
+def _save(plt, fig, ax, path) -> str:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name
 
 
 class _NoProgress:

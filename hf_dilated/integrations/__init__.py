@@ -1,5 +1,5 @@
-"""The thin transformers glue: attention/mask registration (transformers.py) and the config (config.py)."""
-from .config import CONFIG_KEY, DilatedConfig
+"""The thin transformers glue: attention/mask registration and the choice of attention at load
+time (transformers.py). The configuration schema it reads is hf_dilated/config.py."""
 from .transformers import NAMES, register
 
-__all__ = ["CONFIG_KEY", "DilatedConfig", "NAMES", "register"]
+__all__ = ["NAMES", "register"]

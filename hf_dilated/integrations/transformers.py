@@ -22,7 +22,7 @@ import torch
 from ..kinds import KINDS, TRANSFORMERS_NAMES
 from ..ops.plan_cache import PlanCache
 from ..ops.token_layout import from_model_inputs
-from .config import RECORDED_NAME, DilatedConfig
+from ..config import RECORDED_NAME, DilatedConfig
 
 NAMES = TRANSFORMERS_NAMES
 

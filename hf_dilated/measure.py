@@ -1,5 +1,6 @@
-"""Time and memory measurement, the one implementation every benchmark uses (kernels, block-sparse,
-decode, distributed, end to end).
+"""Time and memory measurement, the one implementation every benchmark (hf_dilated.bench: kernels,
+block-sparse, decode, distributed, end to end) and the cost column of `hf-dilated eval` use. It
+lives outside the bench package because nothing may import that package.
 
 Time: calls run under glibc's default allocator settings, as in any user's process (after the
 warm-up, blocks up to 32 MiB are reused from the heap instead of being mapped afresh, and
@@ -135,16 +136,18 @@ class MemoryProbe:
         return max(0, hwm - self.baseline)
 
 
-def strict_allocator() -> bool:
-    """glibc: map every block over 64 KiB on its own and unmap it when freed, and give the retained
-    heap back, so the resident set follows the live allocations (for the memory measurement).
+def strict_allocator(on: bool = True) -> bool:
+    """glibc: with `on`, map every block over 64 KiB on its own and unmap it when freed, and give
+    the retained heap back, so the resident set follows the live allocations (for the memory
+    measurement); `on=False` goes back to glibc's default thresholds (128 KiB, fixed from then on:
+    glibc's own dynamic threshold is not restored, so a caller measures time before memory).
     Returns whether the settings took (False where the C library is not glibc)."""
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-        libc.mallopt(m_mmap_threshold, 64 * 1024)
+        libc.mallopt(m_mmap_threshold, 64 * 1024 if on else 128 * 1024)
         libc.mallopt(m_trim_threshold, 128 * 1024)
         gc.collect()
         libc.malloc_trim(0)

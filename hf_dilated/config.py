@@ -1,4 +1,5 @@
-"""The one configuration object of the Hugging Face integration, stored in the model config.
+"""The one configuration module: the schema of the `hf_dilated` entry, its one default level
+schedule and the constants, read by the transformers glue, the conversion and `create_attention`.
 
 A model config carries it as a plain dict under the key `hf_dilated` (so it lands in
 `config.json` and survives `save_pretrained` / `from_pretrained`); `DilatedConfig.from_model_config`
@@ -10,8 +11,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ..ops.block_patterns import make_pattern
-from ..ops.validate import check_dilated_config
+from .ops.block_patterns import make_pattern
+from .ops.validate import check_dilated_config
 
 CONFIG_KEY = "hf_dilated"
 # The entry also records which of our attn_implementation names the model was configured with
