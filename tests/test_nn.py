@@ -277,3 +277,18 @@ def test_auto_under_a_sequence_parallel_group_runs_the_ring_kernels():
         q, k, v = (per_rank[0][name].double() for name in "qkv")
         want = dense_causal_reference(q, k, v) if kind == "ring" else dilated_reference(q, k, v, seg, [1, 2, 4])
         assert (out.double() - want).abs().max() < 1e-4, kind
+
+
+def test_empty_heads_or_head_dim_are_clear_errors():
+    """head_dim 0 used to surface as a ZeroDivisionError from the default scale."""
+    from hf_dilated.ops import dilated_attention
+
+    for shape in ((1, 2, 4, 0), (1, 0, 4, 8)):
+        q = torch.randn(*shape)
+        for kind in ("dense", "dilated", "ring", "block_sparse"):
+            config = {"dilated": {"segment_lengths": [4], "dilation_rates": [1]},
+                      "block_sparse": {"pattern": {"type": "local", "window": 2}}}.get(kind, {})
+            with pytest.raises(ValueError, match="head_dim >= 1"):
+                create_attention(kind, **config)(q, q, q)
+        with pytest.raises(ValueError, match="head_dim >= 1"):
+            dilated_attention(q, q, q, [4], [1])

@@ -15,6 +15,8 @@ def check_qkv(q, k, v, attention_mask=None, position_ids=None) -> None:
             raise ValueError(f"{name} must be 4-D (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}")
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+        if t.shape[1] == 0 or t.shape[3] == 0:  # scale = head_dim ** -0.5 and the GQA ratio divide by them
+            raise ValueError(f"{name} must have at least one head and head_dim >= 1, got shape {tuple(t.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k and v must share a dtype, got q={q.dtype}, k={k.dtype}, v={v.dtype}")
     if k.device != q.device or v.device != q.device:
