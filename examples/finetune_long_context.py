@@ -443,9 +443,6 @@ def forward_loss(model, batch, device, sp, loss_mean: str = "token"):
     loss_mean "row" divides each row's sum by that row's count instead, then by the rows.
     """
     input_ids, labels, position_ids = (batch[k].to(device) for k in ("input_ids", "labels", "position_ids"))
-    if sp is not None:  # sharding drops the last position's label (nothing after it to predict)
-        labels = labels.clone()
-        labels[:, -1] = IGNORE_INDEX
     count = (labels != IGNORE_INDEX).sum().clamp(min=1)
     row_counts = denominator = None
     if loss_mean == "row":  # the loss is (sum of row means) / (rows with labels)
@@ -457,9 +454,8 @@ def forward_loss(model, batch, device, sp, loss_mean: str = "token"):
         return loss, token_hits(logits, labels), count
     from hf_dilated.distributed import reduce_loss, shard_batch
 
-    # shard_batch shifts labels itself, so hand it the unshifted form of our (already shifted) labels.
-    unshifted = F.pad(labels[:, :-1], (1, 0), value=IGNORE_INDEX)
-    part = shard_batch(input_ids, unshifted, position_ids=position_ids, ignore_index=IGNORE_INDEX)
+    # Our labels are already shifted (data.py): shard them as they are.
+    part = shard_batch(input_ids, shift_labels=labels, position_ids=position_ids, ignore_index=IGNORE_INDEX)
     logits = model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits
     hits = token_hits(logits, part["labels"])
     torch.distributed.all_reduce(hits, group=sp.sp_group)  # the group's shards hold one row set between them

@@ -265,6 +265,8 @@ def grid_and_batch_helpers(rank, world):
     ranks_dp = dist.get_process_group_ranks(sp.dp_group)
     ids = torch.arange(100, 130).view(1, 30) + 1000 * sp.dp_rank  # 30 tokens: padded to 32 (4 chunks)
     batch = hd.shard_batch(ids, labels=ids)
+    # Labels already shifted (transformers' shift_labels) are sharded as they are: the last one kept.
+    preshifted = hd.shard_batch(ids, shift_labels=ids)
     # gather_sequence rebuilds the sequence; its backward hands every rank the gradient of its slice
     x = batch["input_ids"].double().requires_grad_()
     full = hd.gather_sequence(x, seq_len=30)
@@ -276,6 +278,8 @@ def grid_and_batch_helpers(rank, world):
     return dict(ranks_sp=ranks_sp, ranks_dp=ranks_dp, sp_rank=sp.sp_rank, dp_rank=sp.dp_rank,
                 full=full.detach(), grad=x.grad, input_ids=batch["input_ids"], pos=gathered_pos,
                 labels=gathered_labels, items=int(batch["num_items_in_batch"]), loss=loss.item(),
+                preshifted=hd.gather_sequence(preshifted["labels"]),
+                preshifted_items=int(preshifted["num_items_in_batch"]),
                 state=(hd.get_sequence_parallel_layout(), sp.sp_size, sp.dp_size))
 
 
@@ -298,6 +302,8 @@ def test_grid_shard_batch_gather_and_loss_helpers():
         assert torch.equal(res["pos"][0], torch.arange(32))  # global positions, continuing into the padding
         want_labels = torch.cat([ids[0, 1:], torch.full((3,), -100)])  # shifted before sharding
         assert torch.equal(res["labels"][0], want_labels)
+        assert torch.equal(res["preshifted"][0], torch.cat([ids[0], torch.full((2,), -100)]))
+        assert res["preshifted_items"] == 30
         assert res["items"] == 29
         assert res["loss"] == 3.0  # 1 + 2 over the SP group
 

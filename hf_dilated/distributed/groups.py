@@ -128,9 +128,9 @@ def _default_group_layout(group, layout):
     return group, layout
 
 
-def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, attention_mask=None,
-                position_ids=None, group=None, layout: str | None = None, pad_token_id: int = 0,
-                ignore_index: int = -100) -> dict:
+def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, shift_labels=None,
+                attention_mask=None, position_ids=None, group=None, layout: str | None = None,
+                pad_token_id: int = 0, ignore_index: int = -100) -> dict:
     """This rank's part of a causal-LM batch, as keyword arguments for a transformers model.
 
     input_ids, labels, attention_mask, position_ids: (batch, seq_len), the *whole* batch, the same
@@ -139,9 +139,11 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
       attention patterns see true positions). position_ids are the given ones, else
       cumsum(attention_mask) - 1 (as `generate` does), else 0..seq_len-1;
     - attention_mask: this rank's part, when one was given;
-    - labels and shift_labels (only when labels are given): the labels shifted left by one *before*
-      sharding, so the last token of a shard still predicts the first token of the next one;
-      transformers' causal-LM loss uses shift_labels as they are;
+    - labels and shift_labels (only when labels or shift_labels are given): the labels shifted left
+      by one *before* sharding, so the last token of a shard still predicts the first token of the
+      next one; transformers' causal-LM loss uses shift_labels as they are. Labels that are already
+      shifted (shift_labels[t] is what token t predicts, transformers' own convention) are passed
+      as `shift_labels=` instead of `labels=` and only sharded;
     - num_items_in_batch: the number of labelled tokens of the whole batch, so that the model's
       loss is (this rank's loss sum) / (global count) and the group's losses add up to the global
       mean (`reduce_loss`).
@@ -155,7 +157,10 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a 2-D tensor (batch, seq_len), got {getattr(input_ids, 'shape', input_ids)}")
     batch, seq_len = input_ids.shape
-    for name, t in (("labels", labels), ("attention_mask", attention_mask), ("position_ids", position_ids)):
+    if labels is not None and shift_labels is not None:
+        raise ValueError("labels, shift_labels: pass one of them (shift_labels are labels already shifted)")
+    for name, t in (("labels", labels), ("shift_labels", shift_labels), ("attention_mask", attention_mask),
+                    ("position_ids", position_ids)):
         if t is not None and (not isinstance(t, torch.Tensor) or t.shape != input_ids.shape):
             raise ValueError(f"{name} must be a tensor shaped like input_ids {tuple(input_ids.shape)}, "
                              f"got {getattr(t, 'shape', t)}")
@@ -168,6 +173,7 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
     out = {}
     if labels is not None:
         shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
+    if shift_labels is not None:
         out["num_items_in_batch"] = (shift_labels != ignore_index).sum()
     total = padded_length(seq_len, world, layout)
     pad = total - seq_len
@@ -183,11 +189,11 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
     }
     if attention_mask is not None:
         parts["attention_mask"] = pad_end(attention_mask, 0)
-    if labels is not None:
+    if shift_labels is not None:
         parts["labels"] = pad_end(shift_labels, ignore_index)
     for name, t in parts.items():
         out[name] = shard(t, world, rank, layout, dim=1).contiguous() if world > 1 else t.contiguous()
-    if labels is not None:
+    if shift_labels is not None:
         out["shift_labels"] = out["labels"]
     return out
 
