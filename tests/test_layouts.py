@@ -264,3 +264,34 @@ def test_every_layer_after_the_first_reuses_the_plan(checkpoint_dirs, monkeypatc
         m(**kwargs)
     layers = m.config.num_hidden_layers
     assert layers > 1 and len(builds) <= 1
+
+
+# --- sliding windows: exact while the sequence fits in the window, a clear error beyond ---------
+
+def _windowed(family, window):
+    from transformers import MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=37, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "mistral":
+        return MistralConfig(sliding_window=window, **common)
+    return Qwen2Config(use_sliding_window=True, sliding_window=window, max_window_layers=1, **common)
+
+
+@pytest.mark.parametrize("family", ("mistral", "qwen2"))
+def test_a_sliding_window_longer_than_the_sequence_runs_like_sdpa(tmp_path, family):
+    """Mistral's default config has sliding_window=4096: it used to refuse every forward. A window
+    that covers the whole sequence hides nothing, so every name equals sdpa there."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_windowed(family, 48)).save_pretrained(tmp_path)
+    x, mask = ids(2, 30, seed=40), left_padded(2, 30, 6)
+    with torch.no_grad():
+        sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+        want_logits = sdpa(x, attention_mask=mask).logits
+        want_tokens = _generate(sdpa, x, mask)  # 35 tokens in all: still within the window
+        for name in NAMES:
+            m = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=name).eval()
+            _compare(m(x, attention_mask=mask).logits, want_logits, mask)
+            assert torch.equal(_generate(m, x, mask), want_tokens), name
+            with pytest.raises(NotImplementedError, match="sliding_window=48 with 60 keys"):
+                m(ids(1, 60))

@@ -29,7 +29,6 @@ NAMES = TRANSFORMERS_NAMES
 # Keyword arguments some models pass that these kernels cannot honour: they raise, never ignore.
 _UNSUPPORTED_KWARGS = {
     "softcap": "attention logit soft-capping",
-    "sliding_window": "a sliding window (set config.sliding_window = None; hf_dilated.patch does)",
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
     "position_bias": "an additive position bias",
@@ -126,6 +125,20 @@ def _check_kwargs(module, name, kwargs):
         raise NotImplementedError(f"attn_implementation={name!r} computes causal attention only (is_causal=False)")
 
 
+def _check_sliding_window(name, window, kv_len):
+    """A sliding window (Mistral, Qwen2 layers) hides keys more than `window` - 1 indices back
+    (transformers' sliding_window_overlay). While every key fits in one window that hides nothing,
+    so our kernels are exact without it; a longer sequence is refused until the kernels carry the
+    window as a band of their own."""
+    if window is None or kv_len <= window:
+        return
+    raise NotImplementedError(
+        f"attn_implementation={name!r}: sliding_window={window} with {kv_len} keys; hf_dilated honours a sliding "
+        f"window only on sequences no longer than the window for now. `hf-dilated convert` and `hf_dilated.patch` "
+        "remove the window when they extend a checkpoint's context"
+    )
+
+
 def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_parallel=False, cu_seq_lens=None):
     """(key, value, attention_mask, position_ids) for a kernel from what transformers passes."""
     batch, q_len = query.shape[0], query.shape[2]
@@ -181,6 +194,7 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
     key, value, mask, positions = kernel_inputs(
         query, key, value, attention_mask, kwargs.get("position_ids"), sequence_parallel=group is not None,
         cu_seq_lens=kwargs.get("cu_seq_lens_q"))
+    _check_sliding_window(name, kwargs.get("sliding_window"), key.shape[2])
     dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
     if dropout_p and not kind.dropout:
         raise NotImplementedError(f"attn_implementation={name!r} has no attention dropout; set attention_dropout=0")
