@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from .ops.block_patterns import make_pattern
-from .ops.validate import check_dilated_config
+from .ops.validate import check_dilated_config, check_positive_int
 
 CONFIG_KEY = "hf_dilated"
 # The entry also records which of our attn_implementation names the model was configured with
@@ -67,8 +67,7 @@ class DilatedConfig:
     def validate(self) -> "DilatedConfig":
         seg, dil = check_dilated_config(self.segment_lengths, self.dilation_rates, self.mode)
         self.segment_lengths, self.dilation_rates = seg, dil
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        check_positive_int("block_size", self.block_size)
         if self.pattern is None:  # dense within the first segment, like the dilated default
             self.pattern = {"type": "local", "window": max(1, (self.original_length or seg[0]) // self.block_size)}
         if not isinstance(self.pattern, dict) or not isinstance(self.pattern.get("type"), str):
@@ -79,9 +78,7 @@ class DilatedConfig:
         if self.ring_layout is not None and self.ring_layout not in RING_LAYOUTS:
             raise ValueError(f"ring_layout must be one of {RING_LAYOUTS} or None, got {self.ring_layout!r}")
         for name in ("original_length", "target_length"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+            check_positive_int(name, getattr(self, name), optional=True)
         return self
 
     # --- construction -------------------------------------------------------------------------
@@ -89,9 +86,8 @@ class DilatedConfig:
     @classmethod
     def default(cls, original_length: int, target_length: int | None = None, **overrides) -> "DilatedConfig":
         """The documented default (see the class docstring); `overrides` replace single fields."""
-        for name, value in (("original_length", original_length), ("target_length", target_length)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int("original_length", original_length)
+        check_positive_int("target_length", target_length, optional=True)
         target_length = max(target_length or original_length, original_length)
         segment_lengths, dilation_rates = default_schedule(original_length, target_length)
         fields = dict(

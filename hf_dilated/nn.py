@@ -33,7 +33,7 @@ from torch import nn
 
 from .config import default_schedule
 from .kinds import KINDS as _KINDS
-from .ops.validate import DILATED_MODES
+from .ops.validate import DILATED_MODES, check_positive_int
 
 KINDS = (*_KINDS, "auto")
 
@@ -157,8 +157,7 @@ def create_attention(kind: str, **config) -> Attention:
         if cfg["mode"] != "union" and cfg["segment_lengths"] is None:
             raise ValueError("create_attention('auto'): mode other than 'union' needs explicit segment_lengths")
         d = cfg["dense_max_len"]
-        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d <= 0):
-            raise ValueError(f"dense_max_len must be a positive int or None, got {d!r}")
+        check_positive_int("dense_max_len", d, optional=True)
         if d is not None and cfg["segment_lengths"] is not None:
             raise ValueError("create_attention('auto'): dense_max_len sets the first segment; do not also give "
                              "segment_lengths")

@@ -21,6 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..ops.validate import check_positive_int
 from .layout import check_layout, padded_length, shard, unshard
 
 
@@ -51,8 +52,7 @@ def setup_sequence_parallel(sp_size: int, *, layout: str = "zigzag", timeout: ti
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("setup_sequence_parallel: torch.distributed is not initialised; call "
                            "init_process_group (or create an accelerate.Accelerator) first")
-    if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1:
-        raise ValueError(f"sp_size must be a positive int, got {sp_size!r}")
+    check_positive_int("sp_size", sp_size)
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % sp_size:
         raise ValueError(f"sp_size ({sp_size}) must divide the world size ({world})")

@@ -45,6 +45,15 @@ def check_qkv(q, k, v, attention_mask=None, position_ids=None) -> None:
         raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
 
 
+def check_positive_int(name: str, value, *, optional: bool = False) -> None:
+    """A ValueError naming `name` unless `value` is an int >= 1 (or None, when `optional`). A bool
+    is not an int here."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+
+
 def check_scale_dropout(scale, dropout_p) -> None:
     if scale is not None and (not isinstance(scale, (int, float)) or not scale > 0):
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
