@@ -102,3 +102,29 @@ def test_tiny_llama_sequence_parallel_matches_one_process(checkpoint):
             for n, p in model.named_parameters():
                 err = (grads[n] - p.grad).abs().max().item()
                 assert err < TOL, f"{name} {case}: gradient of {n} differs by {err}"
+
+
+def windowed_under_sequence_parallelism(rank, world):
+    """Child: a Mistral whose 24-token window covers each rank's 20-token shard but not the 40-token
+    sequence; the window check must count the global length, not the shard's."""
+    import hf_dilated  # noqa: F401
+    import hf_dilated.distributed as hd
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                             num_key_value_heads=2, intermediate_size=37, sliding_window=24,
+                                             use_cache=False))
+    model.set_attn_implementation("ring")
+    hd.setup_sequence_parallel(2)
+    ids = torch.randint(3, 99, (1, 40), generator=torch.Generator().manual_seed(0))
+    try:
+        model(**hd.shard_batch(ids))
+    except NotImplementedError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_sliding_window_is_checked_against_the_global_length():
+    for outcome in launch(windowed_under_sequence_parallelism, 2):
+        assert "sliding_window=24 with 40 keys" in (outcome["result"] or ""), outcome

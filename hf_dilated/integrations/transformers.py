@@ -194,7 +194,9 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
     key, value, mask, positions = kernel_inputs(
         query, key, value, attention_mask, kwargs.get("position_ids"), sequence_parallel=group is not None,
         cu_seq_lens=kwargs.get("cu_seq_lens_q"))
-    _check_sliding_window(name, kwargs.get("sliding_window"), key.shape[2])
+    # Under sequence parallelism the keys are this rank's shard: the window must cover them all.
+    world = torch.distributed.get_world_size(group) if group is not None else 1
+    _check_sliding_window(name, kwargs.get("sliding_window"), key.shape[2] * world)
     dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
     if dropout_p and not kind.dropout:
         raise NotImplementedError(f"attn_implementation={name!r} has no attention dropout; set attention_dropout=0")
