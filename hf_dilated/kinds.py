@@ -3,9 +3,9 @@ the transformers `attn_implementation` names (integrations/transformers.py). Add
 adding a row here.
 
 Each row's `run(q, k, v, settings, *, is_causal, attention_mask, position_ids, scale, dropout_p,
-group, layout)` takes the kernels' inputs (SPEC.md layout; positions and padding by the kernels'
-rule of ops/token_layout.py) and the settings named in `settings` (name -> default, None:
-required). The ring kinds take this rank's shards under a sequence-parallel `group`; with no
+group, layout, sliding_window)` takes the kernels' inputs (SPEC.md layout; positions and padding
+by the kernels' rule of ops/token_layout.py; the window of SPEC "Sliding window") and the
+settings named in `settings` (name -> default, None: required). The ring kinds take this rank's shards under a sequence-parallel `group`; with no
 group (or a group of one) each equals its single-process counterpart, so that fallback is written
 once, in hf_dilated.distributed.
 """
@@ -36,54 +36,63 @@ def _causal_only(name, is_causal):
         raise ValueError(f"is_causal: {name!r} attention is causal only (SPEC.md, ring attention), got False")
 
 
-def _dense(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout):
+def _dense(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
+           sliding_window=None):
     from .ops.dense import dense_attention
 
     return dense_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                           attention_mask=attention_mask, position_ids=position_ids)
+                           attention_mask=attention_mask, position_ids=position_ids, sliding_window=sliding_window)
 
 
-def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout):
+def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
+           sliding_window=None):
     from .ops.dilated import dilated_attention
 
     return dilated_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"],
                              is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                             attention_mask=attention_mask, position_ids=position_ids)
+                             attention_mask=attention_mask, position_ids=position_ids,
+                             sliding_window=sliding_window)
 
 
-def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout):
+def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
+           sliding_window=None):
     from .ops.block_sparse import block_sparse_attention
 
     _no_dropout("block_sparse", dropout_p)
     return block_sparse_attention(q, k, v, s["pattern"], block_size=s["block_size"], is_causal=is_causal,
-                                  scale=scale, attention_mask=attention_mask, position_ids=position_ids)
+                                  scale=scale, attention_mask=attention_mask, position_ids=position_ids,
+                                  sliding_window=sliding_window)
 
 
-def _ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout):
+def _ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
+           sliding_window=None):
     from .distributed import ring_attention
 
     _causal_only("ring", is_causal)
     return ring_attention(q, k, v, group=group, layout=layout or "zigzag", scale=scale,
-                          attention_mask=attention_mask, position_ids=position_ids, dropout_p=dropout_p)
+                          attention_mask=attention_mask, position_ids=position_ids, dropout_p=dropout_p,
+                          sliding_window=sliding_window)
 
 
-def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout):
+def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
+           sliding_window=None):
     from .distributed import dilated_ring_attention
 
     _causal_only("dilated_ring", is_causal)
     return dilated_ring_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"], group=group,
                                   layout=layout or "zigzag", scale=scale, attention_mask=attention_mask,
-                                  position_ids=position_ids, dropout_p=dropout_p)
+                                  position_ids=position_ids, dropout_p=dropout_p, sliding_window=sliding_window)
 
 
-def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout):
+def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
+           sliding_window=None):
     from .distributed import block_sparse_ring_attention
 
     _causal_only("block_sparse_ring", is_causal)
     _no_dropout("block_sparse_ring", dropout_p)
     return block_sparse_ring_attention(q, k, v, s["pattern"], block_size=s["block_size"], group=group,
                                        layout=layout or "zigzag", scale=scale, attention_mask=attention_mask,
-                                       position_ids=position_ids)
+                                       position_ids=position_ids, sliding_window=sliding_window)
 
 
 _DILATED = {"segment_lengths": None, "dilation_rates": None, "mode": "union"}

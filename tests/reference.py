@@ -11,7 +11,7 @@ position_ids are (batch or 1, kv_len).
 
 Public functions:
     token_positions(attention_mask, position_ids, batch, kv_len) -> TokenPositions
-    base_visible(attention_mask, position_ids, batch, q_len, kv_len, is_causal=True)
+    base_visible(attention_mask, position_ids, batch, q_len, kv_len, is_causal=True, sliding_window=None)
         -> bool (batch, q_len, kv_len)
     dilated_key_counts(segment_lengths, dilation_rates, mode, q_heads, batch, q_len, kv_len, *,
                        attention_mask=None, position_ids=None, is_causal=True)
@@ -24,6 +24,9 @@ Public functions:
     dense_causal_reference(q, k, v, *, scale=None, attention_mask=None, position_ids=None)
     block_sparse_reference(q, k, v, layout, block_size, *, scale=None, attention_mask=None,
                            position_ids=None, is_causal=True)
+
+Every function that builds key sets also takes `sliding_window` (SPEC "Sliding window"): with a
+window W, base-visible also requires key index j > query index i - W.
 
 The *_reference functions return float64 and are differentiable: pass float64 leaves with
 requires_grad=True to get reference gradients.
@@ -82,9 +85,11 @@ def _query_slice(kv_len: int, q_len: int) -> slice:
     return slice(kv_len - q_len, kv_len)
 
 
-def base_visible(attention_mask, position_ids, batch: int, q_len: int, kv_len: int, is_causal: bool = True):
+def base_visible(attention_mask, position_ids, batch: int, q_len: int, kv_len: int, is_causal: bool = True,
+                 sliding_window=None):
     """bool (batch, q_len, kv_len): key j visible to query i when same document, key not padding,
-    and (causal) j at or before i in the sequence. Query i is sequence index kv_len - q_len + i."""
+    (causal) j at or before i in the sequence, and (sliding window W) j > i - W, by index in the
+    key sequence, padded slots counted. Query i is sequence index kv_len - q_len + i."""
     tp = token_positions(attention_mask, position_ids, batch, kv_len)
     qs = _query_slice(kv_len, q_len)
     q_index = torch.arange(kv_len)[qs]  # sequence index of each query
@@ -94,6 +99,8 @@ def base_visible(attention_mask, position_ids, batch: int, q_len: int, kv_len: i
     visible = same_doc & key_real
     if is_causal:
         visible = visible & (k_index[None, None, :] <= q_index[None, :, None])
+    if sliding_window is not None:
+        visible = visible & (k_index[None, None, :] > q_index[None, :, None] - sliding_window)
     return visible
 
 
@@ -127,7 +134,7 @@ def level_visible(tp: TokenPositions, visible, w: int, r: int, q_heads: int, q_l
 
 
 def dilated_key_counts(segment_lengths, dilation_rates, mode, q_heads, batch, q_len, kv_len, *,
-                       attention_mask=None, position_ids=None, is_causal=True):
+                       attention_mask=None, position_ids=None, is_causal=True, sliding_window=None):
     """int64 (batch, q_heads, q_len, kv_len): how many times key j counts in K(h, i).
     union: set union of the V_g (0/1); longnet: multiset sum (number of levels that contain j);
     head_groups: head h of group g uses V_g alone."""
@@ -136,7 +143,7 @@ def dilated_key_counts(segment_lengths, dilation_rates, mode, q_heads, batch, q_
     if len(segment_lengths) != len(dilation_rates):
         raise ValueError("reference: segment_lengths and dilation_rates differ in length")
     tp = token_positions(attention_mask, position_ids, batch, kv_len)
-    visible = base_visible(attention_mask, position_ids, batch, q_len, kv_len, is_causal)
+    visible = base_visible(attention_mask, position_ids, batch, q_len, kv_len, is_causal, sliding_window)
     levels = [
         level_visible(tp, visible, w, r, q_heads, q_len).to(torch.int64)
         for w, r in zip(segment_lengths, dilation_rates)
@@ -150,7 +157,7 @@ def dilated_key_counts(segment_lengths, dilation_rates, mode, q_heads, batch, q_
 
 
 def block_sparse_key_counts(layout, block_size: int, q_heads: int, batch: int, q_len: int, kv_len: int, *,
-                            attention_mask=None, position_ids=None, is_causal=True):
+                            attention_mask=None, position_ids=None, is_causal=True, sliding_window=None):
     """int64 0/1 (batch, q_heads, q_len, kv_len) for a block-sparse pattern.
 
     layout: bool tensor (batch or 1, q_heads or 1, q_blocks, k_blocks); layout[b, h, bq, bk] says
@@ -167,7 +174,7 @@ def block_sparse_key_counts(layout, block_size: int, q_heads: int, batch: int, q
     if layout.shape[0] not in (1, batch) or layout.shape[1] not in (1, q_heads):
         raise ValueError(f"reference: layout shape {tuple(layout.shape)} does not broadcast to batch={batch}, heads={q_heads}")
     tp = token_positions(attention_mask, position_ids, batch, kv_len)
-    visible = base_visible(attention_mask, position_ids, batch, q_len, kv_len, is_causal)
+    visible = base_visible(attention_mask, position_ids, batch, q_len, kv_len, is_causal, sliding_window)
     qs = _query_slice(kv_len, q_len)
     block = torch.where(tp.real, tp.positions // block_size, torch.zeros_like(tp.positions)).clamp_min(0)
     n_q_blocks, n_k_blocks = layout.shape[2], layout.shape[3]
@@ -211,30 +218,32 @@ def attention_from_counts(q, k, v, counts, scale=None):
 
 
 def dilated_reference(q, k, v, segment_lengths, dilation_rates, mode="union", *, scale=None,
-                      attention_mask=None, position_ids=None, is_causal=True):
+                      attention_mask=None, position_ids=None, is_causal=True, sliding_window=None):
     batch, q_heads, q_len, _ = q.shape
     counts = dilated_key_counts(
         segment_lengths, dilation_rates, mode, q_heads, batch, q_len, k.shape[2],
         attention_mask=attention_mask, position_ids=position_ids, is_causal=is_causal,
+        sliding_window=sliding_window,
     )
     return attention_from_counts(q, k, v, counts, scale)
 
 
-def dense_causal_reference(q, k, v, *, scale=None, attention_mask=None, position_ids=None):
+def dense_causal_reference(q, k, v, *, scale=None, attention_mask=None, position_ids=None, sliding_window=None):
     """K(h, i) = all base-visible keys (what "ring" and sdpa compute)."""
     batch, q_heads, q_len, _ = q.shape
-    visible = base_visible(attention_mask, position_ids, batch, q_len, k.shape[2], True)
+    visible = base_visible(attention_mask, position_ids, batch, q_len, k.shape[2], True, sliding_window)
     counts = visible[:, None].expand(batch, q_heads, q_len, k.shape[2]).to(torch.int64)
     return attention_from_counts(q, k, v, counts, scale)
 
 
 def block_sparse_reference(q, k, v, layout, block_size, *, scale=None, attention_mask=None,
-                           position_ids=None, is_causal=True):
+                           position_ids=None, is_causal=True, sliding_window=None):
     """Block-sparse attention: layout bool (batch or 1, q_heads or 1, q_blocks, k_blocks), block of
     token t = positions[t] // block_size; see block_sparse_key_counts."""
     batch, q_heads, q_len, _ = q.shape
     counts = block_sparse_key_counts(
         layout, block_size, q_heads, batch, q_len, k.shape[2],
         attention_mask=attention_mask, position_ids=position_ids, is_causal=is_causal,
+        sliding_window=sliding_window,
     )
     return attention_from_counts(q, k, v, counts, scale)

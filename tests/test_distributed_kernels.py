@@ -46,7 +46,8 @@ def make_case(kernel, *, seed, batch=2, q_heads=4, kv_heads=2, seq_len=32, head_
 
 def reference_result(case):
     q, k, v = (case[n].double().requires_grad_() for n in ("q", "k", "v"))
-    kw = dict(attention_mask=case["attention_mask"], position_ids=case["position_ids"])
+    kw = dict(attention_mask=case["attention_mask"], position_ids=case["position_ids"],
+              sliding_window=case["kwargs"].get("sliding_window"))
     if case["kernel"] == "ring":
         out = reference.dense_causal_reference(q, k, v, **kw)
     elif case["kernel"] == "dilated_ring":
@@ -67,7 +68,8 @@ def single_process_result(case):
     from hf_dilated.ops.dense import dense_attention
 
     q, k, v = (case[n].clone().requires_grad_() for n in ("q", "k", "v"))
-    kw = dict(attention_mask=case["attention_mask"], position_ids=case["position_ids"])
+    kw = dict(attention_mask=case["attention_mask"], position_ids=case["position_ids"],
+              sliding_window=case["kwargs"].get("sliding_window"))
     if case["kernel"] == "ring":
         out = dense_attention(q, k, v, **kw)
     elif case["kernel"] == "dilated_ring":
@@ -223,6 +225,29 @@ BLOCK_CASES = [
 ]
 
 
+# SPEC "Sliding window": by global index, whatever rank holds the key.
+WINDOW_CASES = [
+    make_case("ring", seed=40, sliding_window=5),
+    make_case("ring", seed=41, sliding_window=11, padding=True, holes=True, layout="contiguous"),
+    make_case("ring", seed=42, sliding_window=9, packed=True, seq_len=30),
+    make_case("dilated_ring", seed=43, sliding_window=6, **DILATED),
+    make_case("dilated_ring", seed=44, sliding_window=10, mode="longnet", padding=True, segment_lengths=[6, 16],
+              dilation_rates=[2, 4]),
+    make_case("dilated_ring", seed=45, sliding_window=3, mode="head_groups", packed=True, layout="contiguous",
+              segment_lengths=[4, 8, 32], dilation_rates=[1, 2, 4]),
+    make_case("block_sparse_ring", seed=46, sliding_window=7, pattern={"type": "global_local", "global_blocks": 1,
+                                                                        "window": 3}, block_size=4, padding=True),
+    make_case("block_sparse_ring", seed=47, sliding_window=12, pattern={"type": "custom", "layout": CUSTOM},
+              block_size=4, holes=True),
+]
+
+
+def test_kernels_with_a_sliding_window_two_and_four_ranks():
+    # Two data-parallel groups of 2 ranks share the cases, then one ring of four ranks.
+    runs = [(2, [WINDOW_CASES[:4], WINDOW_CASES[4:]]), (4, [WINDOW_CASES[:1] + WINDOW_CASES[3:5] + WINDOW_CASES[6:7]])]
+    check(launch(run_cases, 4, runs), runs)
+
+
 @pytest.mark.parametrize("offset", (0, 17, 100, 1000))
 def test_ring_on_one_process_is_dense_whatever_the_positions(offset):
     """With no group, ring_attention is exact dense causal attention: it used to cut segments at
@@ -321,6 +346,7 @@ def traffic(rank, world):
         # 2 ranks, zigzag: chunks of 8 tokens, so 8-token segments never cross a rank boundary
         "within_chunks": lambda: hd.dilated_ring_attention(q, k, v, [8], [1], group=group),
         "dense_as_dilated": lambda: hd.dilated_ring_attention(q, k, v, [32], [1], group=group),
+        "windowed": lambda: hd.dilated_ring_attention(q, k, v, [32], [1], group=group, sliding_window=4),
         "rate_4": lambda: hd.dilated_ring_attention(q, k, v, [32], [4], group=group),
         "local_blocks": lambda: hd.block_sparse_ring_attention(q, k, v, {"type": "local", "window": 1},
                                                                block_size=8, group=group),
@@ -339,5 +365,6 @@ def test_sparse_kernels_send_only_what_is_visible():
         assert sent["ring"] > 0
         assert sent["within_chunks"] == 0 and sent["local_blocks"] == 0  # nothing crosses a rank
         assert sent["dense_as_dilated"] > 0
+        assert 0 < sent["windowed"] < sent["dense_as_dilated"] / 2, sent  # only keys within 3 of a query travel
         # one query head per kv head, dilation 4: each head needs a quarter of the remote keys
         assert sent["rate_4"] * 4 == sent["dense_as_dilated"], sent

@@ -104,27 +104,43 @@ def test_tiny_llama_sequence_parallel_matches_one_process(checkpoint):
                 assert err < TOL, f"{name} {case}: gradient of {n} differs by {err}"
 
 
-def windowed_under_sequence_parallelism(rank, world):
-    """Child: a Mistral whose 24-token window covers each rank's 20-token shard but not the 40-token
-    sequence; the window check must count the global length, not the shard's."""
-    import hf_dilated  # noqa: F401
-    import hf_dilated.distributed as hd
+def _windowed_mistral():
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                             num_key_value_heads=2, intermediate_size=37, sliding_window=24,
-                                             use_cache=False))
-    model.set_attn_implementation("ring")
-    hd.setup_sequence_parallel(2)
-    ids = torch.randint(3, 99, (1, 40), generator=torch.Generator().manual_seed(0))
-    try:
-        model(**hd.shard_batch(ids))
-    except NotImplementedError as exc:
-        return str(exc)
-    return None
+    return MistralForCausalLM(MistralConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, intermediate_size=37, sliding_window=13,
+                                            use_cache=False)).eval()
 
 
-def test_a_sliding_window_is_checked_against_the_global_length():
+def _windowed_ids():
+    return torch.randint(3, 99, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def windowed_under_sequence_parallelism(rank, world):
+    """Child: a Mistral whose 13-token window is shorter than the 40-token sequence (and than a
+    rank's 20-token shard), under each ring name; returns the gathered logits."""
+    import hf_dilated  # noqa: F401
+    import hf_dilated.distributed as hd
+
+    model = _windowed_mistral()
+    hd.setup_sequence_parallel(world)
+    ids = _windowed_ids()
+    logits = {}
+    for name in NAMES:
+        model.set_attn_implementation(name)
+        with torch.no_grad():
+            out = model(**hd.shard_batch(ids))
+        logits[name] = hd.gather_sequence(out.logits, seq_len=ids.shape[1])
+    return logits
+
+
+def test_a_sliding_window_under_sequence_parallelism_matches_sdpa():
+    """It used to be refused (and, before that, checked against a shard's length only)."""
+    model = _windowed_mistral()
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        want = model(_windowed_ids()).logits
     for outcome in launch(windowed_under_sequence_parallelism, 2):
-        assert "sliding_window=24 with 40 keys" in (outcome["result"] or ""), outcome
+        for name, got in outcome["result"].items():
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=name)

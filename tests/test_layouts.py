@@ -266,7 +266,7 @@ def test_every_layer_after_the_first_reuses_the_plan(checkpoint_dirs, monkeypatc
     assert layers > 1 and len(builds) <= 1
 
 
-# --- sliding windows: exact while the sequence fits in the window, a clear error beyond ---------
+# --- sliding windows longer than the sequence (shorter ones: tests/test_sliding_window.py) --------
 
 def _windowed(family, window):
     from transformers import MistralConfig, Qwen2Config
@@ -281,7 +281,8 @@ def _windowed(family, window):
 @pytest.mark.parametrize("family", ("mistral", "qwen2"))
 def test_a_sliding_window_longer_than_the_sequence_runs_like_sdpa(tmp_path, family):
     """Mistral's default config has sliding_window=4096: it used to refuse every forward. A window
-    that covers the whole sequence hides nothing, so every name equals sdpa there."""
+    that covers the whole sequence hides nothing, so every name equals sdpa there; past it, the
+    window hides keys, as in sdpa."""
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(_windowed(family, 48)).save_pretrained(tmp_path)
     x, mask = ids(2, 30, seed=40), left_padded(2, 30, 6)
@@ -289,9 +290,9 @@ def test_a_sliding_window_longer_than_the_sequence_runs_like_sdpa(tmp_path, fami
         sdpa = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
         want_logits = sdpa(x, attention_mask=mask).logits
         want_tokens = _generate(sdpa, x, mask)  # 35 tokens in all: still within the window
+        want_long = sdpa(ids(1, 60)).logits  # it refused this (60 keys, a 48-token window)
         for name in NAMES:
             m = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=name).eval()
             _compare(m(x, attention_mask=mask).logits, want_logits, mask)
             assert torch.equal(_generate(m, x, mask), want_tokens), name
-            with pytest.raises(NotImplementedError, match="sliding_window=48 with 60 keys"):
-                m(ids(1, 60))
+            _compare(m(ids(1, 60)).logits, want_long, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.block_patterns import AdaptivePattern, CustomPattern, _check_int, make_pattern
-from ..ops.validate import check_qkv, check_scale_dropout
+from ..ops.validate import check_positive_int, check_qkv, check_scale_dropout
 from .tokens import GlobalTokens, prepare_call
 from .utils import Exchange
 from .windows import plan_windows, windowed_attention
@@ -68,12 +68,12 @@ def block_sparse_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, pa
 
 
 def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, layout: str = "zigzag", scale=None,
-                                attention_mask=None, position_ids=None):
+                                attention_mask=None, position_ids=None, sliding_window: int | None = None):
     """Block-sparse attention over a sequence sharded across `group` (SPEC "Ring attention").
 
     q, k, v, attention_mask, position_ids: this rank's shards of the global tensors in `layout`
-    (see ring_attention). Returns this rank's shard of `block_sparse_attention` on the global
-    sequence. With group None or of size 1 this is `hf_dilated.ops.block_sparse_attention`.
+    (see ring_attention); sliding_window: SPEC "Sliding window", by global index. Returns this
+    rank's shard of `block_sparse_attention` on the global sequence. With group None or of size 1 this is `hf_dilated.ops.block_sparse_attention`.
     """
     from ..ops.block_sparse import block_sparse_attention
 
@@ -82,10 +82,12 @@ def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, lay
     check_layout(layout)
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, 0.0)
+    check_positive_int("sliding_window", sliding_window, optional=True)
     world, _ = group_size_rank(group)
     if world == 1:
         return block_sparse_attention(q, k, v, pattern, block_size=block_size, scale=scale,
-                                      attention_mask=attention_mask, position_ids=position_ids)
+                                      attention_mask=attention_mask, position_ids=position_ids,
+                                      sliding_window=sliding_window)
     if isinstance(pattern, AdaptivePattern):
         raise NotImplementedError(
             "pattern: the adaptive pattern is not supported under sequence parallelism (its top-k block choice "
@@ -98,15 +100,16 @@ def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, lay
         if tokens.real.any() and bool((tokens.positions[tokens.real] < 0).any()):
             raise ValueError("position_ids: real (unmasked) tokens must have non-negative positions")
         return plan_windows(tokens, lambda qi: block_sparse_needed_keys(tokens, qi, pattern, block_size, q_heads,
-                                                                        kv_heads))
+                                                                        kv_heads), sliding_window)
 
     plan = prepare_call("block_sparse_ring_attention", q, k, v, attention_mask=attention_mask,
                         position_ids=position_ids, group=group, layout=layout, build=build, scale=scale,
-                        pattern=pattern.to_dict(), block_size=block_size)
+                        pattern=pattern.to_dict(), block_size=block_size, sliding_window=sliding_window)
 
     def kernel(qc, kw, vw, attention_mask, position_ids):
         return block_sparse_attention(qc, kw, vw, pattern, block_size=block_size, scale=scale,
-                                      attention_mask=attention_mask, position_ids=position_ids)
+                                      attention_mask=attention_mask, position_ids=position_ids,
+                                      sliding_window=sliding_window)
 
     return windowed_attention(q.contiguous(), k.contiguous(), v.contiguous(), plan,
                               Exchange(group, "block_sparse_ring"), kernel)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.validate import check_dilated_config, check_qkv, check_scale_dropout
+from ..ops.validate import check_dilated_config, check_positive_int, check_qkv, check_scale_dropout
 from .tokens import GlobalTokens, prepare_call
 from .utils import Exchange
 from .windows import plan_windows, windowed_attention
@@ -83,11 +83,12 @@ def dilated_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, q_heads
 
 def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: str = "union", group=None,
                            layout: str = "zigzag", scale=None, attention_mask=None, position_ids=None,
-                           dropout_p: float = 0.0):
+                           dropout_p: float = 0.0, sliding_window: int | None = None):
     """Dilated attention over a sequence sharded across `group` (SPEC "Ring attention").
 
     q, k, v, attention_mask, position_ids: this rank's shards of the global tensors in `layout`
-    (see ring_attention). Returns this rank's shard of `dilated_attention` on the global sequence.
+    (see ring_attention); sliding_window: SPEC "Sliding window", by global index. Returns this
+    rank's shard of `dilated_attention` on the global sequence.
     With group None or of size 1 this is `hf_dilated.ops.dilated_attention` itself.
     """
     from ..ops import dilated_attention
@@ -96,10 +97,12 @@ def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: st
     check_layout(layout)
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, dropout_p)
+    check_positive_int("sliding_window", sliding_window, optional=True)
     world, _ = group_size_rank(group)
     if world == 1:
         return dilated_attention(q, k, v, seg, dil, mode=mode, scale=scale, dropout_p=dropout_p,
-                                 attention_mask=attention_mask, position_ids=position_ids)
+                                 attention_mask=attention_mask, position_ids=position_ids,
+                                 sliding_window=sliding_window)
     if dropout_p:
         raise ValueError(f"dropout_p: dilated_ring_attention does not implement attention dropout, got {dropout_p}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -108,15 +111,15 @@ def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: st
     def build(tokens):
         memo = {}
         return plan_windows(tokens, lambda qi: dilated_needed_keys(tokens, qi, q_heads, kv_heads, seg, dil, mode,
-                                                                   memo))
+                                                                   memo), sliding_window)
 
     plan = prepare_call("dilated_ring_attention", q, k, v, attention_mask=attention_mask, position_ids=position_ids,
                         group=group, layout=layout, build=build, scale=scale, segment_lengths=seg,
-                        dilation_rates=dil, mode=mode)
+                        dilation_rates=dil, mode=mode, sliding_window=sliding_window)
 
     def kernel(qc, kw, vw, attention_mask, position_ids):
         return dilated_attention(qc, kw, vw, seg, dil, mode=mode, scale=scale, attention_mask=attention_mask,
-                                 position_ids=position_ids)
+                                 position_ids=position_ids, sliding_window=sliding_window)
 
     return windowed_attention(q.contiguous(), k.contiguous(), v.contiguous(), plan,
                               Exchange(group, "dilated_ring"), kernel)

@@ -19,7 +19,7 @@ import torch
 
 from ..ops.backend import attention_backward, attention_forward
 from ..ops.merge import merge_dtype, merge_into
-from ..ops.validate import check_qkv, check_scale_dropout
+from ..ops.validate import check_positive_int, check_qkv, check_scale_dropout
 from .tokens import GlobalTokens, prepare_call
 from .utils import Exchange, wait_all
 from .groups import group_size_rank
@@ -41,24 +41,28 @@ class Piece:
     q_index: torch.Tensor | None = None
     k_index: torch.Tensor | None = None
     tokens: GlobalTokens | None = None
+    window: int | None = None  # sliding window (SPEC "Sliding window")
 
     def mask(self, dtype):
         """(additive bias (batch, 1, nq, nk) or None, bool rows with no visible key or None)."""
         if self.q_index is None:
             return None, None
-        visible = _visible(self.tokens, self.q_index, self.k_index)
+        visible = _visible(self.tokens, self.q_index, self.k_index, self.window)
         bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
         bias.masked_fill_(~visible, float("-inf"))
         return bias[:, None], ~visible.any(-1)[:, None]
 
 
-def _visible(tokens: GlobalTokens, qi, kj):
+def _visible(tokens: GlobalTokens, qi, kj, window=None):
     visible = (kj[None, None, :] <= qi[None, :, None]) & tokens.real[:, None, kj]
+    if window is not None:
+        visible = visible & (kj[None, None, :] > qi[None, :, None] - window)
     return visible & (tokens.doc[:, qi, None] == tokens.doc[:, None, kj])
 
 
-def ring_pieces(tokens: GlobalTokens) -> list[Piece | None]:
-    """For each ring step t (block of rank (rank - t) mod P), the Piece to compute, or None."""
+def ring_pieces(tokens: GlobalTokens, window: int | None = None) -> list[Piece | None]:
+    """For each ring step t (block of rank (rank - t) mod P), the Piece to compute, or None (also
+    when a sliding `window` hides the whole block from this rank's queries)."""
     world, rank, layout = tokens.world, tokens.rank, tokens.layout
     n_local = tokens.local_index.numel()
     c = n_local // chunks_per_rank(layout)
@@ -76,15 +80,16 @@ def ring_pieces(tokens: GlobalTokens) -> list[Piece | None]:
         rsl = slice(rows[0] * c, (rows[-1] + 1) * c)
         csl = slice(cols[0] * c, (cols[-1] + 1) * c)
         all_full = all(rel[i][j] == 1 for i in rows for j in cols)
-        if tokens.plain and (all_full or src == rank):
-            pieces.append(Piece(rsl, csl, is_causal=not all_full))
-            continue
         qi = tokens.local_index[rsl]
         kj = tokens.rank_index(src)[csl]
-        if not _visible(tokens, qi, kj).any():
+        cut = window is not None and int(qi.max()) - int(kj.min()) >= window  # the window hides some pair
+        if tokens.plain and not cut and (all_full or src == rank):
+            pieces.append(Piece(rsl, csl, is_causal=not all_full))
+            continue
+        if not _visible(tokens, qi, kj, window).any():
             pieces.append(None)
             continue
-        pieces.append(Piece(rsl, csl, False, qi, kj, tokens))
+        pieces.append(Piece(rsl, csl, False, qi, kj, tokens, window))
     return pieces
 
 
@@ -152,29 +157,31 @@ class _RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", scale=None, attention_mask=None,
-                   position_ids=None, dropout_p: float = 0.0):
+                   position_ids=None, dropout_p: float = 0.0, sliding_window: int | None = None):
     """Exact causal attention over a sequence sharded across `group`.
 
     q (batch, q_heads, n, head_dim), k/v (batch, kv_heads, n, head_dim): this rank's shard of the
     global sequence in `layout` ("zigzag" or "contiguous", see layout.py); attention_mask and
-    position_ids (batch or 1, n): this rank's shards of the global ones. Returns this rank's shard
-    of the output. Every rank of the group must call it with the same shapes and arguments.
+    position_ids (batch or 1, n): this rank's shards of the global ones; sliding_window: SPEC
+    "Sliding window", by global index. Returns this rank's shard of the output. Every rank of the group must call it with the same shapes and arguments.
     With group None or of size 1 this is `hf_dilated.ops.dense_attention` (exact dense causal
     attention, whatever the positions).
     """
     check_layout(layout)
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, dropout_p)
+    check_positive_int("sliding_window", sliding_window, optional=True)
     world, _ = group_size_rank(group)
     if world == 1:
         from ..ops.dense import dense_attention
 
         return dense_attention(q, k, v, scale=scale, dropout_p=dropout_p, attention_mask=attention_mask,
-                               position_ids=position_ids)
+                               position_ids=position_ids, sliding_window=sliding_window)
     if dropout_p:
         raise ValueError(f"dropout_p: ring attention does not implement attention dropout, got {dropout_p}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     pieces = prepare_call("ring_attention", q, k, v, attention_mask=attention_mask, position_ids=position_ids,
-                          group=group, layout=layout, scale=scale, build=ring_pieces)
+                          group=group, layout=layout, scale=scale, sliding_window=sliding_window,
+                          build=lambda tokens: ring_pieces(tokens, sliding_window))
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Exchange(group, "ring"),
                                 pieces, scale)

@@ -33,9 +33,11 @@ class WindowPlan:
     placements: list = None  # per window: where local and received entries go (see _placements)
 
 
-def plan_windows(tokens: GlobalTokens, needed_keys) -> WindowPlan:
+def plan_windows(tokens: GlobalTokens, needed_keys, sliding_window: int | None = None) -> WindowPlan:
     """needed_keys(query_index) -> bool (batch, kv_heads, seq_len): the keys visible to some query
-    of `query_index` (global indices) under the kernel's pattern."""
+    of `query_index` (global indices) under the kernel's pattern. A sliding window hides every key
+    `sliding_window` or more indices before a chunk's first query: none of those is sent (the
+    kernel, given the same window, hides them inside the chunk's window of the sequence)."""
     from .layout import chunks_per_rank
 
     world, rank = tokens.world, tokens.rank
@@ -50,6 +52,8 @@ def plan_windows(tokens: GlobalTokens, needed_keys) -> WindowPlan:
         for start, end in chunks:
             q_index = r_index[start:end]
             need = needed_keys(q_index) & (index <= q_index.max())  # causal, whatever the pattern says
+            if sliding_window is not None:
+                need &= index > q_index.min() - sliding_window
             need_r = need if need_r is None else need_r | need
             if r == rank:
                 anywhere = need.any(0).any(0)

@@ -23,6 +23,7 @@ from ..kinds import KINDS, TRANSFORMERS_NAMES
 from ..ops.plan_cache import PlanCache
 from ..ops.token_layout import from_model_inputs
 from ..config import RECORDED_NAME, DilatedConfig
+from ..ops.validate import check_positive_int
 
 NAMES = TRANSFORMERS_NAMES
 
@@ -65,22 +66,24 @@ def padding_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attenti
                  q_offset=None, use_vmap=False, device=None, **kwargs):
     """AttentionMaskInterface entry: what the attention needs to know of the mask (module docstring).
 
-    A static cache hands a `kv_length` larger than the tokens seen so far: the mask then covers
-    only the seen tokens and the attention function drops the empty cache slots beyond it.
+    The mask always covers the tokens seen so far, from the row's first. Two caches hand the
+    attention a different number of keys, which it reads off the key length:
+    - a static cache hands a `kv_length` larger than the tokens seen: the attention drops the
+      empty cache slots beyond them;
+    - a sliding-window cache keeps only the last keys (`kv_offset` > 0): the attention takes the
+      mask's last `kv_length` entries, and the ranks of the tokens before them as the keys'
+      first position.
     """
     if use_vmap:
         raise NotImplementedError(
             "hf_dilated attention cannot honour an or_mask_function/and_mask_function overlay (e.g. "
             "bidirectional image-token masks); only causal attention with padding and packed documents"
         )
-    if kv_offset:
-        raise NotImplementedError(
-            f"hf_dilated attention needs the whole key sequence from position 0, got kv_offset={kv_offset} "
-            "(sliding-window or chunked caches are not supported)"
-        )
+    kv_offset = int(kv_offset or 0)
     if attention_mask is not None:
-        if attention_mask.shape[-1] > kv_length:
-            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens but the keys hold {kv_length}")
+        if attention_mask.shape[-1] > kv_offset + kv_length:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens but the keys hold "
+                             f"{kv_offset + kv_length}")
         return attention_mask.to(torch.bool)
     q_offset, q_length = int(q_offset or 0), int(q_length)
     if q_offset == 0 and q_length > 1 and mask_function is not None:
@@ -88,7 +91,8 @@ def padding_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attenti
         if doc is not None:
             return doc
     seen = q_offset + q_length
-    # One document per row: None, unless a static cache holds empty slots beyond the tokens seen.
+    # One document per row: None, unless a static cache holds empty slots beyond the tokens seen
+    # or a sliding-window cache dropped the first ones.
     return None if seen == kv_length else torch.ones(batch_size, seen, dtype=torch.bool, device=device)
 
 
@@ -123,20 +127,6 @@ def _check_kwargs(module, name, kwargs):
         is_causal = getattr(module, "is_causal", True)
     if not is_causal:
         raise NotImplementedError(f"attn_implementation={name!r} computes causal attention only (is_causal=False)")
-
-
-def _check_sliding_window(name, window, kv_len):
-    """A sliding window (Mistral, Qwen2 layers) hides keys more than `window` - 1 indices back
-    (transformers' sliding_window_overlay). While every key fits in one window that hides nothing,
-    so our kernels are exact without it; a longer sequence is refused until the kernels carry the
-    window as a band of their own."""
-    if window is None or kv_len <= window:
-        return
-    raise NotImplementedError(
-        f"attn_implementation={name!r}: sliding_window={window} with {kv_len} keys; hf_dilated honours a sliding "
-        f"window only on sequences no longer than the window for now. `hf-dilated convert` and `hf_dilated.patch` "
-        "remove the window when they extend a checkpoint's context"
-    )
 
 
 def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_parallel=False, cu_seq_lens=None):
@@ -194,9 +184,9 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
     key, value, mask, positions = kernel_inputs(
         query, key, value, attention_mask, kwargs.get("position_ids"), sequence_parallel=group is not None,
         cu_seq_lens=kwargs.get("cu_seq_lens_q"))
-    # Under sequence parallelism the keys are this rank's shard: the window must cover them all.
-    world = torch.distributed.get_world_size(group) if group is not None else 1
-    _check_sliding_window(name, kwargs.get("sliding_window"), key.shape[2] * world)
+    # The model's sliding window (Mistral, Qwen2 layers): every kernel keeps it (SPEC "Sliding window").
+    window = kwargs.get("sliding_window")
+    check_positive_int("sliding_window", window, optional=True)
     dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
     if dropout_p and not kind.dropout:
         raise NotImplementedError(f"attn_implementation={name!r} has no attention dropout; set attention_dropout=0")
@@ -213,18 +203,20 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
         settings["pattern"] = make_pattern(settings["pattern"])
     with torch.autocast(device_type, enabled=False):
         out = kind.run(query, key, value, settings, is_causal=True, attention_mask=mask, position_ids=positions,
-                       scale=scaling, dropout_p=dropout_p, group=group, layout=layout)
+                       scale=scaling, dropout_p=dropout_p, group=group, layout=layout, sliding_window=window)
         if group is None and mask is not None:
-            out = _padded_last_query_as_sdpa(out, query, key, value, mask, scaling)
+            out = _padded_last_query_as_sdpa(out, query, key, value, mask, scaling, window)
     # (batch, heads, q_len, head_dim) -> (batch, q_len, heads, head_dim), as sdpa_attention_forward
     return out.transpose(1, 2).contiguous(), None
 
 
-def _padded_last_query_as_sdpa(out, query, key, value, mask, scale):
+def _padded_last_query_as_sdpa(out, query, key, value, mask, scale, window=None):
     """SPEC leaves outputs at padded query slots unspecified, but generate() reads the logits of the
     last slot even when it is padding (a right-padded prompt's first new token comes from there).
     For those rows the last slot gets exactly what sdpa gives it: attention over the row's real
-    keys. One query per row, so O(kv_len)."""
+    keys (within the sliding window, if any). One query per row, so O(kv_len)."""
+    if window is not None:  # the last slot sees the keys of index > kv_len - 1 - window only
+        mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= mask.shape[-1] - window)
     rows = (~mask[:, -1] & mask.any(-1)).nonzero().squeeze(1)
     if rows.numel() == 0:
         return out

@@ -42,7 +42,7 @@ from .backend import attention_backward, attention_forward
 from .block_patterns import AdaptivePattern, CustomPattern, _check_int, make_pattern
 from .merge import merge_dtype, merge_into
 from .token_layout import token_layout
-from .validate import check_qkv, check_scale_dropout
+from .validate import check_positive_int, check_qkv, check_scale_dropout
 
 # Elements of gathered K plus V per fused call: bounds the transient memory of a call.
 _GATHER_BUDGET = 1 << 22
@@ -59,18 +59,23 @@ _STRIP_ROWS = 64
 
 
 def block_sparse_attention(q, k, v, pattern, *, block_size, is_causal=True, scale=None, attention_mask=None,
-                           position_ids=None, return_layout=False):
+                           position_ids=None, return_layout=False, sliding_window=None):
     """Block-sparse attention with one softmax over all allowed blocks of a row.
 
     q (batch, q_heads, q_len, head_dim); k, v (batch, kv_heads, kv_len, head_dim); the queries are
     the last q_len tokens. `pattern`: a pattern object from block_patterns.py or a dict such as
-    {"type": "global_local", "global_blocks": 1, "window": 4}. Returns a tensor shaped like q, and
+    {"type": "global_local", "global_blocks": 1, "window": 4}. `sliding_window` W also hides every
+    key more than W - 1 indices before its query (SPEC "Sliding window"): a block of keys wholly
+    outside every window of a query block is never read. Returns a tensor shaped like q, and
     with return_layout=True also the bool layout used, (batch or 1, heads or 1, num_blocks,
     num_blocks) as described in the module docstring.
     """
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, 0.0)
     _check_int("block_size", block_size, 1)
+    check_positive_int("sliding_window", sliding_window, optional=True)
+    if sliding_window is not None and sliding_window >= k.shape[2]:
+        sliding_window = None  # a window over the whole key sequence hides nothing
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     if not isinstance(return_layout, bool):
@@ -85,7 +90,7 @@ def block_sparse_attention(q, k, v, pattern, *, block_size, is_causal=True, scal
 
     st = _structure(q.shape[0], q.shape[2], k.shape[2], block_size, q.device, attention_mask, position_ids)
     layout, rows = _layout(pattern, q, k, st)
-    plan = _plan(st, rows, is_causal, q.shape[1], k.shape[1], q.shape[3])
+    plan = _plan(st, rows, is_causal, q.shape[1], k.shape[1], q.shape[3], sliding_window)
     out = _BlockSparseAttention.apply(q, k, v, st, plan, scale)
     return (out, layout) if return_layout else out
 
@@ -272,6 +277,7 @@ class _Call:
     r0: int = 0  # query rows of a "strip" call within each block
     r1: int = 0
     b: int = 0  # batch row (plain plans; units and blocks are then block numbers of that row)
+    empty: torch.Tensor | None = None  # (G, 1, bs) query rows that see no key of the call (sliding window)
 
 
 @dataclass
@@ -283,7 +289,7 @@ class _Plan:
     covered: bool = False  # the first calls write every row: no need to pre-fill the output
 
 
-def _plan(st: _Structure, rows, is_causal, q_heads, kv_heads, dim) -> _Plan:
+def _plan(st: _Structure, rows, is_causal, q_heads, kv_heads, dim, window=None) -> _Plan:
     device = rows.device
     R = st.R
     I = st.item_blk.numel()
@@ -292,7 +298,7 @@ def _plan(st: _Structure, rows, is_causal, q_heads, kv_heads, dim) -> _Plan:
     if I == 0:
         return _Plan([], 0, per_head, False)
     r = torch.arange(R, device=device)
-    if st.plain and is_causal and not per_head:
+    if st.plain and is_causal and not per_head and window is None:
         # Prefill of one unpadded document per row: every row has the same R blocks.
         allowed = rows[:R, 0, :R] & (r[None, :] <= r[:, None])
         # Strips and runs work around the CPU kernel and allocator; CUDA keeps whole calls.
@@ -309,9 +315,19 @@ def _plan(st: _Structure, rows, is_causal, q_heads, kv_heads, dim) -> _Plan:
     cand = (st.blk_len[cand_blk] > 0) & (st.blk_doc[cand_blk] == st.blk_doc[st.item_blk][:, None])
     if is_causal:
         cand &= r[None, :] <= item_r[:, None]
+    windowed = None
+    if window is not None:
+        # Sequence index of every row-block slot (-1: empty). A key block whose last token lies
+        # window or more indices before the query block's first token is invisible to all of it.
+        blk_index = torch.full(((st.null + 1) * st.block_size,), -1, dtype=torch.long, device=device)
+        blk_index[st.k_blk * st.block_size + st.k_slot] = st.k_t
+        blk_index = blk_index.view(st.null + 1, st.block_size)
+        first = torch.where(blk_index >= 0, blk_index, torch.iinfo(torch.long).max).amin(1)
+        cand &= blk_index.amax(1)[cand_blk] > first[st.item_blk][:, None] - window
+        windowed = (window, blk_index)
     knum = st.blk_num[cand_blk]
     allowed = (cand[:, None, :] & rows.gather(2, knum[:, None, :].expand(I, lh, R))).reshape(I * lh, R)
-    calls = _gather_calls(allowed, item_b, item_r, st, lh, per_head, is_causal, kv_heads, dim, True)
+    calls = _gather_calls(allowed, item_b, item_r, st, lh, per_head, is_causal, kv_heads, dim, True, windowed)
     return _Plan(calls, I, per_head, False)
 
 
@@ -384,10 +400,11 @@ def _causal_bias(rows, keys, diagonal):
     return torch.full((rows, keys), float("-inf"), dtype=torch.float32).triu(diagonal + 1)[None, None]
 
 
-def _gather_calls(allowed, item_b, item_r, st, lh, per_head, is_causal, kv_heads, dim, may_write):
+def _gather_calls(allowed, item_b, item_r, st, lh, per_head, is_causal, kv_heads, dim, may_write, windowed=None):
     """Gathered calls for (I * lh, R) allowed row blocks: one call per group of units whose lists
     have the same length (and diagonal flag), so lists are dense; a list longer than the gather
-    budget is cut into pieces merged by log-sum-exp."""
+    budget is cut into pieces merged by log-sum-exp. `windowed`: (sliding window, sequence index of
+    every row-block slot), to mask the keys outside each query's window."""
     device = allowed.device
     bs, R = st.block_size, st.R
     unit_r = item_r.repeat_interleave(lh)
@@ -418,7 +435,11 @@ def _gather_calls(allowed, item_b, item_r, st, lh, per_head, is_causal, kv_heads
             for p0 in range(0, m, piece):
                 part = blocks[:, p0:p0 + piece]
                 bias = _bias(part, st, slots, diag and p0 + piece >= m)
-                calls.append(_Call("gather", may_write and p0 == 0, bias, unit if per_head else item, part))
+                empty = None
+                if windowed is not None:
+                    bias, empty = _window_bias(bias, part, st.item_blk[item], *windowed)
+                calls.append(_Call("gather", may_write and p0 == 0, bias, unit if per_head else item, part,
+                                   empty=empty))
         start = end
     return calls
 
@@ -440,6 +461,20 @@ def _bias(blocks, st: _Structure, slots, causal_last: bool):
         causal = _causal_bias(bs, m * bs, (m - 1) * bs).to(blocks.device)
         bias = causal if bias is None else bias + causal
     return bias
+
+
+def _window_bias(bias, blocks, query_blocks, window, blk_index):
+    """`bias` with the sliding window added: key slot j of the call hidden from query slot i unless
+    index(j) > index(i) - window. Returns (bias (G, 1, bs, M * bs), bool (G, 1, bs) query rows that
+    see no key of the call, whose log-sum-exp the caller sets to -inf)."""
+    g, m = blocks.shape
+    qi = blk_index[query_blocks]  # (G, bs)
+    ki = blk_index[blocks].reshape(g, -1)  # (G, M * bs)
+    hidden = ki[:, None, :] <= qi[:, :, None] - window
+    window_bias = torch.zeros(hidden.shape, dtype=torch.float32, device=blocks.device).masked_fill_(
+        hidden, float("-inf"))[:, None]
+    bias = window_bias if bias is None else bias + window_bias
+    return bias, (bias == float("-inf")).all(-1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -680,6 +715,8 @@ class _BlockSparseAttention(torch.autograd.Function):
             (qx,), kx, vx = store.inputs(call, [qs], ks, vs, ws)
             bias = None if call.bias is None else call.bias.to(device=q.device, dtype=q.dtype)
             out, lse = attention_forward(qx, kx, vx, is_causal=call.causal, scale=scale, attn_bias=bias)
+            if call.empty is not None:  # the kernel reports lse 0 for a row with no key
+                lse = lse.masked_fill(call.empty.to(lse.device), float("-inf"))
             out, lse = store.rows(call, out, lse)
             out, lse = out.to(acc), lse.to(acc)
             if call.first:

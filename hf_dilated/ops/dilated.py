@@ -41,7 +41,7 @@ from .backend import attention_backward, attention_forward
 from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
 from .token_layout import TokenLayout, token_layout
-from .validate import check_dilated_config, check_qkv, check_scale_dropout
+from .validate import check_dilated_config, check_positive_int, check_qkv, check_scale_dropout
 
 # Upper bound on the elements of one explicit bias block; larger ones are cut into row chunks.
 _BIAS_BUDGET = 1 << 24
@@ -87,6 +87,11 @@ class _Level:
     # call's query slots are a strided view of any (batch, heads, n, d) tensor (see _strided_slots).
     plain: bool = False
     pairs: list = field(default_factory=list)  # (kv head, class) of each gathered K/V head
+    # Sliding window (SPEC "Sliding window"), set only when it hides some key of this level:
+    # key j is visible from query i only when j > i - window, by index in the key sequence.
+    window: int | None = None
+    q_index: torch.Tensor | None = None  # (R, Hc, Lq) key-sequence index of each query slot
+    k_index: torch.Tensor | None = None  # (R, P, L) key-sequence index of each key slot (-1: empty)
 
 
 def dilated_attention(
@@ -102,24 +107,29 @@ def dilated_attention(
     dropout_p: float = 0.0,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Dilated attention over q (batch, q_heads, q_len, head_dim) and k, v (batch, kv_heads,
     kv_len, head_dim); the queries are the last q_len tokens. Returns a tensor shaped like q.
 
     `attention_mask` (batch, kv_len) marks real tokens; `position_ids` (batch, kv_len) give token
-    positions (packed documents restart at 0). See SPEC.md for the exact key sets of each mode.
+    positions (packed documents restart at 0). `sliding_window` W also hides every key more than
+    W - 1 indices before its query (SPEC "Sliding window"). See SPEC.md for the exact key sets of
+    each mode.
     """
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, dropout_p)
+    check_positive_int("sliding_window", sliding_window, optional=True)
     seg, dil = check_dilated_config(segment_lengths, dilation_rates, mode)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    key = (tuple(q.shape[:3]), tuple(k.shape[:3]), str(q.device), tuple(seg), tuple(dil), mode, is_causal)
+    key = (tuple(q.shape[:3]), tuple(k.shape[:3]), str(q.device), tuple(seg), tuple(dil), mode, is_causal,
+           sliding_window)
     levels = _PLANS.get(key, attention_mask, position_ids)
     if levels is None:
         layout = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
-        levels = plan_levels(layout, q.shape[2], q.shape[1], k.shape[1], seg, dil, mode, is_causal)
+        levels = plan_levels(layout, q.shape[2], q.shape[1], k.shape[1], seg, dil, mode, is_causal, sliding_window)
         _PLANS.put(key, attention_mask, position_ids, levels)
     if dropout_p > 0.0:
         return _dropout_attention(q, k, v, levels, scale, dropout_p)
@@ -140,7 +150,8 @@ def head_groups(num_heads: int, num_groups: int) -> list[list[int]]:
     return groups
 
 
-def plan_levels(layout: TokenLayout, q_len, q_heads, kv_heads, seg, dil, mode, is_causal) -> list[_Level]:
+def plan_levels(layout: TokenLayout, q_len, q_heads, kv_heads, seg, dil, mode, is_causal,
+                window=None) -> list[_Level]:
     if mode == "head_groups":
         level_heads = head_groups(q_heads, len(seg))
     else:
@@ -150,7 +161,7 @@ def plan_levels(layout: TokenLayout, q_len, q_heads, kv_heads, seg, dil, mode, i
         if not level_heads[g]:
             continue
         prev_w = seg[g - 1] if (mode == "union" and g > 0) else None
-        level = _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, level_heads[g], is_causal)
+        level = _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, level_heads[g], is_causal, window)
         if level is not None:
             levels.append(level)
     return levels
@@ -175,21 +186,23 @@ def _pairs(heads, q_heads, kv_heads, r):
     return order, head_pair, [kvh for kvh, _ in keys], [c for _, c in keys]
 
 
-def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal):
+def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal, window=None):
     device = layout.positions.device
     batch, kv_len = layout.positions.shape
     # A key shares a segment with a query only within w - 1 positions, hence (documents being runs
-    # of consecutive positions) within w - 1 indices: a decode step plans just that window.
-    lo = max(0, kv_len - q_len - (w - 1)) if q_len < kv_len else 0
-    window = kv_len - lo
+    # of consecutive positions) within w - 1 indices, and a sliding window hides keys more than
+    # window - 1 indices back: a decode step plans just the nearer of the two.
+    reach = w if window is None else min(w, window)
+    lo = max(0, kv_len - q_len - (reach - 1)) if q_len < kv_len else 0
+    planned = kv_len - lo
     real = layout.real[:, lo:]
     flat = real.reshape(-1).nonzero().squeeze(1)  # real tokens, in (batch, index) order
     if flat.numel() == 0:
         return None
     pos = layout.positions[:, lo:].reshape(-1)[flat]
     doc = layout.doc[:, lo:].reshape(-1)[flat]
-    b = torch.div(flat, window, rounding_mode="floor")
-    j = flat - b * window + lo
+    b = torch.div(flat, planned, rounding_mode="floor")
+    j = flat - b * planned + lo
     segment = torch.div(pos, w, rounding_mode="floor")
     # Real tokens sorted by (batch, document, segment): a row starts where any of them changes.
     new_row = torch.ones_like(flat, dtype=torch.bool)
@@ -236,6 +249,11 @@ def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal
         q_real_cls = table >= 0
         jq_cls = table.clamp(min=0)
 
+    if window is not None:  # does the window hide any key of a row? (a row spans < window indices: no)
+        span = table.amax((0, 2)) - torch.where(table >= 0, table, kv_len).amin((0, 2))
+        if not bool((span >= window).any()):
+            window = None
+
     order, head_pair, pair_kvh, pair_cls = _pairs(heads, q_heads, kv_heads, r)
     heads_t = torch.tensor(order, dtype=torch.long, device=device)
     head_pair_t = torch.tensor(head_pair, dtype=torch.long, device=device)
@@ -245,7 +263,12 @@ def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal
 
     k_table = table[pair_cls_t].transpose(0, 1)  # (R, P, L)
     k_real = k_table >= 0
-    calls, q0 = _plan_calls(k_real, head_pair_t, tq_cls.shape[-1], decode, is_causal, prev_w, r, n_slots)
+    if window is not None:
+        q_index = torch.where(q_real_cls, jq_cls + first_query, torch.iinfo(torch.long).max)[head_class].transpose(0, 1)
+        tq = tq_cls[head_class].transpose(0, 1)
+        calls, q0 = _band_calls(k_table, q_index, tq, window, is_causal, r, head_pair_t.numel()), 0
+    else:
+        calls, q0 = _plan_calls(k_real, head_pair_t, tq_cls.shape[-1], decode, is_causal, prev_w, r, n_slots)
     # Gather only the key slots some call reads (union levels >= 2 never read the last sub-segment).
     k_end = max((n_slots if c.k_slots.stop is None else c.k_slots.stop) for c in calls) if calls else 0
     k_table, k_real = k_table[..., :k_end], k_real[..., :k_end]
@@ -264,6 +287,9 @@ def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal
     )
     level.unique_pairs = len(set(zip(pair_kvh, pair_cls))) == len(pair_kvh)
     level.q0, level.pairs = q0, list(zip(pair_kvh, pair_cls))
+    if window is not None:  # banded calls: none of the fast paths of whole segments applies
+        level.window, level.q_index, level.k_index = window, q_index, k_table
+        return level
     level.plain = layout.plain and q_len == kv_len and kv_len % w == 0 and kv_len >= w
     level.segment_view = (
         layout.plain and q_len == kv_len and r == 1 and q0 == 0 and kv_len % w == 0 and kv_len >= w
@@ -298,21 +324,67 @@ def _plan_calls(k_real, head_pair, n_q, decode, is_causal, prev_w, r, n_slots):
     return calls, sub
 
 
+def _band_calls(k_index, q_index, tq, window, is_causal, r, n_heads):
+    """The calls of a level whose sliding window hides keys: explicit-bias calls over chunks of
+    query slots, each reading only the key slots from the first one its window reaches to the last
+    one its causality allows, so a query never touches keys far outside its window.
+
+    k_index (R, P, L) key-sequence index of each key slot (-1: empty); q_index (R, Hc, Lq) that of
+    each query slot (int64 max where no real query); tq (R, Hc, Lq) key-slot coordinate of each
+    query slot (the last key slot a causal query may read)."""
+    device = k_index.device
+    n_rows, n_q, n_k = k_index.shape[0], q_index.shape[-1], k_index.shape[-1]
+    # Query-slot chunk: about a window of slots, smaller when the bias of one row would not fit.
+    reach = -(-window // r) + 1  # key slots one query's window spans, at most (plain rows)
+    bias_heads = 1 if r == 1 else n_heads
+    chunk = max(16, min(n_q, reach))
+    while chunk > 16 and bias_heads * chunk * (chunk + reach) > _BIAS_BUDGET:
+        chunk //= 2
+    starts = list(range(0, n_q, chunk))
+    # First key slot within reach of each chunk, over every row and pair: real key indices rise
+    # with the slot, so a reverse cumulative min fills the empty slots and the search is sorted.
+    big = torch.iinfo(torch.long).max
+    filled = torch.where(k_index >= 0, k_index, big).flip(-1).cummin(-1).values.flip(-1).reshape(-1, n_k)
+    q_min = torch.stack([q_index[..., s:s + chunk].amin() for s in starts])
+    bounds = (q_min - window + 1).clamp(min=0)
+    k_lo = torch.searchsorted(filled.contiguous(), bounds.expand(filled.shape[0], -1).contiguous()).amin(0).tolist()
+    if is_causal:
+        last = torch.stack([tq[..., min(s + chunk, n_q) - 1].amax() for s in starts]).clamp(max=n_k - 1)
+        k_hi = (last + 1).tolist()
+    else:
+        k_hi = [n_k] * len(starts)
+    calls = []
+    for s, lo, hi in zip(starts, k_lo, k_hi):
+        if lo >= hi:
+            continue
+        step = max(1, _BIAS_BUDGET // max(1, bias_heads * min(chunk, n_q - s) * (hi - lo)))
+        calls += [_Call(slice(b, min(b + step, n_rows)), slice(s, min(s + chunk, n_q)), slice(lo, hi), False,
+                        explicit_bias=True, check_empty=True) for b in range(0, n_rows, step)]
+    return calls
+
+
 def _key_bias(level: _Level, call: _Call, dtype):
     valid = level.k_real[call.rows][:, level.head_pair][..., call.k_slots]  # (R, Hc, Lk)
     return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))[:, :, None, :]
 
 
 def _explicit_visible(level: _Level, call: _Call):
-    """(R, Hc, Lq, L) visibility of key slots from query slots, for the general case."""
-    valid = level.k_real[call.rows][:, level.head_pair]  # (R, Hc, L)
-    tq = level.tq[call.rows][..., call.q_slots]  # (R, Hc, Lq)
-    tk = torch.arange(valid.shape[-1], device=valid.device)
+    """(R, Hc or 1, Lq, Lk) visibility of the call's key slots from its query slots, for the
+    general case. With dilation 1 every head reads the same slots: one head, broadcast."""
+    heads = slice(None) if level.r > 1 else slice(0, 1)
+    head_pair = level.head_pair[heads]
+    valid = level.k_real[call.rows][:, head_pair][..., call.k_slots]  # (R, Hc, Lk)
+    tq = level.tq[call.rows][:, heads][..., call.q_slots]  # (R, Hc, Lq)
+    tk = torch.arange(level.k_real.shape[-1], device=valid.device)[call.k_slots]
     visible = valid[:, :, None, :].expand(*tq.shape, valid.shape[-1])
     if level.causal:
         visible = visible & (tk <= tq[..., None])
+    if level.window is not None:
+        qi = level.q_index[call.rows][:, heads][..., call.q_slots]
+        ki = level.k_index[call.rows][:, head_pair][..., call.k_slots]
+        visible = visible & (ki[:, :, None, :] > qi[..., None] - level.window)
     if level.prev_w is not None:
-        c = level.head_class[None, :, None]
+        c = level.head_class[heads][None, :, None]
         sub_q = torch.div(c + level.r * tq, level.prev_w, rounding_mode="floor")[..., None]
         sub_k = torch.div(c[..., None] + level.r * tk, level.prev_w, rounding_mode="floor")
         visible = visible & ((sub_k < sub_q) if level.causal else (sub_k != sub_q))

@@ -14,7 +14,8 @@ The kernels' rule (`token_layout`, `documents`):
 transformers' rule (`from_model_inputs`), which maps what a model passes onto the kernels' rule so
 that every name sees exactly the keys `sdpa` sees:
 - with an attention mask (even an all-ones one) a row is one document, positions are mask ranks,
-  and `position_ids` only feed RoPE;
+  and `position_ids` only feed RoPE; a mask longer than the keys means a sliding-window cache kept
+  only the last keys: they take the mask's last entries and continue its ranks;
 - without one, `position_ids` define the documents (packed sequences), as transformers'
   `find_packed_sequence_indices` does, but only where transformers itself detected packing: with
   a KV cache it does not, and the row stays one document.
@@ -83,14 +84,18 @@ def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int
     what a model hands its attention function.
 
     mask: what hf_dilated's mask function returned (integrations/transformers.py): a bool
-        (batch, kv_len) mask when the model was given an attention mask or transformers saw no
-        packing (the row is one document), an int64 tensor of document ids when transformers
-        detected packed sequences, or None (no mask, no packing).
+        (batch, seen) mask when the model was given an attention mask or transformers saw no
+        packing (the row is one document; seen > kv_len when a sliding-window cache dropped the
+        first seen - kv_len keys), an int64 tensor of document ids when transformers detected
+        packed sequences, or None (no mask, no packing).
     position_ids: (batch or 1, q_len) or None, the queries' positions (only read without a mask).
     cu_seq_lens: flash-attention style sequence boundaries (1-D, cumulative), for packed batches
         that carry no position_ids.
     """
     if mask is not None and mask.dtype == torch.bool:
+        if mask.shape[-1] > kv_len:  # sliding-window cache: the keys are the last kv_len tokens seen
+            ranks = mask.long().cumsum(-1) - 1
+            return mask[:, -kv_len:], ranks[:, -kv_len:]
         return mask, None
     if position_ids is not None:
         if position_ids.dim() != 2 or position_ids.shape[-1] != q_len or position_ids.shape[0] not in (1, batch):
