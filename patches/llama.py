@@ -3,11 +3,14 @@
 Attention modules project with q_proj/k_proj/v_proj/o_proj, apply RoPE from
 `config.rope_parameters`, and dispatch through transformers' AttentionInterface, so routing them
 to hf_dilated is setting the attention implementation. Mistral and Qwen2 may carry a sliding
-window, which the long-context patterns replace: it is switched off.
+window: every hf_dilated name keeps it (SPEC "Sliding window"), so a model run at its own context
+is unchanged; extending the context removes it (a window would hide the added context) and says so.
 """
 from __future__ import annotations
 
-from .context import dilated_entry, rope_updates
+import warnings
+
+from .context import ConversionWarning, dilated_entry, original_length, rope_updates
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 PRETRAINED_CLASSES = {
@@ -22,21 +25,40 @@ EXTRA_TRAINABLE_MODULES = ["embed_tokens", "input_layernorm", "post_attention_la
 
 def convert_config(config, context_length=None, rope=None, **dilated_fields) -> dict:
     """Top-level config fields that configure `config` for hf_dilated at `context_length`."""
+    extending = context_length is not None and context_length > original_length(config)
     updates = rope_updates(config, context_length, rope) if context_length is not None else {}
     updates["hf_dilated"] = dilated_entry(config, context_length, **dilated_fields)
-    if getattr(config, "sliding_window", None) is not None:
+    if extending:
+        updates.update(_without_window(config, context_length))
+    return updates
+
+
+def _without_window(config, context_length) -> dict:
+    """The fields that switch a sliding window off, with a ConversionWarning saying so."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = window is not None and (getattr(config, "model_type", None) != "qwen2"
+                                      or any(t == "sliding_attention" for t in layer_types))
+    updates = {}
+    if window is not None:
         updates["sliding_window"] = None
     if getattr(config, "use_sliding_window", False):
         updates["use_sliding_window"] = False
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types and any(t != "full_attention" for t in layer_types):
+    if any(t != "full_attention" for t in layer_types):
         updates["layer_types"] = ["full_attention"] * len(layer_types)
+    if sliding:
+        warnings.warn(f"sliding_window: removed the checkpoint's {window}-token sliding window, which would hide all "
+                      f"but the last {window} tokens of the {context_length}-token context; the long-context pattern "
+                      "bounds the cost instead", ConversionWarning, stacklevel=3)
     return updates
 
 
 def prepare_model(model) -> None:
-    """In-place changes a loaded model needs beyond its config: Qwen2 copies the window into each
-    attention layer and records at construction whether sliding masks are needed."""
+    """In-place changes a loaded model needs beyond its config once the window is off: Qwen2
+    copies the window into each attention layer and records at construction whether sliding masks
+    are needed."""
+    if getattr(model.config, "sliding_window", None) is not None:
+        return  # the window is kept
     for module in model.modules():
         if type(module).__name__.endswith("Attention") and getattr(module, "sliding_window", None) is not None:
             module.sliding_window = None

@@ -328,7 +328,8 @@ def _run_bench(tmp_path, *argv):
 
 
 def _sections_in(report):
-    return {key for key in ("kernels", "search", "million", "block_sparse", "decode", "e2e", "distributed")
+    return {key for key in ("kernels", "search", "million", "block_sparse", "decode", "window", "e2e",
+                                "distributed")
             if key in report}
 
 
@@ -442,3 +443,24 @@ def test_cli_imports_no_benchmark_code_to_parse():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "['hf_dilated.bench', 'hf_dilated.bench.cli']"
+
+
+@pytest.mark.slow
+def test_cli_bench_window(tmp_path):
+    report, md = _run_bench(tmp_path, "window", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                            "--window", "48")
+    results = report["window"]["results"]
+    assert [r["spec"]["n"] for r in results] == [128, 256] and all(r["spec"]["window"] == 48 for r in results)
+    for r in results:
+        for name in ("forward", "forward+backward"):
+            for variant in ("sdpa", "ring", "dilated"):
+                p = r["passes"][name][variant]
+                assert len(p["times_s"]) == 2 and p["median_s"] > 0 and p["peak_extra_bytes"] >= 0, p
+    assert "## Sliding window" in md and "ring / sdpa" in md
+
+
+def test_cli_bench_window_rejects_a_bad_window(capsys):
+    from hf_dilated.cli import main
+
+    assert main(["bench", "window", "--window", "0"]) == 2
+    assert "--window must be positive" in capsys.readouterr().err

@@ -473,3 +473,23 @@ def test_odd_but_valid_options_warn_what_was_kept(source, tmp_path):
         dst = convert_checkpoint(native, tmp_path / "native-128", context_length=128)
     config = json.loads((dst / "config.json").read_text())
     assert config["max_position_embeddings"] == 256 and config["hf_dilated"]["target_length"] == 128
+
+
+def test_convert_removes_a_sliding_window_only_when_it_extends_the_context(tmp_path, capsys):
+    """A Mistral checkpoint converted for a longer context loses its window and the CLI says so;
+    converted at its own context it keeps the window (every name honours it)."""
+    from transformers import MistralConfig
+
+    src = tmp_path / "mistral"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=16)).save_pretrained(src)
+    assert cli(["convert", str(src), str(tmp_path / "long"), "--context", "256", "--rope", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: sliding_window: removed the checkpoint's 16-token sliding window" in err, err
+    assert json.loads((tmp_path / "long" / "config.json").read_text())["sliding_window"] is None
+    assert cli(["convert", str(src), str(tmp_path / "same"), "--context", "64"]) == 0
+    assert "sliding_window" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "same" / "config.json").read_text())["sliding_window"] == 16
+    assert json.loads((src / "config.json").read_text())["sliding_window"] == 16  # the source is untouched

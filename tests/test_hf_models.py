@@ -303,17 +303,40 @@ def test_lora_trains_a_step_and_its_adapter_reloads(checkpoints, preset, tmp_pat
         torch.testing.assert_close(reloaded(ids).logits, trained)
 
 
-def test_mistral_and_qwen2_lose_their_sliding_window_when_patched():
+def _windowed_configs():
     from transformers import MistralConfig, Qwen2Config
 
     small = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=32)
-    for config in (MistralConfig(sliding_window=16, **small),
-                   Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, **small)):
+    return (MistralConfig(sliding_window=16, **small),
+            Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, **small))
+
+
+def test_mistral_and_qwen2_keep_their_sliding_window_when_patched_at_their_context():
+    """patch() without a longer context used to drop the window, changing the model within its own
+    context; every name now keeps it, so the patched model is the checkpoint as it was trained."""
+    for config in _windowed_configs():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()
+        sdpa = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        sdpa.load_state_dict(model.state_dict())
         hf_dilated.patch(model, "dilated")
+        assert model.config.sliding_window == 16
+        ids = tokens(1, 30)  # longer than the window
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, sdpa(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_mistral_and_qwen2_lose_their_sliding_window_when_their_context_is_extended():
+    from hf_dilated.patches.context import ConversionWarning
+
+    for config in _windowed_configs():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with pytest.warns(ConversionWarning, match="removed the checkpoint's 16-token sliding window"):
+            hf_dilated.patch(model, "dilated", context_length=128, rope="none")
         assert model.config.sliding_window is None
+        assert all(getattr(m, "sliding_window", None) is None for m in model.modules())
         ids = tokens(1, 30)
         sdpa = AutoModelForCausalLM.from_config(model.config, attn_implementation="sdpa").eval()
         sdpa.load_state_dict(model.state_dict())

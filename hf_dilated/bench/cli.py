@@ -6,6 +6,7 @@ when a benchmark runs.
     hf-dilated bench kernels        every attention variant against sdpa (+ --search, --million)
     hf-dilated bench block-sparse   block-sparse against sdpa and FlexAttention with the same mask
     hf-dilated bench decode         one token against a KV cache of N tokens, dilated vs sdpa
+    hf-dilated bench window         a sliding window (Mistral) over N tokens, ring / dilated vs sdpa
     hf-dilated bench distributed    ring / dilated_ring over 1, 2, ... gloo processes
     hf-dilated bench e2e            a tiny Llama's training step with each attn_implementation
     hf-dilated bench all            kernels, length search, block-sparse, e2e and distributed in one report
@@ -48,7 +49,7 @@ PROFILES = {
 # Values no profile changes.
 DEFAULTS = dict(out="bench-results", device=None, threads=None, batch=1, heads=8, kv_heads=None, head_dim=64,
                 block_size=256, block_pattern=None, variants=None, million=False, e2e=True, e2e_impls=None,
-                distributed_length=None)
+                distributed_length=None, window=None)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -131,6 +132,10 @@ def _decode(p):
     p.add_argument("--head-dim", type=int, help="default: 128")
 
 
+def _window(p):
+    p.add_argument("--window", type=int, help="sliding window W in tokens (default: a quarter of the shortest length)")
+
+
 def _all(p):
     p.add_argument("--e2e", action=argparse.BooleanOptionalAction, help="tiny-Llama rows (default: on)")
     p.add_argument("--distributed", action=argparse.BooleanOptionalAction,
@@ -154,6 +159,8 @@ SUBCOMMANDS = {
                      (_common, _shape, _pattern), lambda s: ["block_sparse"], {}),
     "decode": ("one new token against a KV cache of N tokens, dilated vs sdpa",
                (_common, _decode), lambda s: ["decode"], dict(heads=32, kv_heads=8, head_dim=128)),
+    "window": ("a sliding window over N tokens: ring / dilated with the window vs sdpa with its mask",
+               (_common, _shape, _window), lambda s: ["window"], {}),
     "distributed": ("ring / dilated_ring over gloo processes: time, memory, bytes sent per rank",
                     (_common, _shape, _pattern, _distributed), lambda s: ["distributed"], {}),
     "e2e": ("a tiny Llama's forward + backward with each attn_implementation",
@@ -202,12 +209,16 @@ def resolve_settings(args) -> dict:
     if any(n <= 0 for n in counts):
         raise ValueError("--lengths, --contexts, --processes and --threads must be positive")
     check_dilated_config(s["segment_lengths"], s["dilation_rates"], "union")
+    if s.get("window") is None:
+        s["window"] = max(1, min(s["lengths"]) // 4)
+    if s["window"] <= 0:
+        raise ValueError(f"--window must be positive, got {s['window']}")
     return s
 
 
 def _sections():
     """Report key -> (run(settings, runner, report so far), markdown(section, settings)), in report order."""
-    from . import block_sparse, decode, distributed, e2e, kernels, search
+    from . import block_sparse, decode, distributed, e2e, kernels, search, window
 
     return {
         "kernels": (kernels.run_section, kernels.markdown_section),
@@ -215,6 +226,7 @@ def _sections():
         "million": (kernels.run_million, kernels.markdown_million),
         "block_sparse": (block_sparse.run_section, block_sparse.markdown_section),
         "decode": (decode.run_section, decode.markdown_section),
+        "window": (window.run_section, window.markdown_section),
         "e2e": (e2e.run_section, e2e.markdown_section),
         "distributed": (distributed.run_section, distributed.markdown_section),
     }

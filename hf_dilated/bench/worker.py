@@ -22,6 +22,7 @@ from .decode import run_decode_case
 from .distributed import run_distributed_rank
 from .e2e import run_e2e_case
 from .kernels import run_kernel_case
+from .window import run_window_case
 
 CASES = {
     "kernel": run_kernel_case,
@@ -29,6 +30,7 @@ CASES = {
     "decode": run_decode_case,
     "e2e": run_e2e_case,
     "distributed": run_distributed_rank,
+    "window": run_window_case,
 }
 
 
