@@ -385,6 +385,37 @@ def test_prefix_consistency_and_decode(case):
         assert err < 1e-5, f"chunk {lo}:{hi}: max err {err}: {case}"
 
 
+HOLE_CHUNK_LEVELS = [((64,), (1,)), ((32, 64), (1, 2)), ((8, 16, 32), (1, 2, 4))]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("levels", HOLE_CHUNK_LEVELS, ids=lambda lv: "x".join(map(str, lv[0])))
+@pytest.mark.parametrize("positions", ["mask_only", "indices"])
+def test_chunked_prefill_with_holes_matches_reference(mode, levels, positions):
+    """Chunks of every length (q_len from 1 to kv_len) against a cache whose mask has holes
+    anywhere: a key of the queries' segment can lie more than w - 1 indices back, since holes
+    count as indices but not as positions. Planning by index lost those keys (a silent wrong
+    result for chunks that straddle a segment boundary)."""
+    seg, dil = levels
+    n = 105
+    g = torch.Generator().manual_seed(7)
+    mask = (torch.rand(2, n, generator=g) > 0.25).long()
+    mask[:, 0] = mask[:, -1] = 1
+    # positions from the mask (its ranks, what generate passes) or the indices (counting the holes)
+    pos = None if positions == "mask_only" else torch.arange(n).expand(2, n)
+    q = torch.randn(2, 4, n, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, n, 16, generator=g, dtype=torch.float64)  # GQA: 4 query / 2 kv heads
+    v = torch.randn(2, 2, n, 16, generator=g, dtype=torch.float64)
+    ref = dilated_reference(q, k, v, list(seg), list(dil), mode, attention_mask=mask, position_ids=pos)
+    real = mask.bool()[:, None, :, None]
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    for q_len in range(1, n + 1):
+        out = dilated_attention(q32[:, :, -q_len:], k32, v32, list(seg), list(dil), mode=mode,
+                                attention_mask=mask, position_ids=pos)
+        err = ((out.double() - ref[:, :, -q_len:]) * real[:, :, -q_len:]).abs().max().item()
+        assert err < F32_TOL, f"q_len {q_len}: max err {err} ({mode}, {seg} x {dil}, {positions})"
+
+
 # ---------------------------------------------------------------------------------------------
 # Empty key sets and padded slots
 

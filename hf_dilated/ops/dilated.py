@@ -167,6 +167,26 @@ def plan_levels(layout: TokenLayout, q_len, q_heads, kv_heads, seg, dil, mode, i
     return levels
 
 
+def _first_planned_index(layout: TokenLayout, q_len: int, w: int, window: int | None) -> int:
+    """The first key index a level of segment `w` can read when only the last q_len tokens are
+    queries (0 for a prefill). A key shares a segment with a query only within w - 1 positions, and
+    within a document positions advance by at least one per real token, so such a key is among the
+    last w - 1 *real* tokens before the first query: with holes in the mask that can lie more than
+    w - 1 indices back (counting indices instead lost keys of chunked prefills). A sliding window
+    hides keys more than window - 1 *indices* back. The plan starts at the nearer of the two."""
+    kv_len = layout.real.shape[1]
+    first = kv_len - q_len
+    if first <= 0:
+        return 0
+    real = layout.real.long()
+    before = real.cumsum(1) - real  # real tokens before each index
+    need = (before[:, first] - (w - 1)).clamp(min=0)  # per row: real tokens before the first key planned
+    lo = int(torch.searchsorted(before.contiguous(), need[:, None].contiguous()).min())
+    if window is not None:
+        lo = max(lo, first - (window - 1))
+    return lo
+
+
 def _pairs(heads, q_heads, kv_heads, r):
     """Order the heads so that those reading one (kv head, class) pair are contiguous and every pair
     has the same number of heads (the fused kernel's grouped-query mapping); else one pair a head."""
@@ -189,11 +209,7 @@ def _pairs(heads, q_heads, kv_heads, r):
 def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal, window=None):
     device = layout.positions.device
     batch, kv_len = layout.positions.shape
-    # A key shares a segment with a query only within w - 1 positions, hence (documents being runs
-    # of consecutive positions) within w - 1 indices, and a sliding window hides keys more than
-    # window - 1 indices back: a decode step plans just the nearer of the two.
-    reach = w if window is None else min(w, window)
-    lo = max(0, kv_len - q_len - (reach - 1)) if q_len < kv_len else 0
+    lo = _first_planned_index(layout, q_len, w, window)
     planned = kv_len - lo
     real = layout.real[:, lo:]
     flat = real.reshape(-1).nonzero().squeeze(1)  # real tokens, in (batch, index) order
