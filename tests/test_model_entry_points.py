@@ -119,10 +119,33 @@ def test_flattened_batches_without_position_ids_keep_documents_apart(saved, name
             start += len(d)
 
 
-def test_output_attentions_is_an_error_not_an_empty_tuple(saved):
-    model = AutoModelForCausalLM.from_pretrained(saved["llama"], attn_implementation="dilated")
-    with pytest.raises(ValueError, match="output_attentions"):
-        model(ids(1, 8), output_attentions=True)
+@pytest.mark.parametrize("family", ("llama", "gpt_neox"))
+@pytest.mark.parametrize("name", NAMES)
+def test_output_attentions_does_what_sdpa_does(saved, family, name):
+    """transformers' convention (sdpa_attention.py): a warning naming the attention and `eager`,
+    no weights (the same empty tuple sdpa gives), outputs unchanged. Tools pass the flag generically."""
+    import logging
+
+    from transformers.utils.logging import get_logger
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    root = get_logger("transformers")
+    root.addHandler(handler)
+    get_logger("transformers.hf_dilated").warning_once.cache_clear()  # once per process: reset it
+    model = AutoModelForCausalLM.from_pretrained(saved[family], attn_implementation=name)
+    sdpa = AutoModelForCausalLM.from_pretrained(saved[family], attn_implementation="sdpa")
+    x = ids(2, 12)
+    plain = model(x).logits
+    out = model(x, output_attentions=True)
+    expected = sdpa(x, output_attentions=True)
+    assert out.attentions == expected.attentions == ()
+    torch.testing.assert_close(out.logits, plain, atol=0, rtol=0)
+    torch.testing.assert_close(out.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    root.removeHandler(handler)
+    assert any(f"`{name}` attention does not support `output_attentions=True`" in line and "`eager`" in line
+               for line in lines), lines
 
 
 def test_unsupported_families_and_objects_are_refused_with_the_supported_list():

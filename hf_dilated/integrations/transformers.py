@@ -115,13 +115,21 @@ def _packed_documents(mask_function, batch, n, device):
 _INPUTS = PlanCache()
 
 
+def _logger():
+    """A logger under transformers' own namespace, so that its verbosity settings
+    (`transformers.logging.set_verbosity_error()`, TRANSFORMERS_VERBOSITY) govern our lines too."""
+    from transformers.utils import logging
+
+    return logging.get_logger("transformers.hf_dilated")
+
+
 def _check_kwargs(module, name, kwargs):
     for key, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(key) is not None:
             raise NotImplementedError(f"attn_implementation={name!r} does not support {what} ({key}={kwargs[key]!r})")
-    if kwargs.get("output_attentions"):
-        raise ValueError(f"output_attentions=True: attn_implementation={name!r} does not return attention weights "
-                         "(neither does 'sdpa'); load the model with attn_implementation='eager' to get them")
+    if kwargs.get("output_attentions"):  # as sdpa does: say so once, return no weights, run on
+        _logger().warning_once(f"`{name}` attention does not support `output_attentions=True`. Please set your "
+                               "attention to `eager` if you want any of these features.")
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
