@@ -28,8 +28,8 @@ class DilatedConfig:
     """What the attention implementations registered by hf_dilated compute for one model.
 
     Fields:
-        segment_lengths, dilation_rates, mode: the dilated attention of SPEC.md ("dilated",
-            "dilated_ring").
+        segment_lengths, dilation_rates, mode: the dilated attention of docs/contract.md 4
+            ("dilated", "dilated_ring").
         block_size, pattern: the block-sparse attention ("block_sparse", "block_sparse_ring");
             `pattern` is a dict such as `{"type": "local", "window": 4}` (see
             `hf_dilated.ops.block_patterns.make_pattern`).

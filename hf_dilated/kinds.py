@@ -3,9 +3,9 @@ the transformers `attn_implementation` names (integrations/transformers.py). Add
 adding a row here.
 
 Each row's `run(q, k, v, settings, *, is_causal, attention_mask, position_ids, scale, dropout_p,
-group, layout, sliding_window)` takes the kernels' inputs (SPEC.md layout; positions and padding
-by the kernels' rule of ops/token_layout.py; the window of SPEC "Sliding window") and the
-settings named in `settings` (name -> default, None: required). The ring kinds take this rank's shards under a sequence-parallel `group`; with no
+group, layout, sliding_window)` takes the kernels' inputs (the layout of docs/contract.md 1;
+positions and padding by the kernels' rule of ops/token_layout.py; the window of
+docs/contract.md 3.3) and the settings named in `settings` (name -> default, None: required). The ring kinds take this rank's shards under a sequence-parallel `group`; with no
 group (or a group of one) each equals its single-process counterpart, so that fallback is written
 once, in hf_dilated.distributed.
 """
@@ -33,7 +33,7 @@ def _no_dropout(name, dropout_p):
 
 def _causal_only(name, is_causal):
     if not is_causal:
-        raise ValueError(f"is_causal: {name!r} attention is causal only (SPEC.md, ring attention), got False")
+        raise ValueError(f"is_causal: {name!r} attention is causal only (docs/contract.md 3.1), got False")
 
 
 def _dense(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,

@@ -2,8 +2,8 @@
 
 - `create_attention(kind, **config)` returns an `Attention`: a callable
   `attn(q, k, v, *, is_causal=True, attention_mask=None, position_ids=None, scale=None, dropout_p=0.0)`
-  over the layout of SPEC.md (q (batch, q_heads, q_len, head_dim), k/v (batch, kv_heads, kv_len,
-  head_dim)) that computes one of our variants.
+  over the layout of docs/contract.md 1 (q (batch, q_heads, q_len, head_dim), k/v (batch, kv_heads,
+  kv_len, head_dim)) that computes one of our variants.
 - `DilatedMultiheadAttention`: a drop-in for `torch.nn.MultiheadAttention` (same constructor
   arguments, same parameter names, so its state_dict loads) that computes the attention with any
   of those variants.
@@ -207,8 +207,8 @@ class DilatedMultiheadAttention(nn.Module):
     - `key_padding_mask` (batch, kv_len), True (or -inf) = ignore that key, as in PyTorch. The
       pattern is laid over token indices, as nn.MultiheadAttention's causal mask is; pass
       `position_ids` (batch, kv_len) to lay it over real-token positions or packed documents.
-      Outputs at padded query positions are unspecified (SPEC.md), where nn.MultiheadAttention
-      still computes them.
+      Outputs at padded query positions are unspecified (docs/contract.md 3.1), where
+      nn.MultiheadAttention still computes them.
     - Attention weights are never materialised: `need_weights=True` is a ValueError (the default
       here is False; nn.MultiheadAttention's default True would be a silent O(N^2) matrix).
     - `add_bias_kv`, `add_zero_attn` and arbitrary `attn_mask`s have no place in a positional

@@ -3,7 +3,7 @@
 Attention modules project with q_proj/k_proj/v_proj/o_proj, apply RoPE from
 `config.rope_parameters`, and dispatch through transformers' AttentionInterface, so routing them
 to hf_dilated is setting the attention implementation. Mistral and Qwen2 may carry a sliding
-window: every hf_dilated name keeps it (SPEC "Sliding window"), so a model run at its own context
+window: every hf_dilated name keeps it (docs/contract.md 3.3), so a model run at its own context
 is unchanged; extending the context removes it (a window would hide the added context) and says so.
 """
 from __future__ import annotations

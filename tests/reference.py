@@ -1,11 +1,12 @@
-"""Independent dense float64 reference for every attention variant, written from SPEC.md alone.
+"""Independent dense float64 reference for every attention variant, written from docs/contract.md
+alone.
 
 Nothing here imports hf_dilated: the tests compare kernels against these formulas, never against
 another kernel of the project. Everything is deliberately naive: a dense (batch, heads, q_len,
 kv_len) matrix of how many times each key counts in K(h, i), then one float64 softmax-weighted sum.
 Clarity over speed; fine up to a few hundred tokens.
 
-Layout (SPEC "Notation and layout"): q (batch, q_heads, q_len, head_dim), k and v
+Layout (docs/contract.md 1): q (batch, q_heads, q_len, head_dim), k and v
 (batch, kv_heads, kv_len, head_dim); the queries are the last q_len tokens; attention_mask and
 position_ids are (batch or 1, kv_len).
 
@@ -25,7 +26,7 @@ Public functions:
     block_sparse_reference(q, k, v, layout, block_size, *, scale=None, attention_mask=None,
                            position_ids=None, is_causal=True)
 
-Every function that builds key sets also takes `sliding_window` (SPEC "Sliding window"): with a
+Every function that builds key sets also takes `sliding_window` (docs/contract.md 3.3): with a
 window W, base-visible also requires key index j > query index i - W.
 
 The *_reference functions return float64 and are differentiable: pass float64 leaves with
@@ -47,7 +48,7 @@ class TokenPositions(NamedTuple):
 
 
 def token_positions(attention_mask, position_ids, batch: int, kv_len: int) -> TokenPositions:
-    """SPEC "Positions, padding, packing" (the kernels' rule): positions are position_ids when
+    """docs/contract.md 3.1 (the kernels' rule): positions are position_ids when
     given, else cumsum(attention_mask) - 1 when a mask is given, else 0..kv_len-1. Documents come
     from the real tokens only: a real token starts a new document unless its position continues
     the previous real token's, either as the next position (+1) or as the position its index
@@ -162,8 +163,8 @@ def block_sparse_key_counts(layout, block_size: int, q_heads: int, batch: int, q
 
     layout: bool tensor (batch or 1, q_heads or 1, q_blocks, k_blocks); layout[b, h, bq, bk] says
     whether key block bk is allowed for query block bq. The block of token t is
-    positions[t] // block_size (SPEC: counted within its document, i.e. from the document's
-    positions, which restart with each packed document). A key counts when it is base-visible and
+    positions[t] // block_size (docs/contract.md 5: counted within its document, i.e. from the
+    document's positions, which restart with each packed document). A key counts when it is base-visible and
     its block is allowed for the query's block. Padding tokens (which may have negative positions)
     are clamped to block 0; padded keys are never visible anyway and padded queries are unspecified.
     The layout must cover every block a real token of the input falls in (else ValueError).

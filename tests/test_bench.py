@@ -1,6 +1,6 @@
-"""The benchmark's pair counts against a brute-force evaluation of SPEC.md's sets, its worker and
-timing rules, smoke runs of every `hf-dilated bench` subcommand that check the files they write,
-and the `hf-dilated` command's wiring."""
+"""The benchmark's pair counts against a brute-force evaluation of docs/contract.md's sets, its
+worker and timing rules, smoke runs of every `hf-dilated bench` subcommand that check the files they
+write, and the `hf-dilated` command's wiring."""
 import json
 import os
 import random
@@ -18,7 +18,7 @@ from hf_dilated.bench.counts import (
 
 
 def brute_force_counts(n, heads, seg, dil):
-    """Per mode, the total over heads and queries of |K(h, i)|, straight from SPEC's definitions."""
+    """Per mode, the total over heads and queries of |K(h, i)|, straight from docs/contract.md 4."""
     i = np.arange(n)[:, None]
     j = np.arange(n)[None, :]
     causal = j <= i
@@ -100,8 +100,8 @@ def test_counts_match_the_float64_reference_counts():
 
 
 def test_flex_union_mask_is_the_union_pattern():
-    """The FlexAttention comparator computes SPEC's union set (checked on the mask itself; running
-    the compiled kernel takes ~30 s, so the bench does that)."""
+    """The FlexAttention comparator computes the "union" set of docs/contract.md 4 (checked on the mask
+    itself; running the compiled kernel takes ~30 s, so the bench does that)."""
     import torch
     from reference import dilated_key_counts
 
@@ -165,13 +165,13 @@ def test_worker_reports_flash_attn_unavailable_on_cpu():
 def test_worker_times_every_pass_before_tightening_the_allocator(monkeypatch):
     """The memory measurement's allocator settings cannot be undone, so every timed call of a case
     (forward and backward) comes before them; run_case in a caller's process never sets them."""
-    from hf_dilated import measure as probe
+    from hf_dilated import measure
     from hf_dilated.bench.worker import run_case
 
     events = []
-    time_calls = probe.time_calls
-    monkeypatch.setattr(probe, "strict_allocator", lambda: events.append("strict") or True)
-    monkeypatch.setattr(probe, "time_calls", lambda *a, **k: events.append("timed") or time_calls(*a, **k))
+    time_calls = measure.time_calls
+    monkeypatch.setattr(measure, "strict_allocator", lambda: events.append("strict") or True)
+    monkeypatch.setattr(measure, "time_calls", lambda *a, **k: events.append("timed") or time_calls(*a, **k))
     spec = dict(KERNEL_SPEC, variant="union")
     result = run_case(spec, own_process=True)
     assert events == ["timed", "timed", "strict"], events
@@ -181,7 +181,7 @@ def test_worker_times_every_pass_before_tightening_the_allocator(monkeypatch):
     run_case(spec)
     assert events == ["timed", "timed"], events
     # Where the settings cannot be made (not glibc), each memory figure says it is over-stated.
-    monkeypatch.setattr(probe, "strict_allocator", lambda: False)
+    monkeypatch.setattr(measure, "strict_allocator", lambda: False)
     result = run_case(spec, own_process=True)
     assert all("over-stated" in result["passes"][name]["memory_note"] for name in ("forward", "backward"))
 

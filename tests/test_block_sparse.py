@@ -1,5 +1,5 @@
-"""Block-sparse attention against SPEC.md: every pattern, forward and gradients, checked against the
-independent dense float64 evaluation in tests/reference.py of the layout the kernel reports."""
+"""Block-sparse attention against docs/contract.md 5: every pattern, forward and gradients, checked
+against the independent dense float64 evaluation in tests/reference.py of the layout the kernel reports."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -60,8 +60,9 @@ def _inputs(scenario):
         mask[0, :3] = 0
         pos = torch.cat([torch.zeros(3, dtype=torch.long), torch.arange(20), torch.arange(14)]).expand(BATCH, LENGTH)
         return mask, pos, 1, True
-    if scenario in ("holes", "holes_index_positions"):  # padding in the middle of documents (SPEC:
-        # a padded slot neither starts nor breaks a document, whether positions count it or not)
+    if scenario in ("holes", "holes_index_positions"):  # padding in the middle of documents
+        # (docs/contract.md 3.1: a padded slot neither starts nor breaks a document, whether
+        # positions count it or not)
         mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
         mask[0, [4, 5, 19]] = 0
         mask[1, 30:33] = 0
@@ -224,8 +225,8 @@ def test_layouts_follow_spec_formulas():
 
 
 def test_adaptive_selects_top_k_by_pooled_scores():
-    """Independent float64 recomputation of the selection rule (SPEC): local window plus, per
-    (batch, head, query block), the top_k earlier blocks outside the window by pooled q . k."""
+    """Independent float64 recomputation of the selection rule (docs/contract.md 5): local window
+    plus, per (batch, head, query block), the top_k earlier blocks outside the window by pooled q . k."""
     q, k, v = _qkv(LENGTH, torch.float64, seed=9)
     top_k, window = 3, 2
     _, layout = block_sparse_attention(q, k, v, AdaptivePattern(top_k, window), block_size=BLOCK, return_layout=True)

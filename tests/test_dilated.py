@@ -18,8 +18,8 @@ from hf_dilated.ops import dilated_attention
 from reference import dilated_key_counts, dilated_reference
 
 MODES = ("union", "longnet", "head_groups")
-F32_TOL = 1e-4  # SPEC: float32 vs float64 reference, forward and gradients
-LOW_TOL = 2e-2  # SPEC: bfloat16 / float16
+F32_TOL = 1e-4  # docs/contract.md 8: float32 vs float64 reference, forward and gradients
+LOW_TOL = 2e-2  # docs/contract.md 8: bfloat16 / float16
 
 
 @dataclass(frozen=True)

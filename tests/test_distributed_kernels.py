@@ -1,6 +1,6 @@
 """Ring kernels on real gloo processes (2 and 4 ranks) against the dense float64 reference of
-SPEC.md (tests/reference.py): outputs and q/k/v gradients, with GQA, both layouts, padding,
-packed documents and a length the layout cannot split evenly.
+docs/contract.md (tests/reference.py): outputs and q/k/v gradients, with GQA, both layouts,
+padding, packed documents and a length the layout cannot split evenly.
 
 Process start-up is slow, so each launch runs a list of cases; the parent process builds the
 inputs, the children shard them, run the kernel forward and backward, and gather the results.
@@ -13,7 +13,7 @@ import torch
 import reference
 from distributed_launch import launch
 
-TOL = 1e-4  # SPEC: float32 against the float64 reference
+TOL = 1e-4  # docs/contract.md 8: float32 against the float64 reference
 SINGLE_TOL = 1e-5  # float32 against the single-process kernel on the whole sequence
 LOW_TOL = 2e-2  # bfloat16
 
@@ -38,7 +38,7 @@ def make_case(kernel, *, seed, batch=2, q_heads=4, kv_heads=2, seq_len=32, head_
         mask = torch.ones(batch, seq_len, dtype=torch.long) if mask is None else mask
         mask[:, 9] = 0
         mask[-1, 17:19] = 0
-    if offset:  # positions that do not start at 0 (SPEC: ring is dense whatever the positions)
+    if offset:  # positions that do not start at 0 (docs/contract.md 6: ring is dense whatever they are)
         pos = (torch.arange(seq_len).expand(batch, seq_len) if pos is None else pos) + offset
     return dict(kernel=kernel, q=q, k=k, v=v, dout=dout, attention_mask=mask, position_ids=pos,
                 layout=layout, kwargs=kwargs)
@@ -85,7 +85,7 @@ def single_process_result(case):
 
 
 def spec_layout(pattern, num_blocks):
-    """SPEC "Block-sparse attention": the layout (1, heads or 1, bq, bk) of a pattern, from its formula."""
+    """docs/contract.md 5: the layout (1, heads or 1, bq, bk) of a pattern, from its formula."""
     bq = torch.arange(num_blocks)[:, None]
     bk = torch.arange(num_blocks)[None, :]
     d = bq - bk
@@ -104,7 +104,8 @@ def spec_layout(pattern, num_blocks):
 
 
 def query_weights(case):
-    # Outputs at padded query slots are unspecified (SPEC): leave them out of the loss and checks.
+    # Outputs at padded query slots are unspecified (docs/contract.md 3.1): leave them out of the loss
+    # and checks.
     mask = case["attention_mask"]
     if mask is None:
         return torch.ones(1, 1, case["q"].shape[2], 1)
@@ -175,7 +176,7 @@ def check_group(results, cases, dp_rank):
     assert len(results) == len(cases)
     for case, got in zip(cases, results):
         w = query_weights(case)
-        low = case["q"].dtype != torch.float32  # SPEC: bfloat16 / float16 within 2e-2
+        low = case["q"].dtype != torch.float32  # docs/contract.md 8: bfloat16 / float16 within 2e-2
         for what, want, tol in (("reference", reference_result(case), LOW_TOL if low else TOL),
                                 ("single process", single_process_result(case), LOW_TOL if low else SINGLE_TOL)):
             for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
@@ -225,7 +226,7 @@ BLOCK_CASES = [
 ]
 
 
-# SPEC "Sliding window": by global index, whatever rank holds the key.
+# Sliding window (docs/contract.md 3.3): by global index, whatever rank holds the key.
 WINDOW_CASES = [
     make_case("ring", seed=40, sliding_window=5),
     make_case("ring", seed=41, sliding_window=11, padding=True, holes=True, layout="contiguous"),

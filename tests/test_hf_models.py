@@ -106,7 +106,7 @@ def test_ring_on_one_process_equals_sdpa_at_any_length(checkpoints, preset):
 
 
 def _reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    # Independent float64 evaluation of SPEC.md for inputs without padding or packing.
+    # Independent float64 evaluation of docs/contract.md 4 for inputs without padding or packing.
     assert attention_mask is None and query.shape[2] == key.shape[2]
     cfg = DilatedConfig.from_model_config(module.config)
     out = dilated_reference(query.double(), key.double(), value.double(), cfg.segment_lengths, cfg.dilation_rates,

@@ -1,4 +1,4 @@
-"""Every registered name sees exactly the keys sdpa sees (SPEC "Positions, padding, packing"):
+"""Every registered name sees exactly the keys sdpa sees (docs/contract.md 3.2):
 a differential test against sdpa on real tiny Llama and GPT-NeoX models (saved and loaded as
 safetensors) over a grid of layouts, with inputs shorter than the first segment so that every
 pattern is dense; and the same layouts beyond the first segment against the float64 reference."""
@@ -185,7 +185,7 @@ def test_the_three_reported_defects(checkpoint_dirs):
             assert torch.equal(got, right), name
 
 
-# --- beyond the first segment: the float64 reference of SPEC --------------------------------
+# --- beyond the first segment: the float64 reference of docs/contract.md --------------------
 
 SEGMENTS, RATES, BLOCK, WINDOW = [16, 32, 64], [1, 2, 4], 8, 2
 LONG_ENTRY = {"segment_lengths": SEGMENTS, "dilation_rates": RATES, "mode": "union", "block_size": BLOCK,

@@ -99,7 +99,7 @@ def test_key_padding_mask_honoured(float_mask):
     causal = torch.zeros(n, n).masked_fill(causal_mask(n), float("-inf")) if float_mask else causal_mask(n)
     want, _ = ref(x, x, x, key_padding_mask=kpm, attn_mask=causal, is_causal=True, need_weights=False)
     got, _ = ours(x, x, x, key_padding_mask=kpm, is_causal=True)
-    real = ~pad  # outputs at padded query positions are unspecified (SPEC), as in transformers
+    real = ~pad  # outputs at padded query positions are unspecified (docs/contract.md 3.1), as in transformers
     torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
     assert torch.isfinite(got).all()
     # The mask matters: without it the real rows change.

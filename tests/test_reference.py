@@ -1,5 +1,5 @@
 """Sanity of the float64 reference itself: hand-enumerated K sets, and agreement with sdpa where
-SPEC says the variants reduce to dense causal attention."""
+docs/contract.md says the variants reduce to dense causal attention."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -167,8 +167,8 @@ def test_padding_does_not_change_real_tokens(mode):
 
 
 def test_longnet_is_denominator_weighted_mix_of_levels():
-    # SPEC: each level is an attention of its own, combined with weights proportional to their
-    # softmax denominators. Rebuild that independently from per-level outputs.
+    # docs/contract.md 4: each level is an attention of its own, combined with weights proportional to
+    # their softmax denominators. Rebuild that independently from per-level outputs.
     q, k, v = _qkv(1, 2, 2, 16, 8)
     scale = 8 ** -0.5
     outs, dens = [], []

@@ -1,4 +1,4 @@
-"""Sliding windows (SPEC "Sliding window"): every kernel keeps the window of a Mistral or Qwen2
+"""Sliding windows (docs/contract.md 3.3): every kernel keeps the window of a Mistral or Qwen2
 model, by key index as transformers' `sliding_window_overlay` does.
 
 - Kernels (dilated in every mode, block-sparse, dense) against the float64 reference extended
@@ -22,7 +22,7 @@ from hf_dilated.ops.block_sparse import block_sparse_attention
 from hf_dilated.ops.dense import dense_attention
 from reference import block_sparse_reference, dense_causal_reference, dilated_reference
 
-TOL = 1e-4  # SPEC: float32 against the float64 reference
+TOL = 1e-4  # docs/contract.md 8: float32 against the float64 reference
 NAMES = ("dilated", "dilated_ring", "ring", "block_sparse", "block_sparse_ring")
 SEGMENTS, RATES = [16, 32, 64], [1, 2, 4]
 
@@ -58,7 +58,8 @@ def _check(run, reference, case, window, seed=0):
     out = run(*leaves, mask, pos, window)
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref = reference(*ref_leaves, mask, pos, window)
-    # Outputs at padded query slots are unspecified (SPEC): left out of the loss and the check.
+    # Outputs at padded query slots are unspecified (docs/contract.md 3.1): left out of the loss and
+    # the check.
     real = torch.ones(2, k.shape[2]) if mask is None else mask.float()
     weight = real[:, None, k.shape[2] - q.shape[2]:, None]
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)) * weight

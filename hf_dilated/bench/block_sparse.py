@@ -6,9 +6,9 @@ process at one length (the longest of --lengths).
 that computes 7% of the causal pairs in 10% of sdpa's time has 0.7x sdpa's useful-pair throughput.
 FlexAttention has no CPU backward in torch 2.13, so on CPU it only appears in forward rows.
 
-The variants are timed in interleaved rounds (each once per round, probe.time_interleaved), so a
+The variants are timed in interleaved rounds (each once per round, measure.time_interleaved), so a
 slow spell of a shared machine falls on all of them; ratios are given from the median runs and
-from each variant's fastest run. Memory: one more call per variant after all rounds (probe.py).
+from each variant's fastest run. Memory: one more call per variant after all rounds (measure.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from .. import measure as probe
+from .. import measure
 from .counts import dense_pair_count, layout_pair_count
 from .kernels import DTYPES
 from .report import mib, say
@@ -106,7 +106,7 @@ def compare_block_sparse(n=32768, heads=8, head_dim=64, block_size=256, global_b
              f"{kept_block_fraction(layout, num_blocks):.1%} of causal blocks kept")
     cases = _cases(q, k, v, pattern, block_size, dense_pair_count(n, heads), sparse_pairs, flex, log)
     dev = torch.device(device)
-    all_times = probe.time_interleaved([(f"{c[0]} {c[1]}", c[3]) for c in cases], repeats, log=log, device=dev)
+    all_times = measure.time_interleaved([(f"{c[0]} {c[1]}", c[3]) for c in cases], repeats, log=log, device=dev)
     rows, steps = [], {}
     for (variant, mode, pairs, step), times in zip(cases, all_times):
         if times is None:
@@ -121,7 +121,7 @@ def compare_block_sparse(n=32768, heads=8, head_dim=64, block_size=256, global_b
         steps[len(rows) - 1] = step
         log(f"{variant:28s} {mode:17s} {median:9.3f} s  {pairs / median / 1e6:10.1f} Mpairs/s")
     memory = {i: {} for i in steps}
-    probe.measure_memory(steps, memory, dev, own_process)
+    measure.measure_memory(steps, memory, dev, own_process)
     for i, m in memory.items():
         rows[i]["peak_extra_bytes"] = m.get("peak_extra_bytes")
         rows[i]["memory_note"] = m.get("error") or m.get("memory_note")

@@ -2,7 +2,7 @@
 "useful pairs per second".
 
 All counts are for one prefill (q_len == kv_len == n), one document, no padding, causal, summed
-over the query heads; multiply by the batch size. They follow SPEC.md directly:
+over the query heads; multiply by the batch size. They follow docs/contract.md directly:
 
 - dense causal: n (n + 1) / 2 per head;
 - dilated "longnet": the multiset sum of |V_g(h, i)| over levels;
@@ -13,7 +13,7 @@ over the query heads; multiply by the batch size. They follow SPEC.md directly:
   the lower levels are exactly those outside the query's own level-(g-1) segment;
 - a block layout: every allowed (query block, key block) pair, causal within the diagonal block.
 
-tests/test_bench.py checks every count against a brute-force evaluation of SPEC's sets.
+tests/test_bench.py checks every count against a brute-force evaluation of docs/contract.md's sets.
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def _level_pairs(n: int, w: int, r: int, offset: int) -> int:
 
 
 def head_groups_sizes(num_heads: int, num_levels: int) -> list[int]:
-    """Contiguous groups as equal as possible, the earlier groups taking the extra heads (SPEC)."""
+    """Contiguous groups as equal as possible, the earlier groups taking the extra heads
+    (docs/contract.md 4)."""
     base, extra = divmod(num_heads, num_levels)
     return [base + (1 if g < extra else 0) for g in range(num_levels)]
 

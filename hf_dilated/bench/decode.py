@@ -4,7 +4,7 @@ A decode step of dilated attention gathers, per level, only the w_g / r_g keys o
 segment that its head selects, so its cost follows sum_g w_g / r_g, not N. The configuration is
 the documented default for a checkpoint pretrained at --original tokens and extended to N
 (DilatedConfig.default: segments original * 2^g, dilations 2^g). One process per (context, dtype);
-the two are timed in interleaved rounds and their memory measured after (probe.py).
+the two are timed in interleaved rounds and their memory measured after (measure.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from .. import measure as probe
+from .. import measure
 from .kernels import DTYPES
 from .report import mib, say
 
@@ -36,11 +36,11 @@ def run_decode_case(spec: dict, own_process: bool = False) -> dict:
     }
     log = []
     with torch.no_grad():
-        times = probe.time_interleaved(list(steps.items()), spec["repeats"], warmup=max(1, spec["warmup"]),
+        times = measure.time_interleaved(list(steps.items()), spec["repeats"], warmup=max(1, spec["warmup"]),
                                        log=log.append, device=device)
         timed = {name: {"times_s": t, "median_s": statistics.median(t)}
                  for name, t in zip(steps, times) if t is not None}
-        probe.measure_memory({name: steps[name] for name in timed}, timed, device, own_process)
+        measure.measure_memory({name: steps[name] for name in timed}, timed, device, own_process)
     keys = sum(w // r for w, r in zip(cfg.segment_lengths, cfg.dilation_rates))
     return {"spec": spec, "levels": len(cfg.segment_lengths), "keys_per_query": min(keys, n),
             "segment_lengths": cfg.segment_lengths, "dilation_rates": cfg.dilation_rates, "passes": timed, "log": log}

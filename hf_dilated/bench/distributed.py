@@ -2,7 +2,7 @@
 processes on this machine's CPU (P = 1 runs the single-process kernel): one forward + backward over
 a fixed global sequence split over the P ranks (zigzag layout). Per rank, one process of its own:
 time (median of the timed steps, a barrier before each), peak memory above the inputs in one more
-step after them (probe.py), and bytes sent by the kernel's exchanges in that step (counted in
+step after them (measure.py), and bytes sent by the kernel's exchanges in that step (counted in
 hf_dilated.distributed.exchange). Rows give the worst rank. With more processes than cores the
 times measure oversubscription, not the kernel: compare memory and bytes across P.
 """
@@ -15,7 +15,7 @@ import socket
 
 import torch
 
-from .. import measure as probe
+from .. import measure
 from .report import say
 
 KERNELS = ("ring", "dilated_ring")
@@ -49,9 +49,9 @@ def run_distributed_rank(spec: dict, own_process: bool = False) -> dict:
 
     barrier = dist.barrier if world > 1 else None
     cpu = torch.device("cpu")
-    passes = {"backward": probe.time_calls(step, cpu, max(1, spec["warmup"]), spec["repeats"], before=barrier)}
+    passes = {"backward": measure.time_calls(step, cpu, max(1, spec["warmup"]), spec["repeats"], before=barrier)}
     hd.reset_bytes_sent()
-    probe.measure_memory({"backward": step}, passes, cpu, own_process)
+    measure.measure_memory({"backward": step}, passes, cpu, own_process)
     sent = sum(hd.bytes_sent().values())
     if world > 1:
         dist.barrier()  # no rank leaves while another still waits on it

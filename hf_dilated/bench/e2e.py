@@ -1,13 +1,13 @@
 """End-to-end benchmark: a training step (loss + backward) of a tiny Llama with random weights, for
 each attn_implementation (by default sdpa and every one `import hf_dilated` registers), one
-process per (implementation, length); time and memory as in every benchmark (probe.py)."""
+process per (implementation, length); time and memory as in every benchmark (measure.py)."""
 from __future__ import annotations
 
 import json
 
 import torch
 
-from .. import measure as probe
+from .. import measure
 from .kernels import DTYPES
 from .report import case_summary, mib, say
 
@@ -19,7 +19,7 @@ def run_e2e_case(spec: dict, own_process: bool = False) -> dict:
 
     device, dtype = torch.device(spec["device"]), DTYPES[spec["dtype"]]
     result = {"spec": spec, "passes": {}}
-    probe.limit_memory(spec.get("budget_bytes"), device)
+    measure.limit_memory(spec.get("budget_bytes"), device)
     config = LlamaConfig(**spec["model_config"])
     for key, value in (spec.get("config_extra") or {}).items():
         setattr(config, key, value)
@@ -28,7 +28,7 @@ def run_e2e_case(spec: dict, own_process: bool = False) -> dict:
         model = LlamaForCausalLM._from_config(config, attn_implementation=spec["attn_implementation"],
                                               dtype=dtype).to(device)
     except (ValueError, KeyError, ImportError, RuntimeError) as e:
-        result["unavailable"] = probe.error_text(e)
+        result["unavailable"] = measure.error_text(e)
         return result
     model.train()
     ids = torch.randint(0, config.vocab_size, (spec["batch"], spec["n"]),
@@ -39,13 +39,13 @@ def run_e2e_case(spec: dict, own_process: bool = False) -> dict:
         model.zero_grad(set_to_none=True)
 
     result["params"] = sum(p.numel() for p in model.parameters())
-    errors = probe.CALL_ERRORS + (ValueError,)
+    errors = measure.CALL_ERRORS + (ValueError,)
     try:
-        result["passes"]["backward"] = probe.time_calls(step, device, spec["warmup"], spec["repeats"])
+        result["passes"]["backward"] = measure.time_calls(step, device, spec["warmup"], spec["repeats"])
     except errors as e:
-        result["passes"]["backward"] = {"error": probe.error_text(e)}
+        result["passes"]["backward"] = {"error": measure.error_text(e)}
         return result
-    probe.measure_memory({"backward": step}, result["passes"], device, own_process, errors)
+    measure.measure_memory({"backward": step}, result["passes"], device, own_process, errors)
     return result
 
 

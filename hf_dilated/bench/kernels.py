@@ -4,7 +4,7 @@ forward+backward, one case (variant x length x dtype) per fresh process.
 Per case: time as median [min-max] of `repeats` runs after `warmup` runs; useful pairs per second
 (the (query, key) pairs the pattern makes visible, counted exactly in counts.py, divided by the
 time) and that throughput as a ratio of sdpa's in the same run; peak memory beyond the inputs
-(probe.py). From the rows: the fitted exponent of time vs length, and issue 2's target ratios.
+(measure.py). From the rows: the fitted exponent of time vs length, and issue 2's target ratios.
 The million-token forward (issue 2's memory check) is a section of this module too.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from .. import measure as probe
+from .. import measure
 from .report import PASS_LABEL, case_summary, mib, say
 from ..ops.validate import DILATED_MODES
 from .variants import BUILDERS, Unavailable
@@ -75,7 +75,7 @@ def run_kernel_case(spec: dict, own_process: bool = False) -> dict:
     result = {"spec": spec, "passes": {}}
     if spec.get("prewarm"):
         _prewarm(spec, device, dtype)
-    probe.limit_memory(spec.get("budget_bytes"), device)  # the budget covers the inputs too
+    measure.limit_memory(spec.get("budget_bytes"), device)  # the budget covers the inputs too
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = _random_qkv(spec, device, dtype, gen)
     result["qkvo_bytes"] = 2 * q.nbytes + k.nbytes + v.nbytes
@@ -101,13 +101,13 @@ def run_kernel_case(spec: dict, own_process: bool = False) -> dict:
                 inputs += grad_bytes
             else:
                 raise ValueError(f"unknown pass {pass_name!r}")
-            timed = probe.time_calls(step, device, spec["warmup"], spec["repeats"])
+            timed = measure.time_calls(step, device, spec["warmup"], spec["repeats"])
             result["passes"][pass_name] = dict(timed, inputs_bytes=inputs)
             steps[pass_name] = step
-        except probe.CALL_ERRORS as e:
-            result["passes"][pass_name] = {"error": probe.error_text(e)}
+        except measure.CALL_ERRORS as e:
+            result["passes"][pass_name] = {"error": measure.error_text(e)}
         gc.collect()
-    probe.measure_memory(steps, result["passes"], device, own_process)
+    measure.measure_memory(steps, result["passes"], device, own_process)
     return result
 
 
@@ -295,7 +295,7 @@ def markdown_section(section, s) -> list[str]:
     L.append("")
     for variant, why in section["unavailable"].items():
         L.append(f"- `{variant}` not measured: {why}")
-    L.append("\n`ring` and `dilated_ring` run here on one process (no group), where SPEC makes them equal to dense "
+    L.append("\n`ring` and `dilated_ring` run here on one process (no group), where docs/contract.md 6 makes them equal to dense "
              "and dilated attention; the multi-process figures come from `hf-dilated bench distributed`. `auto` is "
              "`hf_dilated.create_attention(\"auto\")` with its defaults (what `DilatedMultiheadAttention` uses): "
              f"dense sdpa up to the device's first segment ({AUTO_DENSE_MAX_LEN.get(s['device'], 4096)} tokens "

@@ -76,7 +76,8 @@ def _build_flex(spec, q, k, v):
 
 
 def union_mask_mod(segment_lengths, dilation_rates):
-    """FlexAttention mask_mod of SPEC's "union" pattern for one plain document (positions = indices)."""
+    """FlexAttention mask_mod of the "union" pattern (docs/contract.md 4) for one plain document
+    (positions = indices)."""
     def union(b, h, q_idx, kv_idx):
         visible = q_idx < 0  # all False, as a tensor
         for w, r in zip(segment_lengths, dilation_rates):

@@ -14,7 +14,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from .. import measure as probe
+from .. import measure
 from .kernels import DTYPES
 from .report import mib, say
 
@@ -55,11 +55,11 @@ def run_window_case(spec: dict, own_process: bool = False) -> dict:
         steps = {variant: make(fn) for variant, fn in kernels.items()}
         ctx = torch.no_grad() if name == "forward" else torch.enable_grad()
         with ctx:
-            times = probe.time_interleaved(list(steps.items()), spec["repeats"], warmup=max(1, spec["warmup"]),
+            times = measure.time_interleaved(list(steps.items()), spec["repeats"], warmup=max(1, spec["warmup"]),
                                            log=log.append, device=device)
             timed = {v: {"times_s": t, "median_s": statistics.median(t)}
                      for v, t in zip(steps, times) if t is not None}
-            probe.measure_memory({v: steps[v] for v in timed}, timed, device, own_process)
+            measure.measure_memory({v: steps[v] for v in timed}, timed, device, own_process)
         passes[name] = timed
     return {"spec": spec, "segment_lengths": cfg.segment_lengths, "dilation_rates": cfg.dilation_rates,
             "passes": passes, "log": log}

@@ -1,5 +1,5 @@
 """Every benchmark case runs here, in a fresh process of its own: its resident-memory peak is its
-own, the memory measurement may change that process's allocator settings (probe.py), and a case
+own, the memory measurement may change that process's allocator settings (measure.py), and a case
 that runs out of memory or time cannot poison the next.
 
 CaseRunner (in the driver) forks each case from a fork server that has already imported torch and
@@ -59,7 +59,7 @@ class CaseRunner:
     """Runs cases in fresh processes, each within a time limit."""
 
     def __init__(self):
-        # No MALLOC_* settings here: timed calls run under glibc's defaults (probe.py).
+        # No MALLOC_* settings here: timed calls run under glibc's defaults (measure.py).
         os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no compile-worker pool to orphan
         method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
         self.ctx = multiprocessing.get_context(method)

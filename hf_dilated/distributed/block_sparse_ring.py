@@ -69,10 +69,10 @@ def block_sparse_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, pa
 
 def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, layout: str = "zigzag", scale=None,
                                 attention_mask=None, position_ids=None, sliding_window: int | None = None):
-    """Block-sparse attention over a sequence sharded across `group` (SPEC "Ring attention").
+    """Block-sparse attention over a sequence sharded across `group` (docs/contract.md 6).
 
     q, k, v, attention_mask, position_ids: this rank's shards of the global tensors in `layout`
-    (see ring_attention); sliding_window: SPEC "Sliding window", by global index. Returns this
+    (see ring_attention); sliding_window: as in docs/contract.md 3.3, by global index. Returns this
     rank's shard of `block_sparse_attention` on the global sequence. With group None or of size 1 this is `hf_dilated.ops.block_sparse_attention`.
     """
     from ..ops.block_sparse import block_sparse_attention

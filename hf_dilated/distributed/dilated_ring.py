@@ -9,7 +9,7 @@ can see:
   query heads ((p mod w) mod r == h mod r), so with one query head per kv head the traffic of a
   level falls by r (with grouped-query attention, by r / min(r, query heads per kv head)).
 Which entries are needed is decided from positions, documents and padding alone, the same
-rules the kernel applies (SPEC "Dilated attention"); a needed entry is sent once per window.
+rules the kernel applies (docs/contract.md 4); a needed entry is sent once per window.
 """
 from __future__ import annotations
 
@@ -84,10 +84,10 @@ def dilated_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, q_heads
 def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: str = "union", group=None,
                            layout: str = "zigzag", scale=None, attention_mask=None, position_ids=None,
                            dropout_p: float = 0.0, sliding_window: int | None = None):
-    """Dilated attention over a sequence sharded across `group` (SPEC "Ring attention").
+    """Dilated attention over a sequence sharded across `group` (docs/contract.md 6).
 
     q, k, v, attention_mask, position_ids: this rank's shards of the global tensors in `layout`
-    (see ring_attention); sliding_window: SPEC "Sliding window", by global index. Returns this
+    (see ring_attention); sliding_window: as in docs/contract.md 3.3, by global index. Returns this
     rank's shard of `dilated_attention` on the global sequence.
     With group None or of size 1 this is `hf_dilated.ops.dilated_attention` itself.
     """

@@ -6,7 +6,7 @@ block in hand so that both overlap. The partial results of the steps merge in fl
 log-sum-exp (ops/merge.py). The backward is a ring too: K/V travel again and the gradients
 dK/dV travel with their block, arriving back at its owner after the last step.
 
-Visibility (SPEC "Ring attention" = dense causal with padding and documents) is a function of
+Visibility (docs/contract.md 6: dense causal with padding and documents) is a function of
 global token indices and the gathered metadata (tokens.global_tokens), so padding and packed
 documents are honoured whatever rank a key comes from. Without padding or packing the blocks of
 a step are either fully visible, causal (the rank's own block) or invisible, so no mask is built.
@@ -41,7 +41,7 @@ class Piece:
     q_index: torch.Tensor | None = None
     k_index: torch.Tensor | None = None
     tokens: GlobalTokens | None = None
-    window: int | None = None  # sliding window (SPEC "Sliding window")
+    window: int | None = None  # sliding window (docs/contract.md 3.3)
 
     def mask(self, dtype):
         """(additive bias (batch, 1, nq, nk) or None, bool rows with no visible key or None)."""
@@ -162,8 +162,8 @@ def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", scale=None, a
 
     q (batch, q_heads, n, head_dim), k/v (batch, kv_heads, n, head_dim): this rank's shard of the
     global sequence in `layout` ("zigzag" or "contiguous", see layout.py); attention_mask and
-    position_ids (batch or 1, n): this rank's shards of the global ones; sliding_window: SPEC
-    "Sliding window", by global index. Returns this rank's shard of the output. Every rank of the group must call it with the same shapes and arguments.
+    position_ids (batch or 1, n): this rank's shards of the global ones; sliding_window: as in
+    docs/contract.md 3.3, by global index. Returns this rank's shard of the output. Every rank of the group must call it with the same shapes and arguments.
     With group None or of size 1 this is `hf_dilated.ops.dense_attention` (exact dense causal
     attention, whatever the positions).
     """

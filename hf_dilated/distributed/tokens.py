@@ -35,7 +35,7 @@ class GlobalTokens:
 
 def global_tokens(batch: int, n_local: int, *, attention_mask, position_ids, group, layout: str,
                   device, any_mask: bool, any_positions: bool) -> GlobalTokens:
-    """Global positions / padding / documents (SPEC "Positions, padding, packing") from the local
+    """Global positions / padding / documents (docs/contract.md 3.1) from the local
     shards of attention_mask and position_ids (either may be None). One all-gather, int64,
     2 x batch x n_local per rank, and only when some rank has a mask or positions.
 

@@ -10,9 +10,9 @@ The "<" before the key occurs nowhere else, so finding the key needs a one-token
 "key is " told apart from the filler's "sky is ". The key is written KEY_COPIES = 4 times, 9
 tokens apart: 9 is odd and 1 mod 4, so the copies fall in every offset class of dilation rates 1,
 2 and 4. Under dilated attention a query of class c reads only keys of class c at a dilated level
-(SPEC), so whichever class the question's tokens fall in, one copy lies in it and a single
-content-matching (induction) head can reach it; with one copy, 3 queries in 4 would have to route
-the key through extra layers.
+(docs/contract.md 4), so whichever class the question's tokens fall in, one copy lies in it and a
+single content-matching (induction) head can reach it; with one copy, 3 queries in 4 would have to
+route the key through extra layers.
 Lengths are in tokens of the byte-level tokenizer (one token per character here: all ASCII).
 """
 from __future__ import annotations

@@ -192,7 +192,7 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
     key, value, mask, positions = kernel_inputs(
         query, key, value, attention_mask, kwargs.get("position_ids"), sequence_parallel=group is not None,
         cu_seq_lens=kwargs.get("cu_seq_lens_q"))
-    # The model's sliding window (Mistral, Qwen2 layers): every kernel keeps it (SPEC "Sliding window").
+    # The model's sliding window (Mistral, Qwen2 layers): every kernel keeps it (docs/contract.md 3.3).
     window = kwargs.get("sliding_window")
     check_positive_int("sliding_window", window, optional=True)
     dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
@@ -219,9 +219,9 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
 
 
 def _padded_last_query_as_sdpa(out, query, key, value, mask, scale, window=None):
-    """SPEC leaves outputs at padded query slots unspecified, but generate() reads the logits of the
-    last slot even when it is padding (a right-padded prompt's first new token comes from there).
-    For those rows the last slot gets exactly what sdpa gives it: attention over the row's real
+    """docs/contract.md 3.1 leaves outputs at padded query slots unspecified, but generate() reads
+    the logits of the last slot even when it is padding (a right-padded prompt's first new token
+    comes from there; docs/contract.md 3.2, "The last padded slot"). For those rows the last slot gets exactly what sdpa gives it: attention over the row's real
     keys (within the sliding window, if any). One query per row, so O(kv_len)."""
     if window is not None:  # the last slot sees the keys of index > kv_len - 1 - window only
         mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= mask.shape[-1] - window)

@@ -1,4 +1,4 @@
-"""Block-sparse attention patterns (SPEC.md, "Block-sparse attention"): small validated configs.
+"""Block-sparse attention patterns (docs/contract.md 5): small validated configs.
 
 A pattern says which key blocks each query block may read. Block numbers are counted within a
 document: the block of token i is `p_i // block_size`. `bq` is the query's block, `bk` the key's.

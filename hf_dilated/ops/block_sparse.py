@@ -1,8 +1,8 @@
-"""Block-sparse attention (SPEC.md, "Block-sparse attention"): one softmax over the allowed blocks.
+"""Block-sparse attention (docs/contract.md 5): one softmax over the allowed blocks.
 
 What the layout indexes. Block numbers are counted within a document: token i is in block
 `p_i // block_size` of its document (positions from `attention_mask` / `position_ids`, see
-positions.py). The layout is a bool tensor (batch or 1, heads or 1, num_blocks, num_blocks) with
+token_layout.py). The layout is a bool tensor (batch or 1, heads or 1, num_blocks, num_blocks) with
 `layout[b, h, bq, bk]` saying whether a query of block number bq may read keys of block number bk.
 With packed documents, every document of a row is read through the same layout (its own block
 numbers restart with its positions); a key is still visible only from its own document, only
@@ -65,7 +65,7 @@ def block_sparse_attention(q, k, v, pattern, *, block_size, is_causal=True, scal
     q (batch, q_heads, q_len, head_dim); k, v (batch, kv_heads, kv_len, head_dim); the queries are
     the last q_len tokens. `pattern`: a pattern object from block_patterns.py or a dict such as
     {"type": "global_local", "global_blocks": 1, "window": 4}. `sliding_window` W also hides every
-    key more than W - 1 indices before its query (SPEC "Sliding window"): a block of keys wholly
+    key more than W - 1 indices before its query (docs/contract.md 3.3): a block of keys wholly
     outside every window of a query block is never read. Returns a tensor shaped like q, and
     with return_layout=True also the bool layout used, (batch or 1, heads or 1, num_blocks,
     num_blocks) as described in the module docstring.

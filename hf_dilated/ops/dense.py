@@ -1,5 +1,5 @@
 """Exact dense causal attention with padding and documents honoured: what "ring" computes on one
-process (SPEC.md, "Ring attention") and what `create_attention("dense")` returns."""
+process (docs/contract.md 6) and what `create_attention("dense")` returns."""
 from __future__ import annotations
 
 import torch.nn.functional as F

@@ -1,4 +1,5 @@
-"""Dilated attention (LongNet), exact to SPEC.md, in the modes "union", "longnet" and "head_groups".
+"""Dilated attention (LongNet), exact to docs/contract.md 4, in the modes "union", "longnet" and
+"head_groups".
 
 How it is computed. For each level g (segment w, dilation r) every real token has a *row* (its
 batch row, document and segment `p // w`) and, within the row, an offset class `c = p mod r` and a
@@ -87,7 +88,7 @@ class _Level:
     # call's query slots are a strided view of any (batch, heads, n, d) tensor (see _strided_slots).
     plain: bool = False
     pairs: list = field(default_factory=list)  # (kv head, class) of each gathered K/V head
-    # Sliding window (SPEC "Sliding window"), set only when it hides some key of this level:
+    # Sliding window (docs/contract.md 3.3), set only when it hides some key of this level:
     # key j is visible from query i only when j > i - window, by index in the key sequence.
     window: int | None = None
     q_index: torch.Tensor | None = None  # (R, Hc, Lq) key-sequence index of each query slot
@@ -114,8 +115,8 @@ def dilated_attention(
 
     `attention_mask` (batch, kv_len) marks real tokens; `position_ids` (batch, kv_len) give token
     positions (packed documents restart at 0). `sliding_window` W also hides every key more than
-    W - 1 indices before its query (SPEC "Sliding window"). See SPEC.md for the exact key sets of
-    each mode.
+    W - 1 indices before its query (docs/contract.md 3.3). See docs/contract.md 4 for the exact key
+    sets of each mode.
     """
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, dropout_p)

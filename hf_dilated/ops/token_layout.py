@@ -1,6 +1,6 @@
-"""Token positions, padding and documents: the one place these rules are written (SPEC.md,
-"Positions, padding, packing"). Every kernel, single-process and distributed, and the transformers
-glue read them from here.
+"""Token positions, padding and documents: the one place these rules are written
+(docs/contract.md 3). Every kernel, single-process and distributed, and the transformers glue read
+them from here.
 
 The kernels' rule (`token_layout`, `documents`):
 - a token's position is `position_ids` when given, else its rank among its row's real tokens

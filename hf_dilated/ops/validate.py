@@ -61,7 +61,7 @@ def check_scale_dropout(scale, dropout_p) -> None:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
 
 
-# The dilated attention modes of SPEC.md: the one list every parser and check reads.
+# The dilated attention modes of docs/contract.md 4: the one list every parser and check reads.
 DILATED_MODES = ("union", "longnet", "head_groups")
 
 
