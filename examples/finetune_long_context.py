@@ -22,12 +22,15 @@ Output directory:
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -308,129 +311,241 @@ def token_loss_sum(logits, labels, row_counts=None):
     return (losses.view(labels.shape).sum(1) / row_counts.clamp(min=1)).sum()
 
 
-def train(args, dataset=None) -> dict:
-    """dataset: rows to train on instead of the ones --data describes (pretrain_tiny.py's mixture)."""
-    import datetime
+@dataclass
+class Run:
+    """What the training loop works with, built by `setup`: the Accelerator, the parallel groups,
+    the model, optimizer and schedule (prepared by Accelerate), and the step to start from."""
+    args: argparse.Namespace
+    accelerator: Any
+    sp: Any  # the sequence-parallel groups (hf_dilated.distributed), None without --sp-size
+    dp_size: int
+    dp_rank: int
+    tokenizer: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    dataset: Any
+    start_step: int = 0
 
+    @property
+    def world(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+
+def make_accelerator(args):
+    """Processes started by accelerate launch / torchrun join one gloo (CPU) or NCCL group whose
+    collectives fail after --timeout seconds instead of waiting forever on a stopped rank."""
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
-    from transformers import AutoTokenizer, get_cosine_with_min_lr_schedule_with_warmup
 
     # Without CUDA, cpu=True makes processes started by torchrun (accelerate's multi-GPU launcher)
     # join one gloo group instead of each running alone.
     cpu = args.cpu or not torch.cuda.is_available()
-    timeout = datetime.timedelta(seconds=args.timeout)
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # by accelerate launch / torchrun
+    timeout = datetime.timedelta(seconds=args.timeout)
     handlers = [InitProcessGroupKwargs(backend="gloo" if cpu else "nccl", timeout=timeout)] if launched else []
-    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=args.grad_accum, kwargs_handlers=handlers,
-                              mixed_precision=mixed_precision(args.mixed_precision))
-    world, rank = accelerator.num_processes, accelerator.process_index
+    return Accelerator(cpu=cpu, gradient_accumulation_steps=args.grad_accum, kwargs_handlers=handlers,
+                       mixed_precision=mixed_precision(args.mixed_precision))
+
+
+def check_world_size(args, world: int):
     if world % args.sp_size:
         hint = ""
         if world == 1 and os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true":
             hint = (": `accelerate launch --cpu` starts a single process unless mpirun is configured; use "
                     "--config_file examples/accelerate_configs/cpu_2proc.yaml (torchrun) instead")
         raise SystemExit(f"--sp-size {args.sp_size} must divide the number of processes ({world}){hint}")
-    sp = None
-    if args.sp_size > 1:
-        from hf_dilated.distributed import setup_sequence_parallel
 
-        sp = setup_sequence_parallel(args.sp_size, layout=args.sp_layout, timeout=timeout)
-    dp_size, dp_rank = (sp.dp_size, sp.dp_rank) if sp else (world, rank)
-    torch.manual_seed(args.seed)
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    dtype = torch.bfloat16 if (not args.full_finetune and accelerator.mixed_precision == "bf16") else torch.float32
-    model = load_model(args, dtype)
-    if dataset is None:
-        dataset = build_dataset(args, tokenizer)
+def parallel_groups(args, accelerator):
+    """(sp, dp_size, dp_rank): the sequence-parallel groups of --sp-size processes (None for 1)
+    and this process's data-parallel replica among dp_size."""
+    world, rank = accelerator.num_processes, accelerator.process_index
+    check_world_size(args, world)
+    if args.sp_size == 1:
+        return None, world, rank
+    from hf_dilated.distributed import setup_sequence_parallel
+
+    sp = setup_sequence_parallel(args.sp_size, layout=args.sp_layout, timeout=datetime.timedelta(seconds=args.timeout))
+    return sp, sp.dp_size, sp.dp_rank
+
+
+def build_optimizer(args, model):
+    """AdamW over the trainable weights and its cosine schedule (warmup, floor at --min-lr-ratio)."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
     params = list(trainable_parameters(model).values())
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer, num_warmup_steps=min(args.warmup_steps, args.max_steps), num_training_steps=args.max_steps,
         min_lr_rate=args.min_lr_ratio)
+    return optimizer, scheduler
 
-    start_step = 0
-    resume_from = find_resume(args)
-    if resume_from is not None:
-        start_step = load_checkpoint(resume_from, model, optimizer, scheduler)
-        accelerator.print(f"resumed from {resume_from} at step {start_step}")
+
+def setup(args, dataset=None) -> Run:
+    """The run, resumed from --resume's checkpoint if there is one; dataset: see `train`."""
+    from transformers import AutoTokenizer
+
+    accelerator = make_accelerator(args)
+    sp, dp_size, dp_rank = parallel_groups(args, accelerator)
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    dtype = torch.bfloat16 if (not args.full_finetune and accelerator.mixed_precision == "bf16") else torch.float32
+    model = load_model(args, dtype)
+    if dataset is None:
+        dataset = build_dataset(args, tokenizer)
+    optimizer, scheduler = build_optimizer(args, model)
+    run = Run(args, accelerator, sp, dp_size, dp_rank, tokenizer, model, optimizer, scheduler, dataset)
+    run.start_step = resume(run)
     # The scheduler is stepped by hand once per optimizer step (a prepared one would step once per process).
-    model, optimizer = accelerator.prepare(model, optimizer)
-    model.train()
+    run.model, run.optimizer = accelerator.prepare(model, optimizer)
+    run.model.train()
+    announce(run)
+    return run
 
+
+def resume(run: Run) -> int:
+    """The step to continue from: --resume's (trainable weights, optimizer and schedule restored), or 0."""
+    path = find_resume(run.args)
+    if path is None:
+        return 0
+    step = load_checkpoint(path, run.model, run.optimizer, run.scheduler)
+    run.accelerator.print(f"resumed from {path} at step {step}")
+    return step
+
+
+def announce(run: Run):
+    """The main process creates --output-dir and prints what it trains."""
+    args, accelerator = run.args, run.accelerator
+    if not accelerator.is_main_process:
+        return
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    n_train = sum(p.numel() for group in run.optimizer.param_groups for p in group["params"])
+    n_all = sum(p.numel() for p in accelerator.unwrap_model(run.model).parameters())
+    accelerator.print(f"attn={args.attn} seq_len={args.seq_len} world={run.world} "
+                      f"(dp={run.dp_size} x sp={args.sp_size}) precision={accelerator.mixed_precision} "
+                      f"trainable={n_train:,}/{n_all:,} parameters")
+
+
+class StepLog:
+    """The progress bar and --log-file's JSON lines, both on the main process only."""
+
+    def __init__(self, args, accelerator, start_step: int):
+        main = accelerator.is_main_process
+        self.progress = None
+        if main and not args.no_progress:
+            from tqdm.auto import tqdm
+
+            self.progress = tqdm(total=args.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
+        self.file = open(args.log_file, "a") if (args.log_file and main) else None
+
+    def write(self, record: dict):
+        if self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['accuracy']:.2f}",
+                                      tok_s=f"{record['tokens_per_s']:.0f}")
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self):
+        if self.progress is not None:
+            self.progress.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def micro_step(run: Run, step: int, micro: int):
+    """Forward and backward on this replica's rows of (step, micro); the optimizer steps (and the
+    schedule with it) on the last micro-step of the step. Returns forward_loss's (loss, hits, count)."""
+    args, accelerator, model = run.args, run.accelerator, run.model
+    # Seeded per (step, micro, rank): dropout replays identically after a resume.
+    torch.manual_seed(args.seed * 1_000_003 + (step * args.grad_accum + micro) * run.world + run.rank)
+    batch = rows_for(run.dataset, step, micro, args, run.dp_rank, run.dp_size, args.seed)
+    with accelerator.accumulate(model):
+        loss, hits, count = forward_loss(model, batch, accelerator.device, run.sp, args.loss_mean)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients and args.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        run.optimizer.step()
+        if accelerator.sync_gradients:
+            run.scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+    return loss, hits, count
+
+
+def train_step(run: Run, step: int) -> dict:
+    """One optimizer step (--grad-accum micro-steps); returns its log record: loss and accuracy over
+    all processes, the learning rate it trained with, tokens per second."""
+    args, accelerator = run.args, run.accelerator
+    t0 = time.perf_counter()
+    lr = run.optimizer.param_groups[0]["lr"]  # the rate this step trains with
+    step_loss = torch.zeros((), device=accelerator.device)
+    step_hits = torch.zeros(2, device=accelerator.device)  # right, labelled
+    for micro in range(args.grad_accum):
+        loss, hits, count = micro_step(run, step, micro)
+        step_loss += loss.detach() / args.grad_accum
+        step_hits += torch.stack([hits.float(), count.float()])
+    # Every rank holds its replica's loss (an SP group's ranks the same value): the mean over
+    # all processes is the mean over replicas.
+    if run.world > 1:
+        step_loss = accelerator.reduce(step_loss, reduction="mean")
+        step_hits = accelerator.reduce(step_hits, reduction="sum") / args.sp_size
+    seconds = time.perf_counter() - t0
+    tokens = args.seq_len * args.batch_size * args.grad_accum * run.dp_size
+    return {"step": step + 1, "loss": float(step_loss), "accuracy": float(step_hits[0] / step_hits[1].clamp(min=1)),
+            "lr": lr, "tokens_per_s": tokens / seconds}
+
+
+def checkpoint_due(args, steps_done: int, end_step: int) -> bool:
+    """Every --save-every steps, and when --stop-after-steps ends the run before --max-steps."""
+    stopping = steps_done == end_step and end_step < args.max_steps
+    return bool(args.save_every and steps_done % args.save_every == 0) or stopping
+
+
+def save_step_checkpoint(run: Run, steps_done: int):
+    """checkpoints/step-NNNNNN by the main process (the oldest beyond --keep-checkpoints removed);
+    the others wait for it."""
+    accelerator = run.accelerator
     if accelerator.is_main_process:
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-        n_train = sum(p.numel() for p in params)
-        n_all = sum(p.numel() for p in accelerator.unwrap_model(model).parameters())
-        accelerator.print(f"attn={args.attn} seq_len={args.seq_len} world={world} (dp={dp_size} x sp={args.sp_size}) "
-                          f"precision={accelerator.mixed_precision} trainable={n_train:,}/{n_all:,} parameters")
-    tokens_per_step = args.seq_len * args.batch_size * args.grad_accum * dp_size
-    progress = None
-    if accelerator.is_main_process and not args.no_progress:
-        from tqdm.auto import tqdm
+        save_checkpoint(Path(run.args.output_dir, CHECKPOINT_DIR, f"step-{steps_done:06d}"),
+                        accelerator.unwrap_model(run.model), run.optimizer, run.scheduler, steps_done, run.args)
+        prune_checkpoints(run.args)
+    accelerator.wait_for_everyone()
 
-        progress = tqdm(total=args.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
-    history = []
-    log = open(args.log_file, "a") if (args.log_file and accelerator.is_main_process) else None
-    end_step = args.max_steps if args.stop_after_steps is None else min(args.max_steps, start_step + args.stop_after_steps)
-    stall = os.environ.get("HF_DILATED_TEST_STALL")  # tests: "RANK:STEP" makes that rank stop there (a hung peer)
-    for step in range(start_step, end_step):
-        if stall and stall == f"{rank}:{step}":
-            time.sleep(3600)
-        t0 = time.perf_counter()
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step trains with
-        step_loss = torch.zeros((), device=accelerator.device)
-        step_hits = torch.zeros(2, device=accelerator.device)  # right, labelled
-        for micro in range(args.grad_accum):
-            # Seeded per (step, micro, rank): dropout replays identically after a resume.
-            torch.manual_seed(args.seed * 1_000_003 + (step * args.grad_accum + micro) * world + rank)
-            batch = rows_for(dataset, step, micro, args, dp_rank, dp_size, args.seed)
-            with accelerator.accumulate(model):
-                loss, hits, count = forward_loss(model, batch, accelerator.device, sp, args.loss_mean)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                if accelerator.sync_gradients:
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            step_loss += loss.detach() / args.grad_accum
-            step_hits += torch.stack([hits.float(), count.float()])
-        # Every rank holds its replica's loss (an SP group's ranks the same value): the mean over
-        # all processes is the mean over replicas.
-        if world > 1:
-            step_loss = accelerator.reduce(step_loss, reduction="mean")
-            step_hits = accelerator.reduce(step_hits, reduction="sum") / args.sp_size
-        seconds = time.perf_counter() - t0
-        record = {"step": step + 1, "loss": float(step_loss), "accuracy": float(step_hits[0] / step_hits[1].clamp(min=1)),
-                  "lr": lr,
-                  "tokens_per_s": tokens_per_step / seconds}
-        history.append(record)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{record['loss']:.4f}", acc=f"{record['accuracy']:.2f}",
-                                 tok_s=f"{record['tokens_per_s']:.0f}")
-        if log is not None:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-        stopping = step + 1 == end_step and end_step < args.max_steps
-        if (args.save_every and (step + 1) % args.save_every == 0) or stopping:
-            if accelerator.is_main_process:
-                save_checkpoint(Path(args.output_dir, CHECKPOINT_DIR, f"step-{step + 1:06d}"),
-                                accelerator.unwrap_model(model), optimizer, scheduler, step + 1, args)
-                prune_checkpoints(args)
-            accelerator.wait_for_everyone()
-    if progress is not None:
-        progress.close()
-    if log is not None:
-        log.close()
+
+def finish(run: Run, end_step: int):
+    """adapter/ and model/ once --max-steps is reached (unless --no-final-model), then the end."""
+    args, accelerator = run.args, run.accelerator
     if not args.no_final_model and end_step == args.max_steps:
         if accelerator.is_main_process:
-            save_final(model, tokenizer, args, accelerator)
+            save_final(run.model, run.tokenizer, args, accelerator)
         accelerator.wait_for_everyone()
     accelerator.end_training()
-    return {"history": history, "start_step": start_step}
+
+
+def train(args, dataset=None) -> dict:
+    """Trains from step 0 or --resume's step up to --max-steps (or --stop-after-steps more); returns
+    {"history": each step's record, "start_step"}. dataset: rows to train on instead of the ones
+    --data describes (pretrain_tiny.py's mixture)."""
+    run = setup(args, dataset)
+    end_step = args.max_steps
+    if args.stop_after_steps is not None:
+        end_step = min(args.max_steps, run.start_step + args.stop_after_steps)
+    log = StepLog(args, run.accelerator, run.start_step)
+    history = []
+    for step in range(run.start_step, end_step):
+        history.append(train_step(run, step))
+        log.write(history[-1])
+        if checkpoint_due(args, step + 1, end_step):
+            save_step_checkpoint(run, step + 1)
+    log.close()
+    finish(run, end_step)
+    return {"history": history, "start_step": run.start_step}
 
 
 def forward_loss(model, batch, device, sp, loss_mean: str = "token"):

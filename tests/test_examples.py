@@ -4,6 +4,7 @@ passkey evaluation. Real scripts in real subprocesses, on a tiny Llama built fro
 preset with the examples' byte-level tokenizer (nothing downloaded)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -384,24 +385,100 @@ def test_training_model_keeps_packed_documents_apart(checkpoint, attn):
     torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
 
 
+def logged_steps(path) -> list[int]:
+    """The steps of a log file another process may be writing (complete lines only)."""
+    if not Path(path).is_file():
+        return []
+    return [json.loads(line)["step"] for line in Path(path).read_text().splitlines(keepends=True) if line.endswith("\n")]
+
+
+def launched_workers(launcher, script: str) -> dict:
+    """A launcher's worker processes running `script`, by their RANK (their environment's)."""
+    import psutil
+
+    workers = {}
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if any(part.endswith(script) for part in child.cmdline()):
+                workers[int(child.environ()["RANK"])] = child
+        except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
+            pass
+    return workers
+
+
+def end_process_tree(launcher, workers=()):
+    """Continues (SIGCONT) and kills whatever still runs of the launcher, its children and `workers`."""
+    import psutil
+
+    procs = list(workers)
+    try:
+        procs += [psutil.Process(launcher.pid), *psutil.Process(launcher.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        pass
+    for proc in procs:
+        try:
+            proc.resume()
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    launcher.wait(timeout=30)
+
+
 def test_a_stopped_rank_becomes_an_error_within_the_timeout(checkpoint, tmp_path):
-    """--timeout: two real gloo processes, rank 1 stops before step 2 (HF_DILATED_TEST_STALL); rank 0's
-    next collective fails after the timeout instead of blocking forever, and the launch fails."""
+    """--timeout: two real gloo processes under accelerate launch; once step 1 is logged the test
+    stops rank 1's process (SIGSTOP: a hung peer, nothing in the example helps). Rank 0's next
+    collective fails after the 5 s timeout instead of blocking forever, and the launch fails."""
+    import signal
     import time
 
+    import psutil
+
     out = tmp_path / "stall"
+    # --max-steps far beyond the stop (argparse keeps the last one): the run cannot end before it.
     cmd = ["accelerate", "launch", "--config_file", EXAMPLES / "accelerate_configs/cpu_2proc.yaml",
            "--main_process_port", free_port(),
-           *finetune_cmd(checkpoint, out, "--no-final-model", "--timeout", 5, "--save-every", 0, python=())]
+           *finetune_cmd(checkpoint, out, "--no-final-model", "--timeout", 5, "--save-every", 0, "--max-steps", 50,
+                         python=())]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "ACCELERATE_DISABLE_RICH": "1", "HF_DILATED_TEST_STALL": "1:1"}
+           "ACCELERATE_DISABLE_RICH": "1"}
+    stderr_path = tmp_path / "stderr.txt"
     t0 = time.monotonic()
-    proc = subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    elapsed = time.monotonic() - t0
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    assert elapsed < 200, elapsed  # bounded by the timeout, not by the stopped rank's hour
-    assert [r["step"] for r in read_log(out / "log.jsonl")] == [1]  # step 2 never completed
-    assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-3000:]
+    with open(tmp_path / "stdout.txt", "w") as stdout, open(stderr_path, "w") as stderr:
+        launcher = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
+    workers = {}
+    try:
+        while not logged_steps(out / "log.jsonl"):  # training has started: step 1 is done on both ranks
+            assert launcher.poll() is None, f"the launch ended before step 1:\n{stderr_path.read_text()[-3000:]}"
+            assert time.monotonic() - t0 < TIMEOUT, "no step logged"
+            time.sleep(0.02)
+        workers = launched_workers(launcher, "finetune_long_context.py")
+        assert sorted(workers) == [0, 1], workers
+        workers[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while workers[1].status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() - stopped_at < 10, workers[1].status()
+            time.sleep(0.01)
+        seen = logged_steps(out / "log.jsonl")
+        # Rank 0 alone: its next collective must fail (the launcher then ends rank 1).
+        _, blocked = psutil.wait_procs([workers[0]], timeout=TIMEOUT)
+        failed_after = time.monotonic() - stopped_at
+        assert not blocked, "rank 0 still blocked"
+        with contextlib.suppress(psutil.NoSuchProcess):
+            workers[1].resume()  # the launcher's SIGTERM is pending on it: no waiting out its 30 s grace
+        launcher.wait(timeout=TIMEOUT)
+        elapsed = time.monotonic() - t0
+    finally:
+        end_process_tree(launcher, workers.values())
+    stderr_text = stderr_path.read_text()
+    assert launcher.returncode != 0, stderr_text[-2000:]
+    assert failed_after < 60, failed_after  # bounded by the 5 s timeout, not by the stopped rank
+    assert elapsed < 200, elapsed
+    # Nothing after the step rank 1 was stopped in completed: rank 0 logged the steps it had seen,
+    # or one more if rank 1 stopped right after that step's last collective, before rank 0's log line.
+    steps = logged_steps(out / "log.jsonl")
+    assert steps == list(range(1, len(steps) + 1)) and len(seen) <= len(steps) <= len(seen) + 1, (seen, steps)
+    assert "timed out" in stderr_text.lower() or "timeout" in stderr_text.lower(), stderr_text[-3000:]
 
 
 def test_copy_rows_repeat_a_span_far_back_and_label_only_the_repeat(tmp_path):
