@@ -1,44 +1,113 @@
-"""The one configuration module: the schema of the `hf_dilated` entry, its one default level
-schedule and the constants, read by the transformers glue, the conversion and `create_attention`.
+"""The one configuration module: the schema of the `hf_dilated` entry (`DilatedConfig`, one table
+of fields with their help and defaults, and its one validator), its one default level schedule,
+and the choices and defaults every entry point reads: the kinds (kinds.py), `create_attention`,
+the transformers glue, the conversion and its CLI, and the kernels' signatures.
 
 A model config carries it as a plain dict under the key `hf_dilated` (so it lands in
 `config.json` and survives `save_pretrained` / `from_pretrained`); `DilatedConfig.from_model_config`
 reads it back, or derives the documented default when a checkpoint has none.
+
+This module imports nothing of hf_dilated, torch or transformers at import time, so the kernels
+(hf_dilated.ops, hf_dilated.distributed) read their defaults and checks from it; only validating
+a block-sparse pattern imports the patterns (ops/block_patterns.py), when it runs.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-
-from .ops.block_patterns import make_pattern
-from .ops.validate import check_dilated_config, check_positive_int
+from dataclasses import dataclass, field
 
 CONFIG_KEY = "hf_dilated"
 # The entry also records which of our attn_implementation names the model was configured with
 # (transformers' save_pretrained drops attn_implementation itself); integrations/transformers.py
 # reads it at load time.
 RECORDED_NAME = "attn_implementation"
-RING_LAYOUTS = ("zigzag", "contiguous")
+
+# --- the choices and defaults (every parser, check and signature reads these) ------------------
+
+DILATED_MODES = ("union", "longnet", "head_groups")  # docs/contract.md 4
+DEFAULT_MODE = "union"
+RING_LAYOUTS = ("zigzag", "contiguous")  # docs/contract.md 6
+DEFAULT_RING_LAYOUT = "zigzag"  # of setup_sequence_parallel and the ring kernels
 DEFAULT_BLOCK_SIZE = 64
+DEFAULT_ATTN_IMPLEMENTATION = "dilated"  # of patch, patch_family and hf-dilated convert
+
+
+# --- the checks of single settings ---------------------------------------------------------------
+
+
+def check_int(name: str, value, *, minimum: int = 1, optional: bool = False) -> None:
+    """The one integer check (docs/contract.md 9): a TypeError naming `name` unless `value` is an
+    int (a bool is not; None passes when `optional`), a ValueError unless it is >= `minimum`."""
+    if optional and value is None:
+        return
+    rule = ("a positive int" if minimum == 1 else f"an int >= {minimum}") + (" or None" if optional else "")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be {rule}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def check_mode(mode) -> None:
+    if mode not in DILATED_MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, DILATED_MODES))}, got {mode!r}")
+
+
+def check_ring_layout(layout, *, name: str = "layout", optional: bool = False) -> None:
+    if optional and layout is None:
+        return
+    if layout not in RING_LAYOUTS:
+        raise ValueError(f"{name} must be one of {RING_LAYOUTS}{' or None' if optional else ''}, got {layout!r}")
+
+
+def check_dilated_config(segment_lengths, dilation_rates, mode) -> tuple[list[int], list[int]]:
+    """The dilated levels (docs/contract.md 4) as lists, or the error naming the rule they break."""
+    check_mode(mode)
+    seg = list(segment_lengths) if isinstance(segment_lengths, (list, tuple)) else None
+    dil = list(dilation_rates) if isinstance(dilation_rates, (list, tuple)) else None
+    if seg is None or not seg:
+        raise ValueError(f"segment_lengths must be a non-empty list of ints, got {segment_lengths!r}")
+    if dil is None:
+        raise ValueError(f"dilation_rates must be a list of ints, got {dilation_rates!r}")
+    if len(seg) != len(dil):
+        raise ValueError(
+            f"segment_lengths and dilation_rates must have the same length, got {len(seg)} and {len(dil)}"
+        )
+    for name, vals in (("segment_lengths", seg), ("dilation_rates", dil)):
+        for x in vals:
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise TypeError(f"{name} must contain ints, got {x!r}")
+            if x <= 0:
+                raise ValueError(f"{name} must be positive, got {x}")
+    for w, r in zip(seg, dil):
+        if w % r != 0:
+            raise ValueError(f"dilation_rates: each rate must divide its segment length, but {r} does not divide {w}")
+    if mode == "union":
+        for g in range(1, len(seg)):
+            if seg[g] % seg[g - 1] != 0 or dil[g] % dil[g - 1] != 0:
+                raise ValueError(
+                    "segment_lengths/dilation_rates: mode 'union' needs nested levels (each segment length "
+                    "divides the next and each dilation rate divides the next), got "
+                    f"segment_lengths={seg}, dilation_rates={dil}"
+                )
+    return seg, dil
+
+
+def check_block_sparse(pattern, block_size):
+    """The block-sparse settings (docs/contract.md 5): the pattern object `pattern` (an object or a
+    dict such as {"type": "local", "window": 4}) stands for, or the error naming what is wrong."""
+    from .ops.block_patterns import make_pattern  # torch: imported only when a pattern is checked
+
+    check_int("block_size", block_size)
+    return make_pattern(pattern)
 
 
 @dataclass
 class DilatedConfig:
     """What the attention implementations registered by hf_dilated compute for one model.
 
-    Fields:
-        segment_lengths, dilation_rates, mode: the dilated attention of docs/contract.md 4
-            ("dilated", "dilated_ring").
-        block_size, pattern: the block-sparse attention ("block_sparse", "block_sparse_ring");
-            `pattern` is a dict such as `{"type": "local", "window": 4}` (see
-            `hf_dilated.ops.block_patterns.make_pattern`).
-        ring_layout: the layout ("zigzag" or "contiguous") the sequence is sharded in over the
-            ranks of a sequence-parallel group, for "ring", "dilated_ring" and "block_sparse_ring".
-            None (the default) follows the active group (`hf_dilated.distributed.setup_sequence_parallel`);
-            a set value must agree with it. The layout never changes results.
-        original_length: the context length the checkpoint was pretrained with.
-        target_length: the context length the model is configured for.
+    The fields, their defaults and their help are the table below (peft's LoraConfig style:
+    `field_help(name)` or `dataclasses.fields(DilatedConfig)`); `validate` is the one validator.
 
     Default (`DilatedConfig.default(original_length, target_length)`, used when a checkpoint has no
     `hf_dilated` entry): the first segment is the original context length with dilation 1, and
@@ -52,33 +121,49 @@ class DilatedConfig:
     trained at that length); the conversion in `hf_dilated.patches` stores both explicitly.
     """
 
-    segment_lengths: list[int]
-    dilation_rates: list[int]
-    mode: str = "union"
-    block_size: int = DEFAULT_BLOCK_SIZE
-    pattern: dict | None = None  # None: the default window (class docstring), resolved on construction
-    ring_layout: str | None = None
-    original_length: int | None = None
-    target_length: int | None = None
+    # Required (no default): DilatedConfig.default derives both from the context lengths.
+    segment_lengths: list[int] = field(metadata={"help": (
+        "the segment length of each level of the dilated attention (docs/contract.md 4; 'dilated', "
+        "'dilated_ring')")})
+    dilation_rates: list[int] = field(metadata={"help": (
+        "the dilation rate of each level, dividing its segment length")})
+    mode: str = field(default=DEFAULT_MODE, metadata={"help": (
+        f"how the levels combine: one of {', '.join(DILATED_MODES)} (docs/contract.md 4)")})
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": (
+        "block-sparse attention (docs/contract.md 5; 'block_sparse', 'block_sparse_ring'): tokens per block")})
+    pattern: dict | None = field(default=None, metadata={"help": (
+        "the block pattern, a dict such as {'type': 'local', 'window': 4} (hf_dilated.ops.block_patterns."
+        "make_pattern); None: a local window dense within the first segment (see below), resolved on "
+        "construction")})
+    ring_layout: str | None = field(default=None, metadata={"help": (
+        f"the layout ({' or '.join(RING_LAYOUTS)}) the sequence is sharded in over the ranks of a "
+        "sequence-parallel group ('ring', 'dilated_ring', 'block_sparse_ring'); None follows the active group "
+        "(hf_dilated.distributed.setup_sequence_parallel), a set value must agree with it. The layout never "
+        "changes results")})
+    original_length: int | None = field(default=None, metadata={"help": (
+        "the context length the checkpoint was pretrained with")})
+    target_length: int | None = field(default=None, metadata={"help": (
+        "the context length the model is configured for")})
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> "DilatedConfig":
+        """The one validator of the entry: normalises the levels to lists and resolves the default
+        pattern, or raises the error naming the field and the rule it breaks."""
         seg, dil = check_dilated_config(self.segment_lengths, self.dilation_rates, self.mode)
         self.segment_lengths, self.dilation_rates = seg, dil
-        check_positive_int("block_size", self.block_size)
+        check_int("block_size", self.block_size)
         if self.pattern is None:  # dense within the first segment, like the dilated default
             self.pattern = {"type": "local", "window": max(1, (self.original_length or seg[0]) // self.block_size)}
         if not isinstance(self.pattern, dict) or not isinstance(self.pattern.get("type"), str):
             raise ValueError(
                 f"pattern must be a dict with a 'type' (e.g. {{'type': 'local', 'window': 4}}), got {self.pattern!r}"
             )
-        make_pattern(self.pattern)  # validates the pattern's parameters
-        if self.ring_layout is not None and self.ring_layout not in RING_LAYOUTS:
-            raise ValueError(f"ring_layout must be one of {RING_LAYOUTS} or None, got {self.ring_layout!r}")
+        check_block_sparse(self.pattern, self.block_size)  # the pattern's own parameters
+        check_ring_layout(self.ring_layout, name="ring_layout", optional=True)
         for name in ("original_length", "target_length"):
-            check_positive_int(name, getattr(self, name), optional=True)
+            check_int(name, getattr(self, name), optional=True)
         return self
 
     # --- construction -------------------------------------------------------------------------
@@ -86,8 +171,8 @@ class DilatedConfig:
     @classmethod
     def default(cls, original_length: int, target_length: int | None = None, **overrides) -> "DilatedConfig":
         """The documented default (see the class docstring); `overrides` replace single fields."""
-        check_positive_int("original_length", original_length)
-        check_positive_int("target_length", target_length, optional=True)
+        check_int("original_length", original_length)
+        check_int("target_length", target_length, optional=True)
         target_length = max(target_length or original_length, original_length)
         segment_lengths, dilation_rates = default_schedule(original_length, target_length)
         fields = dict(
@@ -127,6 +212,18 @@ class DilatedConfig:
             return cls.from_dict(data)
         original, target = context_lengths(config)
         return cls.default(original, target)
+
+
+def field_help(name: str) -> str:
+    """The help of a DilatedConfig field (what the CLI shows)."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(DilatedConfig)}[name]
+
+
+def field_defaults(*names: str) -> dict:
+    """{name: default} for DilatedConfig fields; None for a required field or one whose default is
+    resolved on construction (the pattern)."""
+    table = {f.name: None if f.default is dataclasses.MISSING else f.default for f in dataclasses.fields(DilatedConfig)}
+    return {name: table[name] for name in names}
 
 
 def default_schedule(first_segment: int, length: int) -> tuple[list[int], list[int]]:

@@ -32,7 +32,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .config import CONFIG_KEY, DilatedConfig
+from .config import CONFIG_KEY, DEFAULT_ATTN_IMPLEMENTATION, DILATED_MODES, DilatedConfig, field_help
 from .integrations.transformers import NAMES
 from .patches import family_for
 from .patches.context import MAX_CONTEXT_LENGTH, ROPE_CHOICES, ConversionWarning, check_context_length
@@ -52,16 +52,20 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="directory to create")
     p.add_argument("--attn", choices=NAMES, default=None,
                    help="attention implementation stored in config.json (default: the preset's, else the one an "
-                        "earlier conversion stored, else 'dilated')")
+                        f"earlier conversion stored, else {DEFAULT_ATTN_IMPLEMENTATION!r})")
     p.add_argument("--context", type=int, default=None,
                    help=f"target context length in tokens (from the original length to {MAX_CONTEXT_LENGTH:,})")
     p.add_argument("--preset", default=None, help="a model_configs preset (e.g. llama2-7b-32k)")
     p.add_argument("--rope", choices=ROPE_CHOICES, default=None,
                    help="RoPE scaling (default: the preset's, else the one an earlier conversion chose, else linear "
                         "for an unscaled checkpoint)")
-    p.add_argument("--mode", choices=("union", "longnet", "head_groups"), default=None)
-    p.add_argument("--segment-lengths", type=_int_list, default=None, help="e.g. 4096,8192,16384")
-    p.add_argument("--dilation-rates", type=_int_list, default=None, help="e.g. 1,2,4")
+    # The hf_dilated fields, with DilatedConfig's help; unset: the preset's, else the earlier
+    # conversion's mode, else DilatedConfig's defaults (levels: its default schedule for --context).
+    p.add_argument("--mode", choices=DILATED_MODES, default=None, help=field_help("mode"))
+    p.add_argument("--segment-lengths", type=_int_list, default=None,
+                   help=field_help("segment_lengths") + ", comma-separated, e.g. 4096,8192,16384")
+    p.add_argument("--dilation-rates", type=_int_list, default=None,
+                   help=field_help("dilation_rates") + ", comma-separated, e.g. 1,2,4")
     p.add_argument("--copy", action="store_true", help="copy weight files instead of hard-linking them")
     p.add_argument("--force", action="store_true",
                    help="replace DST if it exists (only an empty directory or a checkpoint hf-dilated wrote)")
@@ -134,8 +138,8 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
                       f"tokens for --rope {rope}", ConversionWarning, stacklevel=2)
     if attn_implementation is None:
         earlier = raw.get("attn_implementation")
-        attn_implementation = earlier if converted_before and earlier in NAMES else "dilated"
-        if attn_implementation != "dilated":
+        attn_implementation = earlier if converted_before and earlier in NAMES else DEFAULT_ATTN_IMPLEMENTATION
+        if attn_implementation != DEFAULT_ATTN_IMPLEMENTATION:
             warnings.warn(f"attn: kept the earlier conversion's attn_implementation {earlier!r} (pass "
                           "attn_implementation / --attn to change it)", ConversionWarning, stacklevel=2)
     if attn_implementation not in NAMES:

@@ -7,33 +7,52 @@ group, layout, sliding_window)` takes the kernels' inputs (the layout of docs/co
 positions and padding by the kernels' rule of ops/token_layout.py; the window of
 docs/contract.md 3.3) and the settings named in `settings` (name -> default, None: required). The ring kinds take this rank's shards under a sequence-parallel `group`; with no
 group (or a group of one) each equals its single-process counterpart, so that fallback is written
-once, in hf_dilated.distributed.
+once, in hf_dilated.distributed. The ring layout reaches `run` resolved (an entry point resolves
+it once, hf_dilated.distributed.groups.resolve_group_layout).
+
+Each row also says what the kind supports: causal only or not, attention dropout or not, and the
+transformers model families it serves. Each entry point checks a call against its row once, with
+`Kind.check_call` / `Kind.check_family` (one exception type per mistake: ValueError); `run`
+itself checks none of it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import DEFAULT_BLOCK_SIZE
+from .config import field_defaults
+from .patches import supported_model_types
 
 
 @dataclass(frozen=True)
 class Kind:
+    """One attention kind: what it takes, what it runs, and what it supports (checked once per
+    entry point, by `check_call` and `check_family`, one exception type per mistake)."""
+
     name: str
-    settings: dict  # setting -> default (None: required)
+    settings: dict  # setting -> default (None: required), the defaults of hf_dilated/config.py
     run: Callable
     sequence_parallel: bool  # shards its sequence over a process group
-    dropout: bool  # implements attention dropout (on one process)
+    dropout: bool  # implements attention dropout (docs/contract.md 8)
+    causal_only: bool  # computes causal attention only (docs/contract.md 6)
+    families: tuple = ()  # the model types it serves as a transformers attn_implementation; () : none
 
+    def check_call(self, *, is_causal, dropout_p, entry: str, causal_only: bool = False) -> None:
+        """A ValueError naming the argument when a call asks for what this kind does not do.
+        `entry` names the kind to the caller (e.g. "attn_implementation='ring'"); `causal_only`:
+        the entry point itself computes causal attention only."""
+        if not is_causal and (self.causal_only or causal_only):
+            raise ValueError(f"is_causal: {entry} computes causal attention only (docs/contract.md 6, 9), "
+                             "got is_causal=False")
+        if dropout_p and not self.dropout:
+            raise ValueError(f"dropout_p: {entry} does not implement attention dropout (docs/contract.md 8), got "
+                             f"dropout_p={dropout_p} (for a transformers model: set attention_dropout=0)")
 
-def _no_dropout(name, dropout_p):
-    if dropout_p:
-        raise ValueError(f"dropout_p: {name!r} attention does not implement attention dropout, got {dropout_p}")
-
-
-def _causal_only(name, is_causal):
-    if not is_causal:
-        raise ValueError(f"is_causal: {name!r} attention is causal only (docs/contract.md 3.1), got False")
+    def check_family(self, model_type, *, entry: str) -> None:
+        """A ValueError unless this kind serves transformers models of `model_type`, listing those it does."""
+        if model_type not in self.families:
+            raise ValueError(f"{entry}: hf_dilated does not support model_type {model_type!r}; supported: "
+                             f"{', '.join(self.families) or 'none (not a transformers attn_implementation)'}")
 
 
 def _dense(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
@@ -58,7 +77,6 @@ def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
            sliding_window=None):
     from .ops.block_sparse import block_sparse_attention
 
-    _no_dropout("block_sparse", dropout_p)
     return block_sparse_attention(q, k, v, s["pattern"], block_size=s["block_size"], is_causal=is_causal,
                                   scale=scale, attention_mask=attention_mask, position_ids=position_ids,
                                   sliding_window=sliding_window)
@@ -68,8 +86,7 @@ def _ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout
            sliding_window=None):
     from .distributed import ring_attention
 
-    _causal_only("ring", is_causal)
-    return ring_attention(q, k, v, group=group, layout=layout or "zigzag", scale=scale,
+    return ring_attention(q, k, v, group=group, layout=layout, scale=scale,
                           attention_mask=attention_mask, position_ids=position_ids, dropout_p=dropout_p,
                           sliding_window=sliding_window)
 
@@ -78,9 +95,8 @@ def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
            sliding_window=None):
     from .distributed import dilated_ring_attention
 
-    _causal_only("dilated_ring", is_causal)
     return dilated_ring_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"], group=group,
-                                  layout=layout or "zigzag", scale=scale, attention_mask=attention_mask,
+                                  layout=layout, scale=scale, attention_mask=attention_mask,
                                   position_ids=position_ids, dropout_p=dropout_p, sliding_window=sliding_window)
 
 
@@ -88,27 +104,31 @@ def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, s
            sliding_window=None):
     from .distributed import block_sparse_ring_attention
 
-    _causal_only("block_sparse_ring", is_causal)
-    _no_dropout("block_sparse_ring", dropout_p)
     return block_sparse_ring_attention(q, k, v, s["pattern"], block_size=s["block_size"], group=group,
-                                       layout=layout or "zigzag", scale=scale, attention_mask=attention_mask,
+                                       layout=layout, scale=scale, attention_mask=attention_mask,
                                        position_ids=position_ids, sliding_window=sliding_window)
 
 
-_DILATED = {"segment_lengths": None, "dilation_rates": None, "mode": "union"}
-_BLOCK_SPARSE = {"pattern": None, "block_size": DEFAULT_BLOCK_SIZE}
+_DILATED = field_defaults("segment_lengths", "dilation_rates", "mode")
+_BLOCK_SPARSE = field_defaults("pattern", "block_size")
+# Every kind but "dense" (transformers' own "sdpa" is that) serves the families of hf_dilated.patches.
+_FAMILIES = tuple(supported_model_types())
 
 KINDS = {
     kind.name: kind
     for kind in (
-        Kind("dense", {}, _dense, sequence_parallel=False, dropout=True),
-        Kind("dilated", _DILATED, _dilated, sequence_parallel=False, dropout=True),
-        Kind("block_sparse", _BLOCK_SPARSE, _block_sparse, sequence_parallel=False, dropout=False),
-        Kind("ring", {}, _ring, sequence_parallel=True, dropout=True),
-        Kind("dilated_ring", _DILATED, _dilated_ring, sequence_parallel=True, dropout=True),
-        Kind("block_sparse_ring", _BLOCK_SPARSE, _block_sparse_ring, sequence_parallel=True, dropout=False),
+        Kind("dense", {}, _dense, sequence_parallel=False, dropout=True, causal_only=False),
+        Kind("dilated", _DILATED, _dilated, sequence_parallel=False, dropout=True, causal_only=False,
+             families=_FAMILIES),
+        Kind("block_sparse", _BLOCK_SPARSE, _block_sparse, sequence_parallel=False, dropout=False, causal_only=False,
+             families=_FAMILIES),
+        Kind("ring", {}, _ring, sequence_parallel=True, dropout=True, causal_only=True, families=_FAMILIES),
+        Kind("dilated_ring", _DILATED, _dilated_ring, sequence_parallel=True, dropout=True, causal_only=True,
+             families=_FAMILIES),
+        Kind("block_sparse_ring", _BLOCK_SPARSE, _block_sparse_ring, sequence_parallel=True, dropout=False,
+             causal_only=True, families=_FAMILIES),
     )
 }
 
-# The transformers names: every kind but "dense" (transformers' own "sdpa" is that).
-TRANSFORMERS_NAMES = tuple(name for name in KINDS if name != "dense")
+# The transformers attn_implementation names: the kinds that serve some family.
+TRANSFORMERS_NAMES = tuple(name for name, kind in KINDS.items() if kind.families)

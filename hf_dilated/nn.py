@@ -22,6 +22,10 @@ Kinds and their configuration (anything else is a TypeError naming the key):
 For the ring kinds, q/k/v are this rank's shards of the sequence; `group=None` means the
 sequence-parallel group set by `hf_dilated.distributed.setup_sequence_parallel` (a single process
 when none is set) and `layout=None` that group's layout.
+
+The defaults shown are those of `hf_dilated.config` (DilatedConfig's fields), which the kinds'
+table (kinds.py) reads; the checks of the settings are config's too, and what each kind supports
+(causal only, attention dropout) is checked against its row of kinds.py on every call.
 """
 from __future__ import annotations
 
@@ -31,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import default_schedule
+from .config import (check_block_sparse, check_dilated_config, check_int, check_mode, check_ring_layout,
+                     default_schedule, field_defaults)
 from .kinds import KINDS as _KINDS
-from .ops.validate import DILATED_MODES, check_positive_int
 
 KINDS = (*_KINDS, "auto")
 
@@ -42,7 +46,7 @@ KINDS = (*_KINDS, "auto")
 # than it still get exact dense attention). See create_attention for the figures behind them.
 AUTO_DENSE_MAX_LEN = {"cpu": 4096, "cuda": 16384}
 _SHARDING = {"group": None, "layout": None}
-_AUTO = {"segment_lengths": None, "dilation_rates": None, "mode": "union", "dense_max_len": None, **_SHARDING}
+_AUTO = {**field_defaults("segment_lengths", "dilation_rates", "mode"), "dense_max_len": None, **_SHARDING}
 
 
 def _settings(kind: str) -> dict:
@@ -65,12 +69,13 @@ class Attention:
         kind, config = self.kind, self.config
         if kind == "auto":
             kind, config = self.choose(k.shape[2], k.device, position_ids=position_ids)
+        row = _KINDS[kind]
+        row.check_call(is_causal=is_causal, dropout_p=dropout_p, entry=f"{kind!r} attention")
         group, layout = None, None
-        if _KINDS[kind].sequence_parallel:
+        if row.sequence_parallel:
             group, layout = _group_layout(config["group"], config["layout"])
-        return _KINDS[kind].run(q, k, v, config, is_causal=is_causal, attention_mask=attention_mask,
-                                position_ids=position_ids, scale=scale, dropout_p=dropout_p, group=group,
-                                layout=layout, sliding_window=sliding_window)
+        return row.run(q, k, v, config, is_causal=is_causal, attention_mask=attention_mask, position_ids=position_ids,
+                       scale=scale, dropout_p=dropout_p, group=group, layout=layout, sliding_window=sliding_window)
 
     def choose(self, kv_len: int, device, *, position_ids=None) -> tuple[str, dict]:
         """What "auto" runs for a call with `kv_len` keys (this rank's shard under sequence
@@ -139,41 +144,32 @@ def create_attention(kind: str, **config) -> Attention:
         raise TypeError(f"create_attention({kind!r}) needs {missing}")
     cfg = {**allowed, **config}
     if cfg.get("segment_lengths") is not None or cfg.get("dilation_rates") is not None or "mode" in cfg:
-        from .ops.validate import check_dilated_config
-
         if kind == "auto" and (cfg["segment_lengths"] is None) != (cfg["dilation_rates"] is None):
             raise ValueError("create_attention('auto'): give both segment_lengths and dilation_rates, or neither")
         if cfg.get("segment_lengths") is not None:
             seg, dil = check_dilated_config(cfg["segment_lengths"], cfg["dilation_rates"], cfg["mode"])
             cfg["segment_lengths"], cfg["dilation_rates"] = seg, dil
-        elif cfg["mode"] not in DILATED_MODES:
-            raise ValueError(f"mode must be one of {', '.join(map(repr, DILATED_MODES))}, got {cfg['mode']!r}")
+        else:
+            check_mode(cfg["mode"])
     if "pattern" in cfg:
-        from .ops.block_patterns import _check_int, make_pattern
-
-        cfg["pattern"] = make_pattern(cfg["pattern"])
-        _check_int("block_size", cfg["block_size"], 1)
+        cfg["pattern"] = check_block_sparse(cfg["pattern"], cfg["block_size"])
     if kind == "auto":
         if cfg["mode"] != "union" and cfg["segment_lengths"] is None:
             raise ValueError("create_attention('auto'): mode other than 'union' needs explicit segment_lengths")
         d = cfg["dense_max_len"]
-        check_positive_int("dense_max_len", d, optional=True)
+        check_int("dense_max_len", d, optional=True)
         if d is not None and cfg["segment_lengths"] is not None:
             raise ValueError("create_attention('auto'): dense_max_len sets the first segment; do not also give "
                              "segment_lengths")
-    if "layout" in cfg and cfg["layout"] is not None:
-        from .distributed.layout import check_layout
-
-        check_layout(cfg["layout"])
+    if "layout" in cfg:
+        check_ring_layout(cfg["layout"], optional=True)
     return Attention(kind, cfg)
 
 
 def _group_layout(group, layout):
-    from .distributed import get_sequence_parallel_group, get_sequence_parallel_layout
+    from .distributed.groups import resolve_group_layout  # torch.distributed: only for the ring kinds
 
-    if group is None:
-        group = get_sequence_parallel_group()
-    return group, layout or get_sequence_parallel_layout()
+    return resolve_group_layout(group, layout)
 
 
 def _world(group) -> int:

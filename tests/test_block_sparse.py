@@ -284,9 +284,9 @@ def test_pattern_dicts_round_trip():
     ("local", TypeError, "pattern"),
     ({"type": "local"}, ValueError, "window"),
     ({"type": "local", "window": 2, "stride": 1}, ValueError, "window"),
-    ({"type": "local", "window": 0}, ValueError, "window must be positive"),
+    ({"type": "local", "window": 0}, ValueError, "window must be a positive int"),
     ({"type": "local", "window": True}, TypeError, "window"),
-    ({"type": "dilated", "window": 2, "stride": -1}, ValueError, "stride must be positive"),
+    ({"type": "dilated", "window": 2, "stride": -1}, ValueError, "stride must be a positive int"),
     ({"type": "global_local", "global_blocks": -1, "window": 2}, ValueError, "global_blocks"),
     ({"type": "adaptive", "top_k": 1.5, "window": 2}, TypeError, "top_k"),
     ({"type": "hierarchical", "levels": []}, ValueError, "levels"),
@@ -303,7 +303,7 @@ def test_bad_patterns_are_rejected(spec, exc, words):
 def test_bad_arguments_are_rejected():
     q, k, v = _qkv(LENGTH, torch.float32)
     pattern = LocalPattern(2)
-    with pytest.raises(ValueError, match="block_size must be positive"):
+    with pytest.raises(ValueError, match="block_size must be a positive int"):
         block_sparse_attention(q, k, v, pattern, block_size=0)
     with pytest.raises(TypeError, match="block_size"):
         block_sparse_attention(q, k, v, pattern, block_size=4.0)

@@ -409,5 +409,5 @@ def test_unsupported_attention_features_raise_instead_of_being_ignored():
             fn(Attn(), q, k, v, None, sliding_window=0)
         with pytest.raises(NotImplementedError, match="soft-capping"):
             fn(Attn(), q, k, v, None, softcap=30.0)
-        with pytest.raises(NotImplementedError, match="causal attention only"):
+        with pytest.raises(ValueError, match="is_causal: .*causal attention only"):
             fn(Attn(), q, k, v, None, is_causal=False)

@@ -266,6 +266,34 @@ def test_every_layer_after_the_first_reuses_the_plan(checkpoint_dirs, monkeypatc
     assert layers > 1 and len(builds) <= 1
 
 
+@pytest.mark.parametrize("name", ("block_sparse", "block_sparse_ring"))
+def test_the_block_pattern_is_built_once_per_configuration(checkpoint_dirs, monkeypatch, name):
+    """The glue builds the block pattern of the model's entry once, with the parsed config (it
+    used to build it in every layer call); an edited entry gets its pattern built anew."""
+    import hf_dilated.ops.block_patterns as patterns
+
+    builds, make = [], patterns.make_pattern
+
+    def counting(spec):
+        builds.append(spec)
+        return make(spec)
+
+    m = AutoModelForCausalLM.from_pretrained(checkpoint_dirs["llama"], attn_implementation=name,
+                                             dtype=torch.float32).eval()
+    monkeypatch.setattr(patterns, "make_pattern", counting)  # checking a config builds it too
+    kwargs, _ = FORWARD_LAYOUTS["no_padding"]()
+    with torch.no_grad():
+        m(**kwargs)
+        first = len(builds)
+        m(**kwargs)
+    assert m.config.num_hidden_layers > 1 and 1 <= first <= 2 and len(builds) == first  # parse + settings
+    entry = hf_dilated.DilatedConfig.from_model_config(m.config).to_dict()
+    m.config.hf_dilated = {**entry, "pattern": {"type": "local", "window": 1}}
+    with torch.no_grad():
+        m(**kwargs)
+    assert len(builds) > first and builds[-1] == {"type": "local", "window": 1}
+
+
 # --- sliding windows longer than the sequence (shorter ones: tests/test_sliding_window.py) --------
 
 def _windowed(family, window):

@@ -128,13 +128,14 @@ def test_a_window_covering_the_sequence_changes_nothing():
                                    dilated_attention(q, k, v, SEGMENTS, RATES, attention_mask=mask), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("bad", (0, -3, 2.5, True, "16"))
-def test_a_bad_window_is_an_error_naming_it(bad):
+@pytest.mark.parametrize("bad, exc", ((0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError),
+                                      ("16", TypeError)))
+def test_a_bad_window_is_an_error_naming_it(bad, exc):
     q, k, v, _, _ = _inputs("plain", n=8)
     for call in (lambda: dilated_attention(q, k, v, [8], [1], sliding_window=bad),
                  lambda: block_sparse_attention(q, k, v, PATTERNS["local"], block_size=4, sliding_window=bad),
                  lambda: dense_attention(q, k, v, sliding_window=bad)):
-        with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        with pytest.raises(exc, match="sliding_window must be a positive int"):
             call()
 
 

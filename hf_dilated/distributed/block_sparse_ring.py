@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.block_patterns import AdaptivePattern, CustomPattern, _check_int, make_pattern
-from ..ops.validate import check_positive_int, check_qkv, check_scale_dropout
+from ..config import DEFAULT_RING_LAYOUT
+from ..ops.block_patterns import AdaptivePattern, CustomPattern, make_pattern
+from ..ops.validate import check_int, check_qkv, check_scale_dropout
 from .tokens import GlobalTokens, prepare_call
 from .utils import Exchange
 from .windows import plan_windows, windowed_attention
@@ -67,8 +68,8 @@ def block_sparse_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, pa
     return need
 
 
-def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, layout: str = "zigzag", scale=None,
-                                attention_mask=None, position_ids=None, sliding_window: int | None = None):
+def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, layout: str = DEFAULT_RING_LAYOUT,
+                                scale=None, attention_mask=None, position_ids=None, sliding_window: int | None = None):
     """Block-sparse attention over a sequence sharded across `group` (docs/contract.md 6).
 
     q, k, v, attention_mask, position_ids: this rank's shards of the global tensors in `layout`
@@ -78,11 +79,11 @@ def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, lay
     from ..ops.block_sparse import block_sparse_attention
 
     pattern = make_pattern(pattern)
-    _check_int("block_size", block_size, 1)
+    check_int("block_size", block_size)
     check_layout(layout)
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, 0.0)
-    check_positive_int("sliding_window", sliding_window, optional=True)
+    check_int("sliding_window", sliding_window, optional=True)
     world, _ = group_size_rank(group)
     if world == 1:
         return block_sparse_attention(q, k, v, pattern, block_size=block_size, scale=scale,

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.validate import check_dilated_config, check_positive_int, check_qkv, check_scale_dropout
+from ..config import DEFAULT_MODE, DEFAULT_RING_LAYOUT
+from ..ops.validate import check_dilated_config, check_int, check_qkv, check_scale_dropout
 from .tokens import GlobalTokens, prepare_call
 from .utils import Exchange
 from .windows import plan_windows, windowed_attention
@@ -81,8 +82,8 @@ def dilated_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, q_heads
     return need
 
 
-def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: str = "union", group=None,
-                           layout: str = "zigzag", scale=None, attention_mask=None, position_ids=None,
+def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: str = DEFAULT_MODE, group=None,
+                           layout: str = DEFAULT_RING_LAYOUT, scale=None, attention_mask=None, position_ids=None,
                            dropout_p: float = 0.0, sliding_window: int | None = None):
     """Dilated attention over a sequence sharded across `group` (docs/contract.md 6).
 
@@ -97,7 +98,7 @@ def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: st
     check_layout(layout)
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, dropout_p)
-    check_positive_int("sliding_window", sliding_window, optional=True)
+    check_int("sliding_window", sliding_window, optional=True)
     world, _ = group_size_rank(group)
     if world == 1:
         return dilated_attention(q, k, v, seg, dil, mode=mode, scale=scale, dropout_p=dropout_p,

@@ -21,7 +21,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..ops.validate import check_positive_int
+from ..config import DEFAULT_RING_LAYOUT
+from ..ops.validate import check_int
 from .layout import check_layout, padded_length, shard, unshard
 
 
@@ -39,7 +40,7 @@ class SequenceParallel:
 _STATE: SequenceParallel | None = None
 
 
-def setup_sequence_parallel(sp_size: int, *, layout: str = "zigzag", timeout: timedelta | None = None,
+def setup_sequence_parallel(sp_size: int, *, layout: str = DEFAULT_RING_LAYOUT, timeout: timedelta | None = None,
                             backend: str | None = None) -> SequenceParallel:
     """Builds the DP x SP grid inside the default process group (which must be initialised, e.g.
     by `accelerate launch` + `Accelerator()` or `torch.distributed.init_process_group`).
@@ -52,7 +53,7 @@ def setup_sequence_parallel(sp_size: int, *, layout: str = "zigzag", timeout: ti
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("setup_sequence_parallel: torch.distributed is not initialised; call "
                            "init_process_group (or create an accelerate.Accelerator) first")
-    check_positive_int("sp_size", sp_size)
+    check_int("sp_size", sp_size)
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % sp_size:
         raise ValueError(f"sp_size ({sp_size}) must divide the world size ({world})")
@@ -109,7 +110,8 @@ def get_data_parallel_group():
 
 
 def get_sequence_parallel_layout() -> str:
-    return "zigzag" if _STATE is None else _STATE.layout
+    """The layout of the group set by `setup_sequence_parallel` (the default layout when none is set)."""
+    return DEFAULT_RING_LAYOUT if _STATE is None else _STATE.layout
 
 
 def group_size_rank(group) -> tuple[int, int]:
@@ -119,7 +121,11 @@ def group_size_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _default_group_layout(group, layout):
+def resolve_group_layout(group=None, layout=None) -> tuple[object, str]:
+    """The one resolution of a sequence-parallel call's (group, layout), for every entry point
+    (create_attention, the transformers names, shard_batch, gather_sequence): `group`, else the
+    group set by `setup_sequence_parallel` (None: a single process); `layout`, else that group's
+    layout (the default layout when none is set); a ValueError for an unknown layout."""
     if group is None:
         group = get_sequence_parallel_group()
     if layout is None:
@@ -152,7 +158,7 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
     earlier token see a later one, so the padding changes nothing for the real tokens.
     group defaults to the group of `setup_sequence_parallel`; with no group nothing is sharded.
     """
-    group, layout = _default_group_layout(group, layout)
+    group, layout = resolve_group_layout(group, layout)
     world, rank = group_size_rank(group)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a 2-D tensor (batch, seq_len), got {getattr(input_ids, 'shape', input_ids)}")
@@ -220,7 +226,7 @@ def gather_sequence(x: torch.Tensor, *, seq_len: int | None = None, group=None, 
     """The global tensor from every rank's shard of `x` (sequence along `dim`), in sequence order,
     trimmed to `seq_len` when given (to drop shard_batch's padding). Differentiable: the gradient
     of a shard is the *sum* over ranks of the gradients flowing into its slice."""
-    group, layout = _default_group_layout(group, layout)
+    group, layout = resolve_group_layout(group, layout)
     world, _ = group_size_rank(group)
     if world > 1:
         parts = _AllGather.apply(x.contiguous(), group)

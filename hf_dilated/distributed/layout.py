@@ -13,12 +13,8 @@ from __future__ import annotations
 
 import torch
 
-LAYOUTS = ("zigzag", "contiguous")
-
-
-def check_layout(layout) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+# The one list of layouts and its check are hf_dilated.config's (RING_LAYOUTS, DEFAULT_RING_LAYOUT).
+from ..config import check_ring_layout as check_layout  # ValueError naming `layout` unless in RING_LAYOUTS
 
 
 def chunks_per_rank(layout: str) -> int:

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import DEFAULT_RING_LAYOUT
 from ..ops.backend import attention_backward, attention_forward
 from ..ops.merge import merge_dtype, merge_into
-from ..ops.validate import check_positive_int, check_qkv, check_scale_dropout
+from ..ops.validate import check_int, check_qkv, check_scale_dropout
 from .tokens import GlobalTokens, prepare_call
 from .utils import Exchange, wait_all
 from .groups import group_size_rank
@@ -156,7 +157,7 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", scale=None, attention_mask=None,
+def ring_attention(q, k, v, *, group=None, layout: str = DEFAULT_RING_LAYOUT, scale=None, attention_mask=None,
                    position_ids=None, dropout_p: float = 0.0, sliding_window: int | None = None):
     """Exact causal attention over a sequence sharded across `group`.
 
@@ -170,7 +171,7 @@ def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", scale=None, a
     check_layout(layout)
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, dropout_p)
-    check_positive_int("sliding_window", sliding_window, optional=True)
+    check_int("sliding_window", sliding_window, optional=True)
     world, _ = group_size_rank(group)
     if world == 1:
         from ..ops.dense import dense_attention

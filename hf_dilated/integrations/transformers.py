@@ -19,11 +19,10 @@ import json
 
 import torch
 
+from ..config import CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int
 from ..kinds import KINDS, TRANSFORMERS_NAMES
 from ..ops.plan_cache import PlanCache
 from ..ops.token_layout import from_model_inputs
-from ..config import RECORDED_NAME, DilatedConfig
-from ..ops.validate import check_positive_int
 
 NAMES = TRANSFORMERS_NAMES
 
@@ -38,25 +37,43 @@ _UNSUPPORTED_KWARGS = {
 
 # --- configuration lookup ---------------------------------------------------------------------
 
-_config_cache: dict[int, tuple[str, DilatedConfig]] = {}
+# id(model config) -> (the entry as parsed from, its DilatedConfig, {kind name: the kind's settings})
+_config_cache: dict[int, tuple[str, DilatedConfig, dict]] = {}
 
 
-def config_for(module) -> DilatedConfig:
-    """The DilatedConfig of the model an attention module belongs to. Parsed again whenever the
-    entry (or the context it is derived from) changes, even by an in-place edit of the dict."""
+def _parsed(module) -> tuple[DilatedConfig, dict]:
     config = getattr(module, "config", None)
     if config is None:
         raise ValueError(
             f"{type(module).__name__} has no `config`; hf_dilated attention reads its settings from the model config"
         )
-    key = json.dumps([getattr(config, "hf_dilated", None), getattr(config, "max_position_embeddings", None),
+    key = json.dumps([getattr(config, CONFIG_KEY, None), getattr(config, "max_position_embeddings", None),
                       getattr(config, "rope_parameters", None)], sort_keys=True, default=str)
     cached = _config_cache.get(id(config))
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    parsed = DilatedConfig.from_model_config(config)
-    _config_cache[id(config)] = (key, parsed)
-    return parsed
+    if cached is None or cached[0] != key:
+        cached = (key, DilatedConfig.from_model_config(config), {})
+        _config_cache[id(config)] = cached
+    return cached[1], cached[2]
+
+
+def config_for(module) -> DilatedConfig:
+    """The DilatedConfig of the model an attention module belongs to. Parsed again whenever the
+    entry (or the context it is derived from) changes, even by an in-place edit of the dict."""
+    return _parsed(module)[0]
+
+
+def settings_for(module, kind) -> dict:
+    """The settings `kind` runs with for this module's model: its fields of the DilatedConfig, the
+    block-sparse pattern built into its object. Built once per configuration (with config_for's
+    parse), not on every layer call."""
+    cfg, per_kind = _parsed(module)
+    settings = per_kind.get(kind.name)
+    if settings is None:
+        settings = {name: getattr(cfg, name) for name in kind.settings}
+        if "pattern" in settings:
+            settings["pattern"] = check_block_sparse(settings["pattern"], settings["block_size"])
+        per_kind[kind.name] = settings
+    return settings
 
 
 # --- mask function ----------------------------------------------------------------------------
@@ -123,7 +140,12 @@ def _logger():
     return logging.get_logger("transformers.hf_dilated")
 
 
-def _check_kwargs(module, name, kwargs):
+def _check_call(kind, module, dropout, kwargs) -> float:
+    """The checks of one call, once, before any work; returns the dropout probability to apply.
+    What the kind supports is its row's to say (kinds.py); every transformers name computes causal
+    self-attention only (the mask function is causal), and the keyword arguments of features no
+    kernel has raise rather than being ignored."""
+    name = kind.name
     for key, what in _UNSUPPORTED_KWARGS.items():
         if kwargs.get(key) is not None:
             raise NotImplementedError(f"attn_implementation={name!r} does not support {what} ({key}={kwargs[key]!r})")
@@ -133,8 +155,10 @@ def _check_kwargs(module, name, kwargs):
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    if not is_causal:
-        raise NotImplementedError(f"attn_implementation={name!r} computes causal attention only (is_causal=False)")
+    dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
+    kind.check_call(is_causal=is_causal, dropout_p=dropout_p, entry=f"attn_implementation={name!r}", causal_only=True)
+    check_int("sliding_window", kwargs.get("sliding_window"), optional=True)
+    return dropout_p
 
 
 def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_parallel=False, cu_seq_lens=None):
@@ -172,14 +196,13 @@ def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_p
 def _attention(name, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """What every registered name runs: the kernel of hf_dilated.kinds.KINDS[name] on the inputs
     of transformers' rule, under the model's DilatedConfig."""
-    from ..distributed import get_sequence_parallel_group, get_sequence_parallel_layout
+    from ..distributed.groups import resolve_group_layout
 
-    _check_kwargs(module, name, kwargs)
-    kind, cfg = KINDS[name], config_for(module)
-    group = get_sequence_parallel_group() if kind.sequence_parallel else None
-    layout = None
+    kind = KINDS[name]
+    dropout_p = _check_call(kind, module, dropout, kwargs)
+    cfg = config_for(module)
+    group, layout = resolve_group_layout() if kind.sequence_parallel else (None, None)
     if group is not None:
-        layout = get_sequence_parallel_layout()
         if cfg.ring_layout is not None and cfg.ring_layout != layout:
             raise ValueError(
                 f"attn_implementation={name!r}: the model config asks for ring_layout={cfg.ring_layout!r} but the "
@@ -194,21 +217,13 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
         cu_seq_lens=kwargs.get("cu_seq_lens_q"))
     # The model's sliding window (Mistral, Qwen2 layers): every kernel keeps it (docs/contract.md 3.3).
     window = kwargs.get("sliding_window")
-    check_positive_int("sliding_window", window, optional=True)
-    dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
-    if dropout_p and not kind.dropout:
-        raise NotImplementedError(f"attn_implementation={name!r} has no attention dropout; set attention_dropout=0")
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         # Follow autocast as sdpa does: q, k and v in the autocast dtype (RoPE may have left q and k
         # in float32 while v comes out of a projection in bfloat16), the output in it too.
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    settings = {field: getattr(cfg, field) for field in kind.settings}
-    if "pattern" in settings:
-        from ..ops.block_patterns import make_pattern
-
-        settings["pattern"] = make_pattern(settings["pattern"])
+    settings = settings_for(module, kind)
     with torch.autocast(device_type, enabled=False):
         out = kind.run(query, key, value, settings, is_causal=True, attention_mask=mask, position_ids=positions,
                        scale=scaling, dropout_p=dropout_p, group=group, layout=layout, sliding_window=window)
@@ -261,8 +276,6 @@ def register() -> None:
 
 # --- the choice of attention at load time ------------------------------------------------------
 
-
-
 def _hook_attention_choice() -> None:
     """Wraps `PreTrainedModel._check_and_adjust_attn_implementation`, which transformers runs when
     a model is built or loaded and on `set_attn_implementation`, so that:
@@ -296,13 +309,8 @@ def _hook_attention_choice() -> None:
 
 
 def check_model_supported(config, name: str) -> None:
-    """A ValueError unless `config` is of a family hf_dilated supports with a valid entry."""
-    from ..patches import family_for
-
-    try:
-        family_for(getattr(config, "model_type", None))
-    except ValueError as exc:
-        raise ValueError(f"attn_implementation={name!r}: {exc}") from None
+    """A ValueError unless `config` is of a family the kind `name` serves, with a valid entry."""
+    KINDS[name].check_family(getattr(config, "model_type", None), entry=f"attn_implementation={name!r}")
     try:
         DilatedConfig.from_model_config(config)
     except (TypeError, ValueError) as exc:

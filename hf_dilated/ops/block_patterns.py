@@ -24,13 +24,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        rule = "positive" if minimum == 1 else f">= {minimum}"
-        raise ValueError(f"{name} must be {rule}, got {value}")
+from .validate import check_int
 
 
 def _offsets(q_blocks: torch.Tensor, num_key_blocks: int):
@@ -60,7 +54,7 @@ class LocalPattern(_StaticPattern):
     type = "local"
 
     def __post_init__(self):
-        _check_int("window", self.window, 1)
+        check_int("window", self.window)
 
     def allowed(self, q_blocks, num_key_blocks):
         d, _ = _offsets(q_blocks, num_key_blocks)
@@ -74,8 +68,8 @@ class DilatedPattern(_StaticPattern):
     type = "dilated"
 
     def __post_init__(self):
-        _check_int("window", self.window, 1)
-        _check_int("stride", self.stride, 1)
+        check_int("window", self.window)
+        check_int("stride", self.stride)
 
     def allowed(self, q_blocks, num_key_blocks):
         d, _ = _offsets(q_blocks, num_key_blocks)
@@ -89,8 +83,8 @@ class GlobalLocalPattern(_StaticPattern):
     type = "global_local"
 
     def __post_init__(self):
-        _check_int("global_blocks", self.global_blocks, 0)
-        _check_int("window", self.window, 1)
+        check_int("global_blocks", self.global_blocks, minimum=0)
+        check_int("window", self.window)
 
     def allowed(self, q_blocks, num_key_blocks):
         d, bk = _offsets(q_blocks, num_key_blocks)
@@ -149,8 +143,8 @@ class AdaptivePattern:
     type = "adaptive"
 
     def __post_init__(self):
-        _check_int("top_k", self.top_k, 0)
-        _check_int("window", self.window, 1)
+        check_int("top_k", self.top_k, minimum=0)
+        check_int("window", self.window)
 
     def to_dict(self) -> dict:
         return {"type": self.type, "top_k": self.top_k, "window": self.window}

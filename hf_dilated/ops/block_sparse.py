@@ -39,10 +39,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from .backend import attention_backward, attention_forward
-from .block_patterns import AdaptivePattern, CustomPattern, _check_int, make_pattern
+from .block_patterns import AdaptivePattern, CustomPattern, make_pattern
 from .merge import merge_dtype, merge_into
 from .token_layout import token_layout
-from .validate import check_positive_int, check_qkv, check_scale_dropout
+from .validate import check_int, check_qkv, check_scale_dropout
 
 # Elements of gathered K plus V per fused call: bounds the transient memory of a call.
 _GATHER_BUDGET = 1 << 22
@@ -72,8 +72,8 @@ def block_sparse_attention(q, k, v, pattern, *, block_size, is_causal=True, scal
     """
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, 0.0)
-    _check_int("block_size", block_size, 1)
-    check_positive_int("sliding_window", sliding_window, optional=True)
+    check_int("block_size", block_size)
+    check_int("sliding_window", sliding_window, optional=True)
     if sliding_window is not None and sliding_window >= k.shape[2]:
         sliding_window = None  # a window over the whole key sequence hides nothing
     if not isinstance(is_causal, bool):

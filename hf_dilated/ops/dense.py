@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from .dilated import dilated_attention
 from .plan_cache import PlanCache
 from .token_layout import ranks_in_document, token_layout
-from .validate import check_positive_int, check_qkv, check_scale_dropout
+from .validate import check_int, check_qkv, check_scale_dropout
 
 
 def dense_attention(q, k, v, *, is_causal: bool = True, scale=None, dropout_p: float = 0.0, attention_mask=None,
@@ -17,7 +17,7 @@ def dense_attention(q, k, v, *, is_causal: bool = True, scale=None, dropout_p: f
     kv_len) and `sliding_window` as in `dilated_attention`. Positions only decide the documents here."""
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, dropout_p)
-    check_positive_int("sliding_window", sliding_window, optional=True)
+    check_int("sliding_window", sliding_window, optional=True)
     if sliding_window is not None and sliding_window >= k.shape[2]:
         sliding_window = None  # a window over the whole key sequence hides nothing
     if (attention_mask is None and position_ids is None and sliding_window is None

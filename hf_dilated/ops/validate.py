@@ -4,6 +4,14 @@ from __future__ import annotations
 
 import torch
 
+# The rules of single settings live with their schema (hf_dilated/config.py, which imports nothing
+# of hf_dilated); the kernels import them from here. check_positive_int is check_int's old name.
+from ..config import DILATED_MODES, check_dilated_config, check_int
+from ..config import check_int as check_positive_int
+
+__all__ = ["DILATED_MODES", "FLOAT_DTYPES", "check_dilated_config", "check_int", "check_positive_int", "check_qkv",
+           "check_scale_dropout"]
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -45,54 +53,8 @@ def check_qkv(q, k, v, attention_mask=None, position_ids=None) -> None:
         raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
 
 
-def check_positive_int(name: str, value, *, optional: bool = False) -> None:
-    """A ValueError naming `name` unless `value` is an int >= 1 (or None, when `optional`). A bool
-    is not an int here."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
-
-
 def check_scale_dropout(scale, dropout_p) -> None:
     if scale is not None and (not isinstance(scale, (int, float)) or not scale > 0):
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-
-
-# The dilated attention modes of docs/contract.md 4: the one list every parser and check reads.
-DILATED_MODES = ("union", "longnet", "head_groups")
-
-
-def check_dilated_config(segment_lengths, dilation_rates, mode) -> tuple[list[int], list[int]]:
-    if mode not in DILATED_MODES:
-        raise ValueError(f"mode must be one of {', '.join(map(repr, DILATED_MODES))}, got {mode!r}")
-    seg = list(segment_lengths) if isinstance(segment_lengths, (list, tuple)) else None
-    dil = list(dilation_rates) if isinstance(dilation_rates, (list, tuple)) else None
-    if seg is None or not seg:
-        raise ValueError(f"segment_lengths must be a non-empty list of ints, got {segment_lengths!r}")
-    if dil is None:
-        raise ValueError(f"dilation_rates must be a list of ints, got {dilation_rates!r}")
-    if len(seg) != len(dil):
-        raise ValueError(
-            f"segment_lengths and dilation_rates must have the same length, got {len(seg)} and {len(dil)}"
-        )
-    for name, vals in (("segment_lengths", seg), ("dilation_rates", dil)):
-        for x in vals:
-            if isinstance(x, bool) or not isinstance(x, int):
-                raise TypeError(f"{name} must contain ints, got {x!r}")
-            if x <= 0:
-                raise ValueError(f"{name} must be positive, got {x}")
-    for w, r in zip(seg, dil):
-        if w % r != 0:
-            raise ValueError(f"dilation_rates: each rate must divide its segment length, but {r} does not divide {w}")
-    if mode == "union":
-        for g in range(1, len(seg)):
-            if seg[g] % seg[g - 1] != 0 or dil[g] % dil[g - 1] != 0:
-                raise ValueError(
-                    "segment_lengths/dilation_rates: mode 'union' needs nested levels (each segment length "
-                    "divides the next and each dilation rate divides the next), got "
-                    f"segment_lengths={seg}, dilation_rates={dil}"
-                )
-    return seg, dil
