@@ -3,9 +3,8 @@
 long-context fine-tuning (`lora_config`)."""
 from __future__ import annotations
 
-import importlib
-
-from .integrations.transformers import NAMES
+from .config import DEFAULT_ATTN_IMPLEMENTATION
+from .integrations.transformers import FAMILY_DEFAULTS, NAMES
 from .patches import family_for
 
 
@@ -14,7 +13,7 @@ def _check_name(attn_implementation):
         raise ValueError(f"attn_implementation must be one of {NAMES}, got {attn_implementation!r}")
 
 
-def patch(model, attn_implementation: str = "dilated", *, context_length: int | None = None,
+def patch(model, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION, *, context_length: int | None = None,
           rope: str | None = None, **dilated_fields):
     """Converts an already-loaded transformers model in place and returns it.
 
@@ -53,47 +52,23 @@ def _rebuild_rotary_embeddings(model):
 
 # --- family-level patch -----------------------------------------------------------------------
 
-_family_patches: dict[str, tuple[type, object]] = {}  # model_type -> (base class, original attribute)
 
-
-def _resolve(dotted):
-    module_name, _, attr = dotted.rpartition(".")
-    return getattr(importlib.import_module(module_name), attr)
-
-
-def patch_family(model_type: str, attn_implementation: str = "dilated", **dilated_fields) -> None:
+def patch_family(model_type: str, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION, **dilated_fields) -> None:
     """Makes every model of `model_type` built from now on (from_pretrained, from_config, direct
     construction) use `attn_implementation` when the caller requests none, with its config
     converted as `patch` would (without changing its context length). An explicit
-    `attn_implementation=` still wins. Undo with `unpatch_family`."""
+    `attn_implementation=` still wins. Undo with `unpatch_family`.
+
+    Records the family's default, which the one load-time hook (integrations/transformers.py)
+    reads; nothing of transformers is wrapped here."""
     _check_name(attn_implementation)
-    family = family_for(model_type)
-    base = _resolve(family.PRETRAINED_CLASSES[model_type])
-    unpatch_family(model_type)
-    original = base.__dict__.get("_check_and_adjust_attn_implementation")
-    inherited = base._check_and_adjust_attn_implementation
-
-    def _check_and_adjust_attn_implementation(self, attn_implementation_arg, *args, **kwargs):
-        if attn_implementation_arg is None:
-            for name, value in family.convert_config(self.config, None, None, **dilated_fields).items():
-                setattr(self.config, name, value)
-            attn_implementation_arg = attn_implementation
-        return inherited(self, attn_implementation_arg, *args, **kwargs)
-
-    base._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
-    _family_patches[model_type] = (base, original)
+    family_for(model_type)  # a ValueError listing the supported families
+    FAMILY_DEFAULTS[model_type] = (attn_implementation, dict(dilated_fields))
 
 
 def unpatch_family(model_type: str) -> None:
     """Undoes `patch_family` (no-op when the family is not patched)."""
-    entry = _family_patches.pop(model_type, None)
-    if entry is None:
-        return
-    base, original = entry
-    if original is None:
-        del base._check_and_adjust_attn_implementation
-    else:
-        base._check_and_adjust_attn_implementation = original
+    FAMILY_DEFAULTS.pop(model_type, None)
 
 
 # --- LoRA -------------------------------------------------------------------------------------

@@ -1,9 +1,8 @@
 """Model families hf_dilated knows how to convert: one module per family.
 
-Each family module exposes MODEL_TYPES, PRETRAINED_CLASSES (model_type -> dotted path of the
-family's PreTrainedModel base), LORA_TARGET_MODULES, EXTRA_TRAINABLE_MODULES,
+Each family module exposes MODEL_TYPES, LORA_TARGET_MODULES, EXTRA_TRAINABLE_MODULES,
 `convert_config(config, context_length=None, rope=None, **dilated_fields) -> dict` and
-`prepare_model(model)`.
+`prepare_model(model)`. The attention kinds serve exactly these families (hf_dilated/kinds.py).
 """
 from __future__ import annotations
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 from .context import dilated_entry, rope_updates
 
 MODEL_TYPES = ("gpt_neox",)
-PRETRAINED_CLASSES = {
-    "gpt_neox": "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXPreTrainedModel",
-}
 LORA_TARGET_MODULES = ["query_key_value", "dense"]  # "dense" is the attention output (MLP: dense_h_to_4h, ...)
 # Long-context LoRA (LongLoRA) also trains the embeddings and the normalisation layers.
 EXTRA_TRAINABLE_MODULES = ["embed_in", "input_layernorm", "post_attention_layernorm", "final_layer_norm"]

@@ -13,11 +13,6 @@ import warnings
 from .context import ConversionWarning, dilated_entry, original_length, rope_updates
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
-PRETRAINED_CLASSES = {
-    "llama": "transformers.models.llama.modeling_llama.LlamaPreTrainedModel",
-    "mistral": "transformers.models.mistral.modeling_mistral.MistralPreTrainedModel",
-    "qwen2": "transformers.models.qwen2.modeling_qwen2.Qwen2PreTrainedModel",
-}
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # Long-context LoRA (LongLoRA) also trains the embeddings and the normalisation layers.
 EXTRA_TRAINABLE_MODULES = ["embed_tokens", "input_layernorm", "post_attention_layernorm", "norm"]

@@ -263,8 +263,15 @@ def test_patch_in_place_equals_the_converted_checkpoint(checkpoints, preset):
 
 def test_patch_family_makes_later_loads_use_ours(checkpoints):
     base, _ = checkpoints["tiny-llama"]
+    from transformers import PreTrainedModel
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    hook = PreTrainedModel._check_and_adjust_attn_implementation
     hf_dilated.patch_family("llama", "dilated_ring", mode="longnet")
     try:
+        # One wrapper of transformers' hook (hf_dilated's, installed at import): patch_family records a default.
+        assert PreTrainedModel._check_and_adjust_attn_implementation is hook and hook._hf_dilated
+        assert "_check_and_adjust_attn_implementation" not in vars(LlamaPreTrainedModel)
         model = AutoModelForCausalLM.from_pretrained(base)
         assert model.config._attn_implementation == "dilated_ring"
         assert model.config.hf_dilated["mode"] == "longnet"

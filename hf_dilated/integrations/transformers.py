@@ -276,12 +276,37 @@ def register() -> None:
 
 # --- the choice of attention at load time ------------------------------------------------------
 
+# model_type -> (attn_implementation, DilatedConfig fields): the per-family defaults that
+# hf_dilated.patch_family records and unpatch_family removes; the one load-time hook reads them.
+FAMILY_DEFAULTS: dict[str, tuple[str, dict]] = {}
+
+
+def _default_choice(config):
+    """The attention a model gets when its caller names none: its family's default (patch_family),
+    with its config converted as `patch` would; else the name recorded in its `hf_dilated` entry;
+    else None (transformers' own choice)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in FAMILY_DEFAULTS:
+        from ..patches import family_for
+
+        name, fields = FAMILY_DEFAULTS[model_type]
+        for key, value in family_for(model_type).convert_config(config, None, None, **fields).items():
+            setattr(config, key, value)
+        return name
+    entry = getattr(config, CONFIG_KEY, None)
+    if isinstance(entry, dict) and entry.get(RECORDED_NAME) in NAMES:
+        return entry[RECORDED_NAME]
+    return None
+
+
 def _hook_attention_choice() -> None:
     """Wraps `PreTrainedModel._check_and_adjust_attn_implementation`, which transformers runs when
-    a model is built or loaded and on `set_attn_implementation`, so that:
+    a model is built or loaded and on `set_attn_implementation` (the one wrapper of it), so that:
+    - a model whose caller names no attention gets its family's default when `patch_family`
+      recorded one (FAMILY_DEFAULTS);
     - a checkpoint configured for one of our names comes back with it: `save_pretrained` drops
       `attn_implementation` from config.json, so the name is also recorded in the `hf_dilated`
-      entry, which it keeps; an explicit `attn_implementation=` still wins;
+      entry, which it keeps; an explicit `attn_implementation=` still wins over both;
     - choosing one of our names validates the entry and the model family there and then (a
       corrupt config.json fails at load, not at the first forward)."""
     from transformers import PreTrainedModel
@@ -291,9 +316,9 @@ def _hook_attention_choice() -> None:
         return
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
-        entry = getattr(self.config, "hf_dilated", None)
-        if attn_implementation is None and isinstance(entry, dict) and entry.get(RECORDED_NAME) in NAMES:
-            attn_implementation = entry[RECORDED_NAME]
+        if attn_implementation is None:
+            attn_implementation = _default_choice(self.config)
+        entry = getattr(self.config, CONFIG_KEY, None)
         if attn_implementation in NAMES:
             check_model_supported(self.config, attn_implementation)
         chosen = current(self, attn_implementation, *args, **kwargs)
