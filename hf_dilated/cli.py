@@ -1,4 +1,4 @@
-"""The `hf-dilated` command: `bench`, `convert`, `info` and `eval` subcommands.
+"""The `hf-dilated` command: `bench`, `convert`, `from-gguf`, `info` and `eval` subcommands.
 
 Each subcommand's parser calls `set_defaults(func=...)` with the function that runs it. The
 benchmarks' measurement code is imported only when a benchmark runs, and `hf_dilated.eval` only
@@ -23,6 +23,7 @@ def _run_eval(args, eval_argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import from_gguf as gguf
     from .bench.cli import add_subcommands as add_bench_subcommands
     from .convert import add_convert_arguments, add_info_arguments, convert_main, info_main
 
@@ -34,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="write a long-context copy of a checkpoint")
     add_convert_arguments(convert)
     convert.set_defaults(func=convert_main)
+    from_gguf = sub.add_parser("from-gguf", help="write a GGUF checkpoint as a safetensors checkpoint",
+                               description=gguf.__doc__.splitlines()[0])
+    gguf.add_arguments(from_gguf)
+    from_gguf.set_defaults(func=gguf.main)
     info = sub.add_parser("info", help="print what a checkpoint is configured to do")
     add_info_arguments(info)
     info.set_defaults(func=info_main)
