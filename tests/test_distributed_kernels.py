@@ -369,3 +369,53 @@ def test_sparse_kernels_send_only_what_is_visible():
         assert 0 < sent["windowed"] < sent["dense_as_dilated"] / 2, sent  # only keys within 3 of a query travel
         # one query head per kv head, dilation 4: each head needs a quarter of the remote keys
         assert sent["rate_4"] * 4 == sent["dense_as_dilated"], sent
+
+
+def gathered_tokens(rank, world, cases):
+    """Child: global_tokens from this rank's shards of each case's global mask and positions (a
+    shard with no padding passes no mask, as transformers does)."""
+    import torch.distributed as dist
+
+    from hf_dilated.distributed.layout import shard
+    from hf_dilated.distributed.tokens import global_tokens
+
+    out = []
+    for seq_len, mask, pos, layout in cases:
+        local_mask = None if mask is None else shard(mask, world, rank, layout)
+        if local_mask is not None and bool(local_mask.all()):
+            local_mask = None
+        local_pos = None if pos is None else shard(pos, world, rank, layout)
+        any_mask = torch.tensor([local_mask is not None], dtype=torch.long)
+        dist.all_reduce(any_mask, op=dist.ReduceOp.MAX)
+        t = global_tokens(2, seq_len // world, attention_mask=local_mask, position_ids=local_pos,
+                          group=dist.group.WORLD, layout=layout, device=torch.device("cpu"),
+                          any_mask=bool(any_mask.item()), any_positions=pos is not None)
+        out.append((t.positions, t.real, t.doc, t.plain, t.local_index))
+    return out
+
+
+def test_global_tokens_are_the_kernels_rule_on_the_gathered_sequence():
+    """The ring kernels' view of the tokens is ops.token_layout.token_layout applied to the whole
+    sequence (docs/contract.md 3.1), whatever the layout and whichever ranks hold padding."""
+    from hf_dilated.distributed.layout import shard_indices
+    from hf_dilated.ops.token_layout import token_layout
+
+    n = 16
+    holes = torch.ones(2, n, dtype=torch.long)
+    holes[0, :3] = 0
+    holes[0, 9] = 0
+    holes[1, 13:] = 0
+    first_rank_only = torch.ones(2, n, dtype=torch.long)  # padding in tokens 0-1: rank 0's shard in both layouts
+    first_rank_only[:, :2] = 0
+    packed = torch.cat([torch.arange(5), torch.arange(7), torch.arange(4)]).expand(2, n).clone()
+    packed[1] = torch.arange(n) + 40
+    counting_padding = torch.arange(n).expand(2, n)  # positions that also count the padded slots
+    globals_ = [(None, None), (holes, None), (first_rank_only, None), (None, packed), (holes, counting_padding),
+                (holes, packed)]
+    cases = [(n, mask, pos, layout) for layout in ("zigzag", "contiguous") for mask, pos in globals_]
+    for o in launch(gathered_tokens, 2, cases):
+        for (seq_len, mask, pos, layout), (positions, real, doc, plain, local_index) in zip(cases, o["result"]):
+            want = token_layout(2, seq_len, "cpu", mask, pos)
+            assert torch.equal(positions, want.positions) and torch.equal(real, want.real)
+            assert torch.equal(doc, want.doc) and plain == want.plain
+            assert torch.equal(local_index, shard_indices(seq_len, 2, o["rank"], layout))

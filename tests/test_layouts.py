@@ -324,3 +324,22 @@ def test_a_sliding_window_longer_than_the_sequence_runs_like_sdpa(tmp_path, fami
             _compare(m(x, attention_mask=mask).logits, want_logits, mask)
             assert torch.equal(_generate(m, x, mask), want_tokens), name
             _compare(m(ids(1, 60)).logits, want_long, None)
+
+
+def test_ops_know_none_of_transformers_conventions():
+    """transformers' rule (docs/contract.md 3.2) lives in hf_dilated/integrations/, next to the mask
+    function; no module of hf_dilated/ops/ imports transformers or the glue."""
+    import ast
+    from pathlib import Path
+
+    ops = Path(hf_dilated.__file__).parent / "ops"
+    for path in sorted(ops.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = ["." * node.level + (node.module or "") + "." + alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                assert not name.lstrip(".").startswith("transformers") and "integrations" not in name, (path.name, name)

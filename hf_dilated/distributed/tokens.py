@@ -2,28 +2,26 @@
 
 `global_tokens` all-gathers the small per-token metadata (positions, padding flags) once per call
 (once per forward pass of a model: `prepare_call` caches the plan built from it for the next
-layers), so every rank knows the positions, documents and padding of the whole sequence, by the
-one rule of ops/token_layout.py, and can build any visibility pattern, for its own queries or for
-a peer's, without further messages.
+layers), so every rank knows the positions, documents and padding of the whole sequence and can
+build any visibility pattern, for its own queries or for a peer's, without further messages. That
+metadata is the kernels' one rule, `ops.token_layout.token_layout`, applied to the gathered global
+mask and positions: a ring kernel reads the tokens exactly as the single-process kernel would.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 
 from ..ops.plan_cache import PlanCache
-from ..ops.token_layout import documents
+from ..ops.token_layout import TokenLayout, token_layout
 from .layout import shard_indices, unshard
 
 @dataclass
-class GlobalTokens:
-    """Metadata of the whole sequence, identical on every rank of the group."""
-    positions: torch.Tensor  # (batch, seq_len) int64
-    real: torch.Tensor  # (batch, seq_len) bool
-    doc: torch.Tensor  # (batch, seq_len) int64, document number within the row
-    plain: bool  # no padding, one document, positions 0..seq_len-1
+class GlobalTokens(TokenLayout):
+    """The TokenLayout of the whole sequence (positions, real, doc, plain: (batch, seq_len)),
+    identical on every rank of the group, and where this rank's tokens lie in it."""
     local_index: torch.Tensor  # (n_local,) global index of each of this rank's tokens
     world: int
     rank: int
@@ -43,12 +41,20 @@ def global_tokens(batch: int, n_local: int, *, attention_mask, position_ids, gro
     padding may get no mask from transformers; its tokens are then all real)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     seq_len = n_local * world
-    local_index = shard_indices(seq_len, world, rank, layout, device)
-    if not any_mask and not any_positions:
-        arange = torch.arange(seq_len, device=device).expand(batch, seq_len)
-        return GlobalTokens(arange, torch.ones(batch, seq_len, dtype=torch.bool, device=device),
-                            torch.zeros(batch, seq_len, dtype=torch.long, device=device), True,
-                            local_index, world, rank, layout)
+    mask = positions = None
+    if any_mask or any_positions:
+        mask, positions = _gather(batch, n_local, attention_mask, position_ids, group, layout, device)
+    rule = token_layout(batch, seq_len, device, attention_mask=mask if any_mask else None,
+                        position_ids=positions if any_positions else None)
+    return GlobalTokens(**{f.name: getattr(rule, f.name) for f in fields(TokenLayout)},
+                        local_index=shard_indices(seq_len, world, rank, layout, device),
+                        world=world, rank=rank, layout=layout)
+
+
+def _gather(batch, n_local, attention_mask, position_ids, group, layout, device):
+    """The global (batch, seq_len) attention mask and position_ids from every rank's shard: one
+    all-gather; a rank without a mask contributes ones, one without positions -1s."""
+    world = dist.get_world_size(group)
     real = (attention_mask.to(torch.bool) if attention_mask is not None
             else torch.ones(1, n_local, dtype=torch.bool, device=device)).expand(batch, n_local)
     pos = (position_ids.long() if position_ids is not None
@@ -57,15 +63,7 @@ def global_tokens(batch: int, n_local: int, *, attention_mask, position_ids, gro
     shards = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(shards, local, group=group)
     full = unshard(shards, layout, dim=2)
-    real = full[1].to(torch.bool)
-    if any_positions:
-        positions = full[0]
-    else:
-        positions = real.long().cumsum(-1) - 1
-    doc = documents(positions, real)
-    arange = torch.arange(seq_len, device=device)
-    plain = bool(real.all()) and bool((positions == arange).all())
-    return GlobalTokens(positions, real, doc, plain, local_index, world, rank, layout)
+    return full[1], full[0]
 
 
 # A rank uses its cached plan only when every rank of the group has one (agreed in the signature

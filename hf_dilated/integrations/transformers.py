@@ -1,17 +1,10 @@
 """Transformers glue: every name of hf_dilated.kinds.TRANSFORMERS_NAMES is registered with
 transformers' `AttentionInterface` (one thin adapter per name around `_attention`) and
-`AttentionMaskInterface` (one mask function for all).
+`AttentionMaskInterface` (one mask function for all, `padding_mask`).
 
-Masks stay O(N). The mask function never builds a (q_len x kv_len) mask: it tells the attention
-which of transformers' cases it is in (ops/token_layout.py, `from_model_inputs`):
-- a bool (batch, seen) padding mask when the model was given an attention mask (even an all-ones
-  one) or when transformers saw no packed sequences: each row is then one document;
-- an int64 (batch, q_len) tensor of document ids when transformers detected packed sequences
-  from `position_ids` (it only does so without a mask and without a KV cache: then its own mask
-  function separates the documents, which is how we read its decision);
-- None when there is neither.
-Without a registered mask function transformers would pass `attention_mask=None` to a custom
-attention, silently dropping padding.
+transformers' rule for tokens (docs/contract.md 3.2: the mask function, caches, packed
+sequences, cu_seq_lens, the last padded slot) is model_inputs.py's; this module registers it and
+runs the kernels on what it returns.
 """
 from __future__ import annotations
 
@@ -21,8 +14,8 @@ import torch
 
 from ..config import CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int
 from ..kinds import KINDS, TRANSFORMERS_NAMES
-from ..ops.plan_cache import PlanCache
-from ..ops.token_layout import from_model_inputs
+from .far_positions import far_projections
+from .model_inputs import kernel_inputs, padded_last_query_as_sdpa, padding_mask
 
 NAMES = TRANSFORMERS_NAMES
 
@@ -76,61 +69,7 @@ def settings_for(module, kind) -> dict:
     return settings
 
 
-# --- mask function ----------------------------------------------------------------------------
-
-
-def padding_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attention_mask=None, q_length=None,
-                 q_offset=None, use_vmap=False, device=None, **kwargs):
-    """AttentionMaskInterface entry: what the attention needs to know of the mask (module docstring).
-
-    The mask always covers the tokens seen so far, from the row's first. Two caches hand the
-    attention a different number of keys, which it reads off the key length:
-    - a static cache hands a `kv_length` larger than the tokens seen: the attention drops the
-      empty cache slots beyond them;
-    - a sliding-window cache keeps only the last keys (`kv_offset` > 0): the attention takes the
-      mask's last `kv_length` entries, and the ranks of the tokens before them as the keys'
-      first position.
-    """
-    if use_vmap:
-        raise NotImplementedError(
-            "hf_dilated attention cannot honour an or_mask_function/and_mask_function overlay (e.g. "
-            "bidirectional image-token masks); only causal attention with padding and packed documents"
-        )
-    kv_offset = int(kv_offset or 0)
-    if attention_mask is not None:
-        if attention_mask.shape[-1] > kv_offset + kv_length:
-            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens but the keys hold "
-                             f"{kv_offset + kv_length}")
-        return attention_mask.to(torch.bool)
-    q_offset, q_length = int(q_offset or 0), int(q_length)
-    if q_offset == 0 and q_length > 1 and mask_function is not None:
-        doc = _packed_documents(mask_function, batch_size, q_length, device)
-        if doc is not None:
-            return doc
-    seen = q_offset + q_length
-    # One document per row: None, unless a static cache holds empty slots beyond the tokens seen
-    # or a sliding-window cache dropped the first ones.
-    return None if seen == kv_length else torch.ones(batch_size, seen, dtype=torch.bool, device=device)
-
-
-def _packed_documents(mask_function, batch, n, device):
-    """Document ids (batch, n) when transformers' mask function separates neighbouring tokens
-    (its packed-sequence overlay), else None. Evaluates it on the n - 1 neighbouring pairs only."""
-    b = torch.arange(batch, device=device)[:, None]
-    i = torch.arange(1, n, device=device)[None, :]
-    sees_previous = torch.as_tensor(mask_function(b, torch.zeros((), dtype=torch.long, device=device), i, i - 1))
-    if bool(sees_previous.all()):
-        return None
-    starts = torch.nn.functional.pad(~sees_previous.expand(batch, n - 1), (1, 0), value=False)
-    return starts.long().cumsum(-1)
-
-
 # --- the one shared adapter -------------------------------------------------------------------
-
-# The kernel inputs derived from one model call's mask and positions, by tensor identity: every
-# layer passes the same tensors, so every layer reuses them, and the kernels' plan caches hit.
-_INPUTS = PlanCache()
-
 
 def _logger():
     """A logger under transformers' own namespace, so that its verbosity settings
@@ -159,38 +98,6 @@ def _check_call(kind, module, dropout, kwargs) -> float:
     kind.check_call(is_causal=is_causal, dropout_p=dropout_p, entry=f"attn_implementation={name!r}", causal_only=True)
     check_int("sliding_window", kwargs.get("sliding_window"), optional=True)
     return dropout_p
-
-
-def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_parallel=False, cu_seq_lens=None):
-    """(key, value, attention_mask, position_ids) for a kernel from what transformers passes."""
-    batch, q_len = query.shape[0], query.shape[2]
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            raise ValueError(
-                "hf_dilated attention takes the 2-D padding mask (batch, kv_len); got a "
-                f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}: custom dense masks "
-                "cannot be honoured (pass a 2-D attention_mask and position_ids instead)"
-            )
-        seen = attention_mask.shape[-1]
-        if attention_mask.dtype == torch.bool and seen < key.shape[2]:  # static cache: drop unwritten slots
-            if seen < q_len:
-                raise ValueError(f"attention_mask covers {seen} tokens, fewer than the {q_len} queries")
-            key, value = key[:, :, :seen], value[:, :, :seen]
-    if sequence_parallel:  # local shards: the distributed kernels derive the global layout
-        if attention_mask is not None and attention_mask.dtype == torch.bool:
-            return key, value, attention_mask, None
-        return key, value, None, position_ids
-    kv_len = key.shape[2]
-    cache_key = (batch, q_len, kv_len, str(key.device), cu_seq_lens is not None)
-    cached = _INPUTS.get(cache_key, attention_mask, position_ids)
-    if cached is None:
-        mask, positions = from_model_inputs(attention_mask, position_ids, batch=batch, q_len=q_len, kv_len=kv_len,
-                                            device=key.device, cu_seq_lens=cu_seq_lens)
-        if mask is not None and bool(mask.all()):
-            mask = None  # an all-ones mask says "one document per row": so does no mask, more cheaply
-        cached = (mask, positions)
-        _INPUTS.put(cache_key, attention_mask, position_ids, cached)
-    return key, value, *cached
 
 
 def _attention(name, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -224,31 +131,17 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     settings = settings_for(module, kind)
+    extra = {}
+    if settings.get("local_window") is not None and cfg.far_group > 1 and group is None:
+        # Keys beyond the band at grouped positions (docs/contract.md 4.1): rotated on from the model's RoPE.
+        extra["far"] = far_projections(module, query, key, mask, positions, cfg.local_window, cfg.far_group)
     with torch.autocast(device_type, enabled=False):
         out = kind.run(query, key, value, settings, is_causal=True, attention_mask=mask, position_ids=positions,
-                       scale=scaling, dropout_p=dropout_p, group=group, layout=layout, sliding_window=window)
+                       scale=scaling, dropout_p=dropout_p, group=group, layout=layout, sliding_window=window, **extra)
         if group is None and mask is not None:
-            out = _padded_last_query_as_sdpa(out, query, key, value, mask, scaling, window)
+            out = padded_last_query_as_sdpa(out, query, key, value, mask, scaling, window)
     # (batch, heads, q_len, head_dim) -> (batch, q_len, heads, head_dim), as sdpa_attention_forward
     return out.transpose(1, 2).contiguous(), None
-
-
-def _padded_last_query_as_sdpa(out, query, key, value, mask, scale, window=None):
-    """docs/contract.md 3.1 leaves outputs at padded query slots unspecified, but generate() reads
-    the logits of the last slot even when it is padding (a right-padded prompt's first new token
-    comes from there; docs/contract.md 3.2, "The last padded slot"). For those rows the last slot gets exactly what sdpa gives it: attention over the row's real
-    keys (within the sliding window, if any). One query per row, so O(kv_len)."""
-    if window is not None:  # the last slot sees the keys of index > kv_len - 1 - window only
-        mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= mask.shape[-1] - window)
-    rows = (~mask[:, -1] & mask.any(-1)).nonzero().squeeze(1)
-    if rows.numel() == 0:
-        return out
-    last = torch.nn.functional.scaled_dot_product_attention(
-        query[rows, :, -1:], key[rows], value[rows], attn_mask=mask[rows, None, None, :], scale=scale,
-        enable_gqa=query.shape[1] != key.shape[1])
-    out = out.clone()  # out of place: autograd may hold the kernel's output
-    out[rows, :, -1:] = last.to(out.dtype)
-    return out
 
 
 def _adapter(name):

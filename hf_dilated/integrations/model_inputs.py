@@ -1,0 +1,183 @@
+"""transformers' rule (docs/contract.md 3.2): how what a model hands its attention function (a
+mask, `position_ids`, `cu_seq_lens_q`, a cache's keys) maps onto the kernels' rule of
+ops/token_layout.py (3.1), so that every registered name sees exactly the keys `sdpa` sees. All of
+transformers' conventions live here, next to the mask function that reads its decisions; ops/
+knows none of them.
+
+Masks stay O(N). The mask function (`padding_mask`) never builds a (q_len x kv_len) mask: it tells
+the attention which of transformers' cases it is in, and `from_model_inputs` reads that:
+- a bool (batch, seen) padding mask when the model was given an attention mask (even an all-ones
+  one) or when transformers saw no packed sequences: each row is then one document, positions are
+  mask ranks, and `position_ids` only feed RoPE. A mask longer than the keys means a
+  sliding-window cache kept only the last keys: they take the mask's last entries and continue
+  its ranks; a mask shorter than the keys means a static cache's empty slots, which are dropped;
+- an int64 (batch, q_len) tensor of document ids when transformers detected packed sequences from
+  `position_ids` (it only does so without a mask and without a KV cache: then its own mask
+  function separates the documents, which is how we read its decision); the kernels then read the
+  documents off those `position_ids`;
+- None when there is neither.
+Without a registered mask function transformers would pass `attention_mask=None` to a custom
+attention, silently dropping padding.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops.plan_cache import PlanCache
+
+
+# --- the mask function ------------------------------------------------------------------------
+
+
+def padding_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attention_mask=None, q_length=None,
+                 q_offset=None, use_vmap=False, device=None, **kwargs):
+    """AttentionMaskInterface entry: what the attention needs to know of the mask (module docstring).
+
+    The mask always covers the tokens seen so far, from the row's first. Two caches hand the
+    attention a different number of keys, which it reads off the key length:
+    - a static cache hands a `kv_length` larger than the tokens seen: the attention drops the
+      empty cache slots beyond them;
+    - a sliding-window cache keeps only the last keys (`kv_offset` > 0): the attention takes the
+      mask's last `kv_length` entries, and the ranks of the tokens before them as the keys'
+      first position.
+    """
+    if use_vmap:
+        raise NotImplementedError(
+            "hf_dilated attention cannot honour an or_mask_function/and_mask_function overlay (e.g. "
+            "bidirectional image-token masks); only causal attention with padding and packed documents"
+        )
+    kv_offset = int(kv_offset or 0)
+    if attention_mask is not None:
+        if attention_mask.shape[-1] > kv_offset + kv_length:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens but the keys hold "
+                             f"{kv_offset + kv_length}")
+        return attention_mask.to(torch.bool)
+    q_offset, q_length = int(q_offset or 0), int(q_length)
+    if q_offset == 0 and q_length > 1 and mask_function is not None:
+        doc = _packed_documents(mask_function, batch_size, q_length, device)
+        if doc is not None:
+            return doc
+    seen = q_offset + q_length
+    # One document per row: None, unless a static cache holds empty slots beyond the tokens seen
+    # or a sliding-window cache dropped the first ones.
+    return None if seen == kv_length else torch.ones(batch_size, seen, dtype=torch.bool, device=device)
+
+
+def _packed_documents(mask_function, batch, n, device):
+    """Document ids (batch, n) when transformers' mask function separates neighbouring tokens
+    (its packed-sequence overlay), else None. Evaluates it on the n - 1 neighbouring pairs only."""
+    b = torch.arange(batch, device=device)[:, None]
+    i = torch.arange(1, n, device=device)[None, :]
+    sees_previous = torch.as_tensor(mask_function(b, torch.zeros((), dtype=torch.long, device=device), i, i - 1))
+    if bool(sees_previous.all()):
+        return None
+    starts = torch.nn.functional.pad(~sees_previous.expand(batch, n - 1), (1, 0), value=False)
+    return starts.long().cumsum(-1)
+
+
+# --- reading it in the attention ----------------------------------------------------------
+
+# The kernel inputs derived from one model call's mask and positions, by tensor identity: every
+# layer passes the same tensors, so every layer reuses them, and the kernels' plan caches hit.
+_INPUTS = PlanCache()
+
+
+def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_parallel=False, cu_seq_lens=None):
+    """(key, value, attention_mask, position_ids) for a kernel from what transformers passes."""
+    batch, q_len = query.shape[0], query.shape[2]
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            raise ValueError(
+                "hf_dilated attention takes the 2-D padding mask (batch, kv_len); got a "
+                f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}: custom dense masks "
+                "cannot be honoured (pass a 2-D attention_mask and position_ids instead)"
+            )
+        seen = attention_mask.shape[-1]
+        if attention_mask.dtype == torch.bool and seen < key.shape[2]:  # static cache: drop unwritten slots
+            if seen < q_len:
+                raise ValueError(f"attention_mask covers {seen} tokens, fewer than the {q_len} queries")
+            key, value = key[:, :, :seen], value[:, :, :seen]
+    if sequence_parallel:  # local shards: the distributed kernels derive the global layout
+        if attention_mask is not None and attention_mask.dtype == torch.bool:
+            return key, value, attention_mask, None
+        return key, value, None, position_ids
+    kv_len = key.shape[2]
+    cache_key = (batch, q_len, kv_len, str(key.device), cu_seq_lens is not None)
+    cached = _INPUTS.get(cache_key, attention_mask, position_ids)
+    if cached is None:
+        mask, positions = from_model_inputs(attention_mask, position_ids, batch=batch, q_len=q_len, kv_len=kv_len,
+                                            device=key.device, cu_seq_lens=cu_seq_lens)
+        if mask is not None and bool(mask.all()):
+            mask = None  # an all-ones mask says "one document per row": so does no mask, more cheaply
+        cached = (mask, positions)
+        _INPUTS.put(cache_key, attention_mask, position_ids, cached)
+    return key, value, *cached
+
+
+def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int, device,
+                      cu_seq_lens=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """transformers' rule (module docstring): (attention_mask, position_ids) for a kernel, from
+    what a model hands its attention function.
+
+    mask: what hf_dilated's mask function (`padding_mask`, above) returned: a bool
+        (batch, seen) mask when the model was given an attention mask or transformers saw no
+        packing (the row is one document; seen > kv_len when a sliding-window cache dropped the
+        first seen - kv_len keys), an int64 tensor of document ids when transformers detected
+        packed sequences, or None (no mask, no packing).
+    position_ids: (batch or 1, q_len) or None, the queries' positions (only read without a mask).
+    cu_seq_lens: flash-attention style sequence boundaries (1-D, cumulative), for packed batches
+        that carry no position_ids.
+    """
+    if mask is not None and mask.dtype == torch.bool:
+        if mask.shape[-1] > kv_len:  # sliding-window cache: the keys are the last kv_len tokens seen
+            ranks = mask.long().cumsum(-1) - 1
+            return mask[:, -kv_len:], ranks[:, -kv_len:]
+        return mask, None
+    if position_ids is not None:
+        if position_ids.dim() != 2 or position_ids.shape[-1] != q_len or position_ids.shape[0] not in (1, batch):
+            raise ValueError(f"position_ids must have shape (batch, q_len={q_len}), got {tuple(position_ids.shape)}")
+        position_ids = position_ids.to(device).expand(batch, q_len)
+    if mask is not None:  # packed sequences, as transformers detected them from position_ids
+        if position_ids is None or q_len != kv_len:
+            raise ValueError("packed sequences need position_ids covering the whole key sequence")
+        return None, position_ids
+    if cu_seq_lens is not None and q_len == kv_len:
+        return None, _positions_from_boundaries(cu_seq_lens, batch, kv_len, device)
+    if position_ids is None or q_len != kv_len:
+        return None, None  # one document; with a cache the keys are 0..kv_len-1
+    steps = position_ids[:, 1:] - position_ids[:, :-1]
+    if bool((steps == 1).all()):
+        return None, position_ids  # one document at the given positions
+    # transformers saw no packing (it skips the check with a KV cache): one document, like sdpa.
+    return None, None
+
+
+def _positions_from_boundaries(cu_seq_lens, batch, kv_len, device) -> torch.Tensor:
+    cu = cu_seq_lens.to(device=device, dtype=torch.long).reshape(-1)
+    if batch != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != kv_len or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(
+            f"cu_seq_lens_q must be the cumulative lengths 0 <= ... <= {kv_len} of the packed sequences of one "
+            f"row of {kv_len} tokens, got {cu.tolist()[:8]} for batch {batch}"
+        )
+    index = torch.arange(kv_len, device=device)
+    starts = cu[:-1][torch.searchsorted(cu[1:], index, right=True)]
+    return (index - starts).unsqueeze(0)
+
+
+def padded_last_query_as_sdpa(out, query, key, value, mask, scale, window=None):
+    """docs/contract.md 3.1 leaves outputs at padded query slots unspecified, but generate() reads
+    the logits of the last slot even when it is padding (a right-padded prompt's first new token
+    comes from there; docs/contract.md 3.2, "The last padded slot"). For those rows the last slot
+    gets exactly what sdpa gives it: attention over the row's real keys (within the sliding window,
+    if any). One query per row, so O(kv_len)."""
+    if window is not None:  # the last slot sees the keys of index > kv_len - 1 - window only
+        mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= mask.shape[-1] - window)
+    rows = (~mask[:, -1] & mask.any(-1)).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return out
+    last = torch.nn.functional.scaled_dot_product_attention(
+        query[rows, :, -1:], key[rows], value[rows], attn_mask=mask[rows, None, None, :], scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1])
+    out = out.clone()  # out of place: autograd may hold the kernel's output
+    out[rows, :, -1:] = last.to(out.dtype)
+    return out
