@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import warnings
 
-from hf_dilated.config import CONFIG_KEY, DilatedConfig, context_lengths
-from hf_dilated.ops.validate import check_positive_int
+from hf_dilated.config import CONFIG_KEY, DilatedConfig, check_int, context_lengths
 
 ROPE_CHOICES = ("linear", "dynamic", "yarn", "none")
 _OURS = ("linear", "dynamic", "yarn")
@@ -33,7 +32,7 @@ def original_length(config) -> int:
 def check_context_length(config, context_length) -> int:
     """`context_length` if a conversion of `config` can target it, else a ValueError saying why."""
     name = "context_length (--context)"
-    check_positive_int(name, context_length)
+    check_int(name, context_length)
     if context_length > MAX_CONTEXT_LENGTH:
         raise ValueError(f"{name} {context_length:,} is above the limit of {MAX_CONTEXT_LENGTH:,} tokens (2**24)")
     original = original_length(config)

@@ -41,8 +41,9 @@ import torch
 from .backend import attention_backward, attention_forward
 from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
+from ..config import DEFAULT_MODE, check_int
 from .token_layout import TokenLayout, token_layout
-from .validate import check_dilated_config, check_positive_int, check_qkv, check_scale_dropout
+from .validate import check_dilated_config, check_qkv, check_scale_dropout
 
 # Upper bound on the elements of one explicit bias block; larger ones are cut into row chunks.
 _BIAS_BUDGET = 1 << 24
@@ -102,7 +103,7 @@ def dilated_attention(
     segment_lengths,
     dilation_rates,
     *,
-    mode: str = "union",
+    mode: str = DEFAULT_MODE,
     is_causal: bool = True,
     scale: float | None = None,
     dropout_p: float = 0.0,
@@ -120,7 +121,7 @@ def dilated_attention(
     """
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, dropout_p)
-    check_positive_int("sliding_window", sliding_window, optional=True)
+    check_int("sliding_window", sliding_window, optional=True)
     seg, dil = check_dilated_config(segment_lengths, dilation_rates, mode)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
@@ -151,8 +152,28 @@ def head_groups(num_heads: int, num_groups: int) -> list[list[int]]:
     return groups
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """What every level of one call's plan shares: the call's shapes and options."""
+
+    batch: int
+    kv_len: int
+    q_len: int  # the queries are the last q_len of the kv_len tokens
+    q_heads: int
+    kv_heads: int
+    is_causal: bool
+    window: int | None = None  # sliding window (docs/contract.md 3.3)
+
+    @property
+    def first_query(self) -> int:
+        """The key index of the first query (0 for a prefill)."""
+        return self.kv_len - self.q_len
+
+
 def plan_levels(layout: TokenLayout, q_len, q_heads, kv_heads, seg, dil, mode, is_causal,
                 window=None) -> list[_Level]:
+    """The plans of the levels (seg[g], dil[g]) that have something to compute, in level order."""
+    shape = _Shape(*layout.positions.shape, q_len, q_heads, kv_heads, is_causal, window)
     if mode == "head_groups":
         level_heads = head_groups(q_heads, len(seg))
     else:
@@ -162,7 +183,7 @@ def plan_levels(layout: TokenLayout, q_len, q_heads, kv_heads, seg, dil, mode, i
         if not level_heads[g]:
             continue
         prev_w = seg[g - 1] if (mode == "union" and g > 0) else None
-        level = _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, level_heads[g], is_causal, window)
+        level = _plan_level(layout, shape, w, r, prev_w, level_heads[g])
         if level is not None:
             levels.append(level)
     return levels
@@ -188,6 +209,93 @@ def _first_planned_index(layout: TokenLayout, q_len: int, w: int, window: int | 
     return lo
 
 
+@dataclass
+class _Rows:
+    """A level's real tokens as rows (module docstring): table[c, i, t] is the key index of the
+    token of offset class c in slot t of row i, -1 where empty, and b_row[i] is row i's batch row.
+    Decode and chunked prefill keep only the rows that hold a query and mark those in is_query."""
+
+    table: torch.Tensor  # (r, R, L)
+    b_row: torch.Tensor  # (R,)
+    is_query: torch.Tensor | None = None  # (r, R, L) the slot holds a query; None: every real token does
+
+
+def _level_rows(layout: TokenLayout, lo: int, w: int, r: int) -> _Rows | None:
+    """The rows of the real tokens from key index `lo` on, for segment `w` and dilation `r`: one
+    row per (batch row, document, segment), r classes of w / r slots each (as many as the fullest
+    row uses). None when there is no real token."""
+    kv_len = layout.real.shape[1]
+    planned = kv_len - lo
+    flat = layout.real[:, lo:].reshape(-1).nonzero().squeeze(1)  # real tokens, in (batch, index) order
+    if flat.numel() == 0:
+        return None
+    pos = layout.positions[:, lo:].reshape(-1)[flat]
+    doc = layout.doc[:, lo:].reshape(-1)[flat]
+    b = torch.div(flat, planned, rounding_mode="floor")
+    j = flat - b * planned + lo
+    segment = torch.div(pos, w, rounding_mode="floor")
+    # Real tokens sorted by (batch, document, segment): a row starts where any of them changes.
+    new_row = torch.ones_like(flat, dtype=torch.bool)
+    new_row[1:] = (b[1:] != b[:-1]) | (doc[1:] != doc[:-1]) | (segment[1:] != segment[:-1])
+    row = new_row.long().cumsum(0) - 1
+    cls = torch.remainder(pos, r)
+    slot = torch.div(torch.remainder(pos, w), r, rounding_mode="floor")
+    table = torch.full((r, int(row[-1]) + 1, int(slot.max()) + 1), -1, dtype=torch.long, device=flat.device)
+    table[cls, row, slot] = j  # key index of every (class, row, slot); -1 where empty
+    return _Rows(table, b[new_row])
+
+
+def _rows_with_queries(rows: _Rows, first_query: int) -> _Rows | None:
+    """Decode and chunked prefill: only the rows that hold a query (a token at key index
+    >= first_query), with those slots marked; None when no row does."""
+    is_query = rows.table >= first_query  # empty slots hold -1
+    keep = is_query.any(2).any(0)
+    table, is_query, b_row = rows.table[:, keep], is_query[:, keep], rows.b_row[keep]
+    if table.shape[1] == 0:
+        return None
+    return _Rows(table, b_row, is_query)
+
+
+@dataclass
+class _Queries:
+    """The query slots gathered for each (class, row) of a level."""
+
+    tq: torch.Tensor  # (r, R, Lq) key-slot coordinate of each query slot
+    index: torch.Tensor  # (r, R, Lq) index of its query among the q_len queries; 0 where none
+    real: torch.Tensor  # (r, R, Lq) the slot holds a real query
+    decode: bool  # few queries per row: explicit-bias calls over (query slots x key slots)
+
+
+def _query_slots(rows: _Rows, first_query: int, whole_rows: bool) -> _Queries:
+    """A prefill's query slots are all slots. Decode and chunked prefill gather, per (class, row),
+    the slots from its first query to its last real token; but when there are many queries per row
+    (a chunk, a sequence-parallel shard) and `whole_rows` (causal, and union sub-segments aligned
+    with the slots), the whole rows run as a prefill whose results are kept for the query slots only:
+    fused causal calls beat an explicit (queries x keys) bias, whose kernel cannot skip masked blocks."""
+    table, is_query = rows.table, rows.is_query
+    r, n_rows, n_slots = table.shape
+    slots = torch.arange(n_slots, device=table.device)
+    if is_query is None:  # prefill: every real token is a query
+        return _Queries(slots.expand(r, n_rows, n_slots), table.clamp(min=0), table >= 0, decode=False)
+    qstart = torch.where(is_query, slots, n_slots).amin(2)  # (r, R)
+    qend = torch.where(table >= 0, slots, -1).amax(2)  # (r, R)
+    n_q = int((qend - qstart + 1).clamp(min=0).max())
+    if whole_rows and 4 * n_q >= n_slots:
+        return _Queries(slots.expand(r, n_rows, n_slots), torch.where(is_query, table - first_query, 0), is_query,
+                        decode=False)
+    tq = qstart[..., None] + torch.arange(n_q, device=table.device)  # (r, R, Lq)
+    key = table.gather(2, tq.clamp(max=n_slots - 1))
+    real = (tq < n_slots) & (key >= first_query)
+    return _Queries(tq, torch.where(real, key - first_query, 0), real, decode=True)
+
+
+def _window_hides_keys(table: torch.Tensor, window: int, kv_len: int) -> bool:
+    """Whether a sliding window hides any key of these rows (a row that spans fewer than `window`
+    key indices loses none)."""
+    span = table.amax((0, 2)) - torch.where(table >= 0, table, kv_len).amin((0, 2))
+    return bool((span >= window).any())
+
+
 def _pairs(heads, q_heads, kv_heads, r):
     """Order the heads so that those reading one (kv head, class) pair are contiguous and every pair
     has the same number of heads (the fused kernel's grouped-query mapping); else one pair a head."""
@@ -207,113 +315,96 @@ def _pairs(heads, q_heads, kv_heads, r):
     return order, head_pair, [kvh for kvh, _ in keys], [c for _, c in keys]
 
 
-def _plan_level(layout, q_len, q_heads, kv_heads, w, r, prev_w, heads, is_causal, window=None):
-    device = layout.positions.device
-    batch, kv_len = layout.positions.shape
-    lo = _first_planned_index(layout, q_len, w, window)
-    planned = kv_len - lo
-    real = layout.real[:, lo:]
-    flat = real.reshape(-1).nonzero().squeeze(1)  # real tokens, in (batch, index) order
-    if flat.numel() == 0:
-        return None
-    pos = layout.positions[:, lo:].reshape(-1)[flat]
-    doc = layout.doc[:, lo:].reshape(-1)[flat]
-    b = torch.div(flat, planned, rounding_mode="floor")
-    j = flat - b * planned + lo
-    segment = torch.div(pos, w, rounding_mode="floor")
-    # Real tokens sorted by (batch, document, segment): a row starts where any of them changes.
-    new_row = torch.ones_like(flat, dtype=torch.bool)
-    new_row[1:] = (b[1:] != b[:-1]) | (doc[1:] != doc[:-1]) | (segment[1:] != segment[:-1])
-    row = new_row.long().cumsum(0) - 1
-    cls = torch.remainder(pos, r)
-    slot = torch.div(torch.remainder(pos, w), r, rounding_mode="floor")
-    n_rows = int(row[-1]) + 1
-    n_slots = int(slot.max()) + 1
-    b_row = b[new_row]
+@dataclass
+class _Heads:
+    """A level's query heads in call order and the (kv head, class) pairs gathered for them (_pairs)."""
 
-    table = torch.full((r, n_rows, n_slots), -1, dtype=torch.long, device=device)
-    table[cls, row, slot] = j  # key index of every (class, row, slot); -1 where empty
+    order: list[int]  # query heads, in call order
+    pairs: list[tuple[int, int]]  # (kv head, class) of each gathered K/V head
+    heads: torch.Tensor  # (Hc,) `order`
+    head_pair: torch.Tensor  # (Hc,) index of each call head's pair
+    head_class: torch.Tensor  # (Hc,) offset class of each call head
+    pair_kvh: torch.Tensor  # (P,) kv head of each pair
+    pair_cls: torch.Tensor  # (P,) class of each pair
 
-    decode = q_len < kv_len
-    first_query = kv_len - q_len
-    if decode:  # keep only the rows that hold a query
-        is_query = torch.zeros((r, n_rows, n_slots), dtype=torch.bool, device=device)
-        is_query[cls, row, slot] = j >= first_query
-        keep = is_query.any(2).any(0)
-        table, is_query, b_row = table[:, keep], is_query[:, keep], b_row[keep]
-        n_rows = table.shape[1]
-        if n_rows == 0:
-            return None
-        slots = torch.arange(n_slots, device=device)
-        # Query slots of a (class, row) run from its first query slot to its last real slot.
-        qstart = torch.where(is_query, slots, n_slots).amin(2)  # (r, R)
-        qend = torch.where(table >= 0, slots, -1).amax(2)  # (r, R)
-        n_q = int((qend - qstart + 1).clamp(min=0).max())
-        tq_cls = qstart[..., None] + torch.arange(n_q, device=device)  # (r, R, Lq)
-        jq_cls = table.gather(2, tq_cls.clamp(max=n_slots - 1))
-        q_real_cls = (tq_cls < n_slots) & (jq_cls >= first_query)
-        jq_cls = torch.where(q_real_cls, jq_cls - first_query, 0)
-        # Many queries per row (chunked prefill, a sequence-parallel shard): computing the whole
-        # rows as a prefill (fused causal calls, results kept for the query slots only) beats an
-        # explicit (queries x keys) bias, whose kernel cannot skip masked blocks.
-        if is_causal and (prev_w is None or prev_w % r == 0) and 4 * n_q >= n_slots:
-            decode = False
-            tq_cls = torch.arange(n_slots, device=device).expand(r, n_rows, n_slots)
-            q_real_cls = is_query
-            jq_cls = torch.where(is_query, table - first_query, 0)
-    else:
-        tq_cls = torch.arange(n_slots, device=device).expand(r, n_rows, n_slots)
-        q_real_cls = table >= 0
-        jq_cls = table.clamp(min=0)
 
-    if window is not None:  # does the window hide any key of a row? (a row spans < window indices: no)
-        span = table.amax((0, 2)) - torch.where(table >= 0, table, kv_len).amin((0, 2))
-        if not bool((span >= window).any()):
-            window = None
-
+def _call_heads(heads, q_heads: int, kv_heads: int, r: int, device) -> _Heads:
+    """`heads` ordered by _pairs, with the index tensors of that order on `device`."""
     order, head_pair, pair_kvh, pair_cls = _pairs(heads, q_heads, kv_heads, r)
-    heads_t = torch.tensor(order, dtype=torch.long, device=device)
     head_pair_t = torch.tensor(head_pair, dtype=torch.long, device=device)
-    pair_kvh_t = torch.tensor(pair_kvh, dtype=torch.long, device=device)
     pair_cls_t = torch.tensor(pair_cls, dtype=torch.long, device=device)
-    head_class = pair_cls_t[head_pair_t]
+    return _Heads(
+        order, list(zip(pair_kvh, pair_cls)), torch.tensor(order, dtype=torch.long, device=device), head_pair_t,
+        pair_cls_t[head_pair_t], torch.tensor(pair_kvh, dtype=torch.long, device=device), pair_cls_t,
+    )
 
-    k_table = table[pair_cls_t].transpose(0, 1)  # (R, P, L)
+
+def _per_head(x: torch.Tensor, heads: _Heads) -> torch.Tensor:
+    """(r, R, L) per class -> (R, Hc, L) per call head."""
+    return x[heads.head_class].transpose(0, 1)
+
+
+def _flat_rows(b_row, heads, n_heads: int, length: int, index):
+    """The row of (batch b_row[i], head heads[h], token index[i, h, t]) in a contiguous
+    (batch * n_heads * length, head_dim) view."""
+    return (b_row[:, None, None] * n_heads + heads[None, :, None]) * length + index
+
+
+def _plan_level(layout: TokenLayout, shape: _Shape, w: int, r: int, prev_w: int | None, heads) -> _Level | None:
+    """The plan of one level (segment w, dilation r; prev_w as in _Level) for the query heads
+    `heads`: its rows, query slots, head order, calls and gather indices. None when the level has
+    no real token (decode, chunked prefill: no row that holds a query)."""
+    first_query = shape.first_query
+    rows = _level_rows(layout, _first_planned_index(layout, shape.q_len, w, shape.window), w, r)
+    if rows is not None and first_query > 0:
+        rows = _rows_with_queries(rows, first_query)
+    if rows is None:
+        return None
+    queries = _query_slots(rows, first_query, whole_rows=shape.is_causal and (prev_w is None or prev_w % r == 0))
+    window = shape.window
+    if window is not None and not _window_hides_keys(rows.table, window, shape.kv_len):
+        window = None
+    hs = _call_heads(heads, shape.q_heads, shape.kv_heads, r, rows.table.device)
+    k_table = rows.table[hs.pair_cls].transpose(0, 1)  # (R, P, L)
     k_real = k_table >= 0
+    n_slots = k_table.shape[-1]
     if window is not None:
-        q_index = torch.where(q_real_cls, jq_cls + first_query, torch.iinfo(torch.long).max)[head_class].transpose(0, 1)
-        tq = tq_cls[head_class].transpose(0, 1)
-        calls, q0 = _band_calls(k_table, q_index, tq, window, is_causal, r, head_pair_t.numel()), 0
+        q_index = _per_head(torch.where(queries.real, queries.index + first_query, torch.iinfo(torch.long).max), hs)
+        calls, q0 = _band_calls(k_table, q_index, _per_head(queries.tq, hs), window, shape.is_causal, r,
+                                hs.head_pair.numel()), 0
     else:
-        calls, q0 = _plan_calls(k_real, head_pair_t, tq_cls.shape[-1], decode, is_causal, prev_w, r, n_slots)
-    # Gather only the key slots some call reads (union levels >= 2 never read the last sub-segment).
+        calls, q0 = _plan_calls(k_real, hs.head_pair, queries.tq.shape[-1], queries.decode, shape.is_causal,
+                                prev_w, r, n_slots)
+    # Gather only the key slots some call reads (union levels >= 2 never read the last sub-segment)
+    # and the query slots some call reads (they skip the first sub-segment).
     k_end = max((n_slots if c.k_slots.stop is None else c.k_slots.stop) for c in calls) if calls else 0
     k_table, k_real = k_table[..., :k_end], k_real[..., :k_end]
-    # Gather only the query slots some call reads (union levels >= 2 skip the first sub-segment).
-    jq_cls, q_real_cls, tq_cls = jq_cls[..., q0:], q_real_cls[..., q0:], tq_cls[..., q0:]
-    jq = jq_cls[head_class].transpose(0, 1)  # (R, Hc, Lq)
-    q_real = q_real_cls[head_class].transpose(0, 1)
-    bq = b_row[:, None, None]
-    q_rows = (bq * q_heads + heads_t[None, :, None]) * q_len + jq
-    k_rows = (bq * kv_heads + pair_kvh_t[None, :, None]) * kv_len + k_table.clamp(min=0)
+    jq, q_real = _per_head(queries.index[..., q0:], hs), _per_head(queries.real[..., q0:], hs)
+    q_rows = _flat_rows(rows.b_row, hs.heads, shape.q_heads, shape.q_len, jq)
+    k_rows = _flat_rows(rows.b_row, hs.pair_kvh, shape.kv_heads, shape.kv_len, k_table.clamp(min=0))
     level = _Level(
-        w, r, prev_w, is_causal, heads_t, head_pair_t, head_class,
-        tq=tq_cls[head_class].transpose(0, 1), k_real=k_real,
-        q_rows=q_rows, q_dump=q_rows.masked_fill(~q_real, batch * q_heads * q_len),
-        k_rows=k_rows, k_dump=k_rows.masked_fill(~k_real, batch * kv_heads * kv_len), calls=calls,
+        w, r, prev_w, shape.is_causal, hs.heads, hs.head_pair, hs.head_class,
+        tq=_per_head(queries.tq[..., q0:], hs), k_real=k_real,
+        q_rows=q_rows, q_dump=q_rows.masked_fill(~q_real, shape.batch * shape.q_heads * shape.q_len),
+        k_rows=k_rows, k_dump=k_rows.masked_fill(~k_real, shape.batch * shape.kv_heads * shape.kv_len), calls=calls,
+        unique_pairs=len(set(hs.pairs)) == len(hs.pairs), q0=q0, pairs=hs.pairs,
     )
-    level.unique_pairs = len(set(zip(pair_kvh, pair_cls))) == len(pair_kvh)
-    level.q0, level.pairs = q0, list(zip(pair_kvh, pair_cls))
     if window is not None:  # banded calls: none of the fast paths of whole segments applies
         level.window, level.q_index, level.k_index = window, q_index, k_table
-        return level
-    level.plain = layout.plain and q_len == kv_len and kv_len % w == 0 and kv_len >= w
-    level.segment_view = (
-        layout.plain and q_len == kv_len and r == 1 and q0 == 0 and kv_len % w == 0 and kv_len >= w
-        and order == list(range(q_heads)) and q_heads == kv_heads * (q_heads // kv_heads)
-        and pair_kvh == list(range(kv_heads))
-    )
+    else:
+        _mark_fast_paths(level, layout, shape, hs)
     return level
+
+
+def _mark_fast_paths(level: _Level, layout: TokenLayout, shape: _Shape, hs: _Heads) -> None:
+    """Set level.plain and level.segment_view (see _Level) where the rows are whole plain segments."""
+    whole = layout.plain and shape.q_len == shape.kv_len and shape.kv_len % level.w == 0 and shape.kv_len >= level.w
+    level.plain = whole
+    level.segment_view = (
+        whole and level.r == 1 and level.q0 == 0 and hs.order == list(range(shape.q_heads))
+        and shape.q_heads == shape.kv_heads * (shape.q_heads // shape.kv_heads)
+        and [kvh for kvh, _ in hs.pairs] == list(range(shape.kv_heads))
+    )
 
 
 def _plan_calls(k_real, head_pair, n_q, decode, is_causal, prev_w, r, n_slots):

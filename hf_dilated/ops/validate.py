@@ -5,11 +5,10 @@ from __future__ import annotations
 import torch
 
 # The rules of single settings live with their schema (hf_dilated/config.py, which imports nothing
-# of hf_dilated); the kernels import them from here. check_positive_int is check_int's old name.
+# of hf_dilated); this module re-exports them for the kernels.
 from ..config import DILATED_MODES, check_dilated_config, check_int
-from ..config import check_int as check_positive_int
 
-__all__ = ["DILATED_MODES", "FLOAT_DTYPES", "check_dilated_config", "check_int", "check_positive_int", "check_qkv",
+__all__ = ["DILATED_MODES", "FLOAT_DTYPES", "check_dilated_config", "check_int", "check_qkv",
            "check_scale_dropout"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
