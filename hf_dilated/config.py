@@ -129,6 +129,12 @@ class DilatedConfig:
         "the dilation rate of each level, dividing its segment length")})
     mode: str = field(default=DEFAULT_MODE, metadata={"help": (
         f"how the levels combine: one of {', '.join(DILATED_MODES)} (docs/contract.md 4)")})
+    local_window: int | None = field(default=None, metadata={"help": (
+        "mode 'union': a local band united with the levels, every key within this many positions of its "
+        "query (docs/contract.md 4.1); None: the levels alone")})
+    far_group: int = field(default=1, metadata={"help": (
+        "with a local band: keys beyond it are read at Self-Extend's grouped positions, this many positions "
+        "sharing one (docs/contract.md 4.1); 1: at their own positions")})
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": (
         "block-sparse attention (docs/contract.md 5; 'block_sparse', 'block_sparse_ring'): tokens per block")})
     pattern: dict | None = field(default=None, metadata={"help": (
@@ -154,6 +160,12 @@ class DilatedConfig:
         seg, dil = check_dilated_config(self.segment_lengths, self.dilation_rates, self.mode)
         self.segment_lengths, self.dilation_rates = seg, dil
         check_int("block_size", self.block_size)
+        check_int("local_window", self.local_window, optional=True)
+        check_int("far_group", self.far_group)
+        if self.local_window is not None and self.mode != "union":
+            raise ValueError(f"local_window: a local band is defined for mode 'union' only, got mode {self.mode!r}")
+        if self.far_group > 1 and self.local_window is None:
+            raise ValueError(f"far_group: grouped far positions ({self.far_group}) need a local_window")
         if self.pattern is None:  # dense within the first segment, like the dilated default
             self.pattern = {"type": "local", "window": max(1, (self.original_length or seg[0]) // self.block_size)}
         if not isinstance(self.pattern, dict) or not isinstance(self.pattern.get("type"), str):
@@ -217,6 +229,10 @@ class DilatedConfig:
 def field_help(name: str) -> str:
     """The help of a DilatedConfig field (what the CLI shows)."""
     return {f.name: f.metadata["help"] for f in dataclasses.fields(DilatedConfig)}[name]
+
+
+# Fields whose default None means "off", not "required" (field_defaults gives None for both).
+OPTIONAL_FIELDS = ("local_window",)
 
 
 def field_defaults(*names: str) -> dict:

@@ -64,13 +64,15 @@ def _dense(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropou
 
 
 def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-           sliding_window=None):
+           sliding_window=None, far=None):
     from .ops.dilated import dilated_attention
 
+    q_far, k_far = far or (None, None)
     return dilated_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"],
                              is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                              attention_mask=attention_mask, position_ids=position_ids,
-                             sliding_window=sliding_window)
+                             sliding_window=sliding_window, local_window=s.get("local_window"),
+                             q_far=q_far, k_far=k_far)
 
 
 def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
@@ -92,9 +94,18 @@ def _ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout
 
 
 def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-           sliding_window=None):
+           sliding_window=None, far=None):
     from .distributed import dilated_ring_attention
 
+    if s.get("local_window") is not None:
+        import torch.distributed as dist
+
+        if group is not None and dist.get_world_size(group) > 1:
+            raise NotImplementedError("local_window: a local band under sequence parallelism is not supported yet "
+                                      "(docs/contract.md 4.1); use 'dilated' on one process, or levels alone")
+        return _dilated(q, k, v, s, is_causal=is_causal, attention_mask=attention_mask, position_ids=position_ids,
+                        scale=scale, dropout_p=dropout_p, group=None, layout=layout, sliding_window=sliding_window,
+                        far=far)
     return dilated_ring_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"], group=group,
                                   layout=layout, scale=scale, attention_mask=attention_mask,
                                   position_ids=position_ids, dropout_p=dropout_p, sliding_window=sliding_window)
@@ -109,7 +120,7 @@ def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, s
                                        position_ids=position_ids, sliding_window=sliding_window)
 
 
-_DILATED = field_defaults("segment_lengths", "dilation_rates", "mode")
+_DILATED = field_defaults("segment_lengths", "dilation_rates", "mode", "local_window")
 _BLOCK_SPARSE = field_defaults("pattern", "block_size")
 # Every kind but "dense" (transformers' own "sdpa" is that) serves the families of hf_dilated.patches.
 _FAMILIES = tuple(supported_model_types())

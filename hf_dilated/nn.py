@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import (check_block_sparse, check_dilated_config, check_int, check_mode, check_ring_layout,
-                     default_schedule, field_defaults)
+from .config import (OPTIONAL_FIELDS, check_block_sparse, check_dilated_config, check_int, check_mode,
+                     check_ring_layout, default_schedule, field_defaults)
 from .kinds import KINDS as _KINDS
 
 KINDS = (*_KINDS, "auto")
@@ -139,7 +139,8 @@ def create_attention(kind: str, **config) -> Attention:
     if unknown:
         raise TypeError(f"create_attention({kind!r}) got unknown config {unknown}; it takes {sorted(allowed) or 'none'}")
     missing = [key for key, default in allowed.items()
-               if kind != "auto" and default is None and key not in _SHARDING and config.get(key) is None]
+               if kind != "auto" and default is None and key not in _SHARDING and key not in OPTIONAL_FIELDS
+               and config.get(key) is None]
     if missing:
         raise TypeError(f"create_attention({kind!r}) needs {missing}")
     cfg = {**allowed, **config}

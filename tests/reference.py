@@ -248,3 +248,42 @@ def block_sparse_reference(q, k, v, layout, block_size, *, scale=None, attention
         sliding_window=sliding_window,
     )
     return attention_from_counts(q, k, v, counts, scale)
+
+
+def local_band_reference(q, k, v, segment_lengths, dilation_rates, local_window, *, q_far=None, k_far=None,
+                         scale=None, attention_mask=None, position_ids=None, is_causal=True, sliding_window=None):
+    """docs/contract.md 4.1: union dilated attention with a local band. K(h, i) is the set of
+    base-visible keys j with |p_i - p_j| < local_window (near), united with the union levels' keys
+    (far: the others). Near keys score q_i . k_j; far keys score q_far_i . k_far_j when the far
+    projections are given, else q_i . k_j. One float64 softmax over K(h, i); no key: output 0."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_len = k.shape[2]
+    tp = token_positions(attention_mask, position_ids, batch, kv_len)
+    visible = base_visible(attention_mask, position_ids, batch, q_len, kv_len, is_causal, sliding_window)
+    p_q = tp.positions[:, _query_slice(kv_len, q_len)]
+    near = visible & ((p_q[:, :, None] - tp.positions[:, None, :]).abs() < local_window)  # (batch, q, k)
+    union = dilated_key_counts(segment_lengths, dilation_rates, "union", q_heads, batch, q_len, kv_len,
+                               attention_mask=attention_mask, position_ids=position_ids, is_causal=is_causal,
+                               sliding_window=sliding_window) > 0
+    near = near[:, None].expand_as(union)
+    far = union & ~near
+    if scale is None:
+        scale = head_dim ** -0.5
+    group = q_heads // k.shape[1]
+
+    def scores(qq, kk):
+        kk = kk.to(torch.float64).repeat_interleave(group, dim=1)
+        return scale * torch.einsum("bhid,bhjd->bhij", qq.to(torch.float64), kk)
+
+    near_scores = scores(q, k)
+    far_scores = near_scores if q_far is None else scores(q_far, k_far)
+    s = torch.where(near, near_scores, far_scores)
+    present = near | far
+    row_max = torch.where(present, s.detach(), torch.full_like(s, -torch.inf)).amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.where(present, torch.exp(torch.where(present, s - row_max, torch.zeros_like(s))),
+                          torch.zeros_like(s))
+    denom = weights.sum(-1, keepdim=True)
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    vv = v.to(torch.float64).repeat_interleave(group, dim=1)
+    return torch.einsum("bhij,bhjd->bhid", weights, vv) / denom

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .backend import attention_backward, attention_forward
+from .local_band import local_band_attention
 from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
 from ..config import DEFAULT_MODE, check_int
@@ -110,6 +111,9 @@ def dilated_attention(
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    local_window: int | None = None,
+    q_far: torch.Tensor | None = None,
+    k_far: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dilated attention over q (batch, q_heads, q_len, head_dim) and k, v (batch, kv_heads,
     kv_len, head_dim); the queries are the last q_len tokens. Returns a tensor shaped like q.
@@ -117,7 +121,9 @@ def dilated_attention(
     `attention_mask` (batch, kv_len) marks real tokens; `position_ids` (batch, kv_len) give token
     positions (packed documents restart at 0). `sliding_window` W also hides every key more than
     W - 1 indices before its query (docs/contract.md 3.3). See docs/contract.md 4 for the exact key
-    sets of each mode.
+    sets of each mode. `local_window` W (mode "union" only) unites the levels with a local band:
+    every key within W positions of its query (docs/contract.md 4.1); `q_far`/`k_far` (shaped like
+    q/k) then score the keys beyond the band instead of q/k.
     """
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, dropout_p)
@@ -126,6 +132,12 @@ def dilated_attention(
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if local_window is not None or q_far is not None or k_far is not None:
+        _check_local_band(q, k, mode, local_window, q_far, k_far)
+        return local_band_attention(q, k, v, seg, dil, local_window=local_window, q_far=q_far, k_far=k_far,
+                                    is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                    attention_mask=attention_mask, position_ids=position_ids,
+                                    sliding_window=sliding_window)
     key = (tuple(q.shape[:3]), tuple(k.shape[:3]), str(q.device), tuple(seg), tuple(dil), mode, is_causal,
            sliding_window)
     levels = _PLANS.get(key, attention_mask, position_ids)
@@ -139,6 +151,22 @@ def dilated_attention(
 
 
 _PLANS = PlanCache()
+
+
+def _check_local_band(q, k, mode, local_window, q_far, k_far):
+    if local_window is None:
+        raise ValueError("q_far/k_far: far projections need a local_window (the band they lie beyond)")
+    check_int("local_window", local_window)
+    if mode != "union":
+        raise ValueError(f"local_window: a local band is defined for mode 'union' only (docs/contract.md 4.1), "
+                         f"got mode {mode!r}")
+    if (q_far is None) != (k_far is None):
+        raise ValueError("q_far/k_far: pass both far projections or neither (k_far missing)" if k_far is None
+                         else "q_far/k_far: pass both far projections or neither (q_far missing)")
+    for name, far, like in (("q_far", q_far, q), ("k_far", k_far, k)):
+        if far is not None and (far.shape != like.shape or far.dtype != like.dtype or far.device != like.device):
+            raise ValueError(f"{name}: must match the shape, dtype and device of {name[0]} "
+                             f"{tuple(like.shape)} {like.dtype}, got {tuple(far.shape)} {far.dtype}")
 
 
 def head_groups(num_heads: int, num_groups: int) -> list[list[int]]:

@@ -1,0 +1,44 @@
+"""The far projections of a local band (docs/contract.md 4.1) for a transformers model: its queries
+and keys, which arrive already rotated by the model's RoPE, rotated on to Self-Extend's grouped
+positions (hf_dilated.ops.rope), with the model's own rotary frequencies."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ..ops.rope import grouped_far_positions, rotate_by
+from ..ops.token_layout import token_layout
+
+_inv_freq: dict[int, tuple[str, torch.Tensor]] = {}
+
+
+def rotary_frequencies(module) -> torch.Tensor:
+    """inv_freq of the model an attention module belongs to, from its family's own rotary class
+    (scaled RoPE included). Dynamic NTK changes its frequencies with the length: refused."""
+    config = module.config
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    key = repr(sorted(params.items())) + repr(getattr(config, "max_position_embeddings", None))
+    cached = _inv_freq.get(id(config))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if params.get("rope_type", "default") == "dynamic":
+        raise ValueError("far_group: grouped far positions need fixed rotary frequencies; dynamic NTK RoPE changes "
+                         "them with the length (convert with --rope none or yarn, or set far_group to 1)")
+    modeling = sys.modules[type(module).__module__]
+    classes = [obj for name, obj in vars(modeling).items() if name.endswith("RotaryEmbedding") and isinstance(obj, type)]
+    if not classes:
+        raise ValueError(f"far_group: {type(module).__name__} has no rotary embedding class beside it; grouped far "
+                         "positions need RoPE (set far_group to 1)")
+    inv_freq = classes[0](config=config).inv_freq.detach().float()
+    _inv_freq[id(config)] = (key, inv_freq)
+    return inv_freq
+
+
+def far_projections(module, query, key, mask, positions, local_window: int, group: int):
+    """(q_far, k_far): query (batch, heads, q_len, d) and key (batch, kv_heads, kv_len, d) moved
+    from their positions under the kernels' rule (the ones the band is measured in) to grouped ones."""
+    layout = token_layout(key.shape[0], key.shape[2], key.device, mask, positions)
+    query_delta, key_delta = grouped_far_positions(layout.positions, query.shape[2], local_window, group)
+    inv_freq = rotary_frequencies(module)
+    return rotate_by(query, query_delta, inv_freq), rotate_by(key, key_delta, inv_freq)

@@ -1,0 +1,38 @@
+"""Rotating vectors that already carry rotary position embeddings to other positions.
+
+RoPE turns a vector at position p by the angles p * inv_freq (pairs (t, t + rot/2) of its first
+`rot` = 2 * len(inv_freq) dims, the rotate-half convention of Llama, Mistral, Qwen2 and GPT-NeoX);
+rotations compose, so a vector rotated at p is moved to p + delta by one more rotation by delta.
+The angles are computed in float64: at a million tokens float32 angles would be off by ~0.1 rad.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x (batch, heads, n, head_dim) moved by `delta` (batch, n) positions; dims beyond the rotary
+    ones (partial rotary, GPT-NeoX) are left as they are."""
+    rot = 2 * inv_freq.shape[-1]
+    if rot > x.shape[-1]:
+        raise ValueError(f"inv_freq: {inv_freq.shape[-1]} frequencies rotate {rot} dims, more than head_dim {x.shape[-1]}")
+    angle = delta.to(torch.float64)[:, None, :, None] * inv_freq.to(device=x.device, dtype=torch.float64)
+    angle = torch.cat([angle, angle], -1)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], -1)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], -1)
+
+
+def grouped_far_positions(positions: torch.Tensor, q_len: int, local_window: int, group: int):
+    """Self-Extend's grouped positions (Jin et al., 2024) for keys beyond a local band of
+    `local_window`: a far key at position p sits at p // group, a query at p // group + local_window -
+    local_window // group, so the far relative distance continues the band's at its edge and grows
+    `group` times more slowly. Returns (query delta (batch, q_len), key delta (batch, kv_len)): how far
+    each query and key moves from its own position."""
+    p = positions.long()
+    key_delta = p // group - p
+    p_q = p[:, p.shape[1] - q_len:]
+    query_delta = p_q // group + local_window - local_window // group - p_q
+    return query_delta, key_delta

@@ -1,0 +1,185 @@
+"""Union dilated attention with a local band (docs/contract.md 4.1) against the independent float64
+reference (tests/reference.py: local_band_reference), in every layout the other patterns are
+tested in: padding left/right/inside, packed documents, GQA, decode and chunked prefill, with and
+without far projections, forward and gradients."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hf_dilated.ops import dilated_attention
+from reference import local_band_reference
+from test_dilated import F32_TOL, LOW_TOL, Case, make_inputs
+
+LAYOUTS = ("plain", "left", "right", "packed", "pad_packed", "holes", "holes_index", "offset")
+BASE = Case(mode="union", segment_lengths=(8, 16, 32), dilation_rates=(1, 2, 4), batch=2, q_heads=4, kv_heads=2,
+            kv_len=45, seed=5)
+CASES = [replace(BASE, layout=layout, seed=5 + n) for n, layout in enumerate(LAYOUTS)]
+WINDOWS = (3, 8, 12)
+
+
+def far_projections(q, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    q_far = torch.randn(q.shape, generator=g, dtype=torch.float64).to(q.dtype).requires_grad_()
+    k_far = torch.randn(k.shape, generator=g, dtype=torch.float64).to(k.dtype).requires_grad_()
+    return q_far, k_far
+
+
+def run(case, q, k, v, mask, pos, window, far=None, **kw):
+    q_far, k_far = far or (None, None)
+    return dilated_attention(q, k, v, list(case.segment_lengths), list(case.dilation_rates), local_window=window,
+                             q_far=q_far, k_far=k_far, attention_mask=mask, position_ids=pos, **kw)
+
+
+def reference(case, q, k, v, mask, pos, window, far=None):
+    q_far, k_far = far or (None, None)
+    return local_band_reference(q, k, v, list(case.segment_lengths), list(case.dilation_rates), window,
+                                q_far=q_far, k_far=k_far, attention_mask=mask, position_ids=pos)
+
+
+@pytest.mark.parametrize("with_far", (False, True), ids=("one_projection", "far_projections"))
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("case", CASES, ids=[c.layout for c in CASES])
+def test_forward_and_gradients_match_reference(case, window, with_far):
+    q, k, v, mask, pos, real_query = make_inputs(case, torch.float32)
+    far = far_projections(q, k, case.seed) if with_far else None
+    out = run(case, q, k, v, mask, pos, window, far)
+    leaves = [q, k, v] + (list(far) if far else [])
+    refs = [t.detach().double().requires_grad_() for t in leaves]
+    ref = reference(case, *refs[:3], mask, pos, window, tuple(refs[3:]) if far else None)
+    rows = real_query[:, None, :, None]
+    assert torch.isfinite(out).all()
+    assert ((out.double() - ref) * rows).abs().max().item() < F32_TOL
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * rows
+    (out.double() * grad).sum().backward()
+    (ref * grad).sum().backward()
+    for mine, theirs in zip(leaves, refs):
+        assert (mine.grad.double() - theirs.grad).abs().max().item() < F32_TOL
+
+
+@pytest.mark.parametrize("with_far", (False, True), ids=("one_projection", "far_projections"))
+@pytest.mark.parametrize("case", CASES, ids=[c.layout for c in CASES])
+def test_decode_and_chunked_prefill_match_reference(case, with_far):
+    q, k, v, mask, pos, real_query = make_inputs(case, torch.float32)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    far = tuple(t.detach() for t in far_projections(q, k, case.seed)) if with_far else None
+    window = 8
+    ref = reference(case, q.double(), k.double(), v.double(), mask, pos, window,
+                    tuple(t.double() for t in far) if far else None)
+    for q_len in (1, 2, 5, 17, 30):
+        qs = q[:, :, -q_len:]
+        far_q = (far[0][:, :, -q_len:], far[1]) if far else None
+        out = run(case, qs, k, v, mask, pos, window, far_q)
+        rows = real_query[:, None, -q_len:, None]
+        err = ((out.double() - ref[:, :, -q_len:]) * rows).abs().max().item()
+        assert err < F32_TOL, f"q_len {q_len}: {err}"
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_low_precision_forward(dtype):
+    case = replace(BASE, layout="left")
+    q, k, v, mask, pos, real_query = make_inputs(case, dtype)
+    far = far_projections(q, k, 3)
+    out = run(case, q, k, v, mask, pos, 8, far)
+    assert out.dtype == dtype
+    ref = reference(case, q.double(), k.double(), v.double(), mask, pos, 8, tuple(t.double() for t in far))
+    assert ((out.double() - ref) * real_query[:, None, :, None]).abs().max().item() < LOW_TOL
+
+
+def test_band_covering_every_document_is_dense_causal_attention():
+    """A band at least as long as every document sees every earlier key: dense causal attention,
+    whatever the levels (what keeps a converted model unchanged inside its original context)."""
+    import torch.nn.functional as F
+
+    case = replace(BASE, layout="plain", kv_len=40)
+    q, k, v, _, _, _ = make_inputs(case, torch.float32)
+    out = run(case, q, k, v, None, None, 40)
+    dense = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_is_an_error_naming_the_argument():
+    case = BASE
+    q, k, v, mask, pos, _ = make_inputs(case, torch.float32)
+    q_far, k_far = far_projections(q, k, 0)
+    with pytest.raises(ValueError, match="local_window"):
+        run(case, q, k, v, mask, pos, 0)
+    with pytest.raises(ValueError, match="local_window"):
+        dilated_attention(q, k, v, [8, 16], [1, 2], mode="longnet", local_window=4)
+    with pytest.raises(ValueError, match="q_far"):
+        dilated_attention(q, k, v, [8, 16], [1, 2], q_far=q_far)
+    with pytest.raises(ValueError, match="k_far"):
+        dilated_attention(q, k, v, [8, 16], [1, 2], local_window=4, q_far=q_far)
+    with pytest.raises(ValueError, match="q_far"):
+        dilated_attention(q, k, v, [8, 16], [1, 2], local_window=4, q_far=q_far[..., :4], k_far=k_far)
+
+
+# --- through transformers: far keys at Self-Extend's grouped positions -------------------------
+
+def _tiny(family, tmp_path, entry):
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig
+
+    common = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                  max_position_embeddings=16)
+    if family == "llama":
+        config = LlamaConfig(num_key_value_heads=2, **common)
+    else:
+        config = GPTNeoXConfig(rotary_pct=0.5, **common)  # partial rotary: half of each head rotates
+    config.hf_dilated = entry
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, safe_serialization=True)
+    return tmp_path
+
+
+def _reference_attention(entry):
+    """A transformers attention function computing docs/contract.md 4.1 from the float64 reference,
+    with the far projections made by transformers' own rotary class: q and k are rotated back from
+    their positions and forward to the grouped ones (cos/sin of the family's RotaryEmbedding)."""
+    import sys
+
+    def rotate(x, cos, sin, sign):  # transformers' rotate-half formula, on the rotary dims only
+        rot = cos.shape[-1]
+        x_rot, x_pass = x[..., :rot], x[..., rot:]
+        half = torch.cat([-x_rot[..., rot // 2:], x_rot[..., :rot // 2]], -1)
+        return torch.cat([x_rot * cos + sign * half * sin, x_pass], -1)
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        modeling = sys.modules[type(module).__module__]
+        rotary_cls = next(obj for name, obj in vars(modeling).items() if name.endswith("RotaryEmbedding"))
+        rotary = rotary_cls(config=module.config)
+        n = key.shape[2]
+        pos = torch.arange(n)[None]
+        w, g = entry["local_window"], entry["far_group"]
+        cos, sin = (t[:, None].double() for t in rotary(query, pos))
+        cos_k, sin_k = (t[:, None].double() for t in rotary(query, pos // g))
+        cos_q, sin_q = (t[:, None].double() for t in rotary(query, pos // g + w - w // g))
+        q, k = query.double(), key.double()
+        q_plain, k_plain = rotate(q, cos, sin, -1), rotate(k, cos, sin, -1)  # rotate back to position 0
+        q_far, k_far = rotate(q_plain, cos_q, sin_q, 1), rotate(k_plain, cos_k, sin_k, 1)
+        out = local_band_reference(q, k, value.double(), entry["segment_lengths"], entry["dilation_rates"], w,
+                                   q_far=q_far, k_far=k_far, scale=scaling)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+@pytest.mark.parametrize("family", ("llama", "gpt_neox"))
+def test_model_with_grouped_far_positions_matches_reference(family, tmp_path):
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    entry = {"segment_lengths": [8, 16, 32], "dilation_rates": [1, 2, 4], "local_window": 6, "far_group": 3,
+             "original_length": 8, "target_length": 32}
+    path = _tiny(family, tmp_path, entry)
+    AttentionInterface.register("test_band_reference", _reference_attention(entry))
+    ids = torch.randint(3, 99, (2, 30), generator=torch.Generator().manual_seed(0))
+    ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dilated").eval()
+    theirs = AutoModelForCausalLM.from_pretrained(path, attn_implementation="test_band_reference").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+        # and generation: a decode step reads the cache at the same grouped positions
+        prompt = ids[:, :20]
+        mine = ours.generate(prompt, max_new_tokens=8, do_sample=False)
+        steps = [theirs(mine[:, :t]).logits[:, -1].argmax(-1) for t in range(20, 28)]
+    assert torch.equal(mine[:, 20:], torch.stack(steps, 1))
