@@ -39,10 +39,19 @@ def reference(case, q, k, v, mask, pos, window, far=None):
                                 q_far=q_far, k_far=k_far, attention_mask=mask, position_ids=pos)
 
 
+@pytest.fixture(params=(512, 7), ids=("one_chunk", "chunks_of_7"))
+def chunk(request, monkeypatch):
+    """The kernel's query chunk: one chunk, or many (bands and far ranges that move per chunk)."""
+    from hf_dilated.ops import local_band
+
+    monkeypatch.setattr(local_band, "_CHUNK", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("with_far", (False, True), ids=("one_projection", "far_projections"))
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("case", CASES, ids=[c.layout for c in CASES])
-def test_forward_and_gradients_match_reference(case, window, with_far):
+def test_forward_and_gradients_match_reference(case, window, with_far, chunk):
     q, k, v, mask, pos, real_query = make_inputs(case, torch.float32)
     far = far_projections(q, k, case.seed) if with_far else None
     out = run(case, q, k, v, mask, pos, window, far)
@@ -61,7 +70,7 @@ def test_forward_and_gradients_match_reference(case, window, with_far):
 
 @pytest.mark.parametrize("with_far", (False, True), ids=("one_projection", "far_projections"))
 @pytest.mark.parametrize("case", CASES, ids=[c.layout for c in CASES])
-def test_decode_and_chunked_prefill_match_reference(case, with_far):
+def test_decode_and_chunked_prefill_match_reference(case, with_far, chunk):
     q, k, v, mask, pos, real_query = make_inputs(case, torch.float32)
     q, k, v = q.detach(), k.detach(), v.detach()
     far = tuple(t.detach() for t in far_projections(q, k, case.seed)) if with_far else None
