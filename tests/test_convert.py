@@ -51,13 +51,17 @@ def test_convert_writes_a_patched_copy_and_never_touches_src(source, tmp_path):
     config = json.loads((dst / "config.json").read_text())
     assert config["attn_implementation"] == "dilated_ring"
     assert config["max_position_embeddings"] == 128
-    assert config["rope_parameters"] == {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}
+    # The default conversion (issue 28): the checkpoint's own RoPE, the original context as a local
+    # band, far keys at grouped positions that stay within 32 * (1 + 1/16) = 34 of relative position.
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
     cfg = DilatedConfig.from_dict(config["hf_dilated"])
     assert (cfg.segment_lengths, cfg.dilation_rates) == ([32, 64, 128], [1, 2, 4])
     assert (cfg.original_length, cfg.target_length, cfg.mode) == (32, 128, "union")
+    assert (cfg.local_window, cfg.far_group) == (32, 32)  # the smallest power of two that does
+    assert 127 // 32 + 32 - 32 // 32 <= 34 < 127 // 16 + 32 - 32 // 16
     model = AutoModelForCausalLM.from_pretrained(dst)
     assert model.config._attn_implementation == "dilated_ring"
-    assert model.model.rotary_emb.rope_type == "linear"
+    assert model.model.rotary_emb.rope_type == "default"
 
 
 def test_copy_flag_copies_weights(source, tmp_path):
@@ -272,7 +276,7 @@ def test_hub_cache_layout_converts_to_real_files(source, tmp_path):
         assert os.path.samefile(weights, (snapshot / "model.safetensors").resolve()) is not copy
         assert (dst / "extra" / "notes.txt").read_text() == "kept as is\n"
         model = AutoModelForCausalLM.from_pretrained(dst)
-        assert model.model.rotary_emb.rope_type == "linear"
+        assert model.model.rotary_emb.rope_type == "default"  # the default conversion keeps the RoPE
     assert _digest(repo) == before
     # A DST holding the blobs SRC links to is refused like one holding SRC itself.
     with pytest.raises(ValueError, match="links to"):

@@ -13,8 +13,8 @@ when the argmax at every answer position is the right digit given the right digi
 which is exactly when greedy generation after the question produces the key (the first wrong
 digit would be the first one greedy decoding gets wrong). One forward pass per sample.
 
-Cost (`forward_cost`): wall time of a no-grad forward of one row of `length` tokens (median of a
-few calls after a warm-up) and the peak memory above what was held before it (CUDA: the
+Cost (`forward_cost`): wall time of a no-grad forward of the decoder (the model without its LM head)
+over one row of `length` tokens (median of a few calls after a warm-up) and the peak memory above what was held before it (CUDA: the
 allocator's peak; CPU: the resident high-water mark, reset through /proc/self/clear_refs where
 Linux allows it, under glibc settings that map each large block on its own so that the resident
 set follows the live tensors; elsewhere an upper bound, flagged).
@@ -22,6 +22,7 @@ set follows the live tensors; elsewhere an upper bound, flagged).
 from __future__ import annotations
 
 import random
+import re
 import statistics
 import time
 
@@ -29,11 +30,16 @@ import torch
 import torch.nn.functional as F
 
 from ..measure import MemoryProbe, strict_allocator, sync
-from .passkey import IGNORE_INDEX, KEY_DIGITS, passkey_sample
+from .passkey import CHAT_NEW_TOKENS, IGNORE_INDEX, KEY_DIGITS, chat_passkey_sample, passkey_sample
 
 
 def _device(model) -> torch.device:
     return next(model.parameters()).device
+
+
+# Tokens whose logits are formed at once: a 49K-word vocabulary over 16K tokens would be 3 GB of
+# float32 logits; the loss is taken from the final hidden states in chunks of this many positions.
+LOGIT_CHUNK = 2048
 
 
 def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -41,14 +47,25 @@ def _logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=input_ids, position_ids=positions, use_cache=False).logits.float()
 
 
+def _final_hidden(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The decoder's final hidden states (batch, n, hidden): the model without its LM head."""
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    return model.get_decoder()(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state
+
+
 @torch.no_grad()
 def token_losses(model, rows: torch.Tensor, batch_size: int = 4, progress=None) -> torch.Tensor:
-    """(rows, n - 1) losses: [:, t - 1] is the loss of predicting token t from tokens 0..t-1."""
+    """(rows, n - 1) losses: [:, t - 1] is the loss of predicting token t from tokens 0..t-1. The LM
+    head runs on LOGIT_CHUNK positions at a time (the same logits, never all of them at once)."""
     out = []
+    head = model.get_output_embeddings()
     for start in range(0, len(rows), batch_size):
         ids = rows[start:start + batch_size].to(_device(model))
-        logits = _logits(model, ids)
-        out.append(F.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").cpu())
+        hidden = _final_hidden(model, ids)[:, :-1]
+        losses = [F.cross_entropy(head(hidden[:, s:s + LOGIT_CHUNK]).float().transpose(1, 2),
+                                  ids[:, 1 + s:1 + s + LOGIT_CHUNK], reduction="none")
+                  for s in range(0, hidden.shape[1], LOGIT_CHUNK)]
+        out.append(torch.cat(losses, 1).cpu())
         if progress is not None:
             progress.update(len(ids))
     return torch.cat(out)
@@ -110,9 +127,31 @@ def windowed_losses(model, docs: list[torch.Tensor], length: int, bucket: int, w
 
 
 def make_passkey_samples(tokenizer, length: int, depth: float, count: int, seed: int) -> list[dict]:
-    """The same samples for every checkpoint and attention (seeded by seed, length and depth)."""
+    """The same samples for every checkpoint and attention (seeded by seed, length and depth): the
+    chat format (passkey.chat_passkey_sample) for a tokenizer with a chat template, else the
+    trained format."""
     rng = random.Random(f"{seed}:{length}:{depth}")
+    if getattr(tokenizer, "chat_template", None):
+        return [chat_passkey_sample(tokenizer, length, depth, rng) for _ in range(count)]
     return [passkey_sample(tokenizer, length, depth, rng) for _ in range(count)]
+
+
+@torch.no_grad()
+def chat_passkey_scores(model, tokenizer, samples: list[dict], progress=None) -> tuple[list[bool], list[int]]:
+    """For each chat sample: whether greedy generation names the key, and how many of its digits
+    appear in order at the start of the first run of digits it generates."""
+    keys, digits = [], []
+    for sample in samples:
+        ids = sample["input_ids"][None].to(_device(model))
+        out = model.generate(ids, max_new_tokens=CHAT_NEW_TOKENS, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        answer = (re.findall(r"\d+", text) or [""])[0]  # the first number it says
+        keys.append(sample["key"] in text)
+        digits.append(sum(a == b for a, b in zip(answer, sample["key"])))
+        if progress is not None:
+            progress.update(1)
+    return keys, digits
 
 
 @torch.no_grad()
@@ -140,12 +179,12 @@ def forward_cost(model, length: int, vocab_size: int, repeats: int = 3) -> dict:
     above the memory held before it; `memory_exact` False where only an upper bound was available."""
     device = _device(model)
     ids = torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(length)).to(device)
-    _logits(model, ids)  # warm-up (plans, kernels)
+    _final_hidden(model, ids)  # warm-up (plans, kernels)
     times = []
     for _ in range(repeats):
         sync(device)
         t0 = time.perf_counter()
-        _logits(model, ids)
+        _final_hidden(model, ids)
         sync(device)
         times.append(time.perf_counter() - t0)
     # Memory after the timed calls (measure.py): one more call, its peak above what was held before.
@@ -153,7 +192,7 @@ def forward_cost(model, length: int, vocab_size: int, repeats: int = 3) -> dict:
     probe = MemoryProbe(device)
     try:
         probe.start()
-        _logits(model, ids)
+        _final_hidden(model, ids)
         peak = probe.peak_extra()
     finally:
         if device.type != "cuda":

