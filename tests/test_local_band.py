@@ -192,3 +192,33 @@ def test_model_with_grouped_far_positions_matches_reference(family, tmp_path):
         mine = ours.generate(prompt, max_new_tokens=8, do_sample=False)
         steps = [theirs(mine[:, :t]).logits[:, -1].argmax(-1) for t in range(20, 28)]
     assert torch.equal(mine[:, 20:], torch.stack(steps, 1))
+
+
+# --- plain layouts without autograd: structured calls, no masks ----------------------------------
+
+PLAIN_LEVELS = [((8, 16, 32), (1, 2, 4)), ((16, 32), (1, 2)), ((8,), (1,)), ((4, 8, 16, 32), (1, 2, 4, 8)),
+                ((8, 16), (2, 4))]
+
+
+@pytest.mark.parametrize("levels", PLAIN_LEVELS, ids=lambda lv: "x".join(map(str, lv[0])))
+@pytest.mark.parametrize("window", (1, 3, 8, 12, 40))
+@pytest.mark.parametrize("heads", ((4, 2), (6, 3), (3, 1)), ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_plain_inference_path_matches_reference(levels, window, heads, monkeypatch):
+    """Prefill of plain rows under no_grad (what evaluation and generate() run) takes the structured
+    calls of local_band.plain_forward; they equal the float64 reference."""
+    from hf_dilated.ops import local_band
+
+    taken = []
+    original = local_band.plain_forward
+    monkeypatch.setattr(local_band, "plain_forward", lambda *a, **kw: taken.append(1) or original(*a, **kw))
+    seg, dil = levels
+    n = 2 * max(seg)
+    g = torch.Generator().manual_seed(window)
+    q, q_far = (torch.randn(2, heads[0], n, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v, k_far = (torch.randn(2, heads[1], n, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    with torch.no_grad():
+        out = dilated_attention(q.float(), k.float(), v.float(), list(seg), list(dil), local_window=window,
+                                q_far=q_far.float(), k_far=k_far.float())
+    assert taken
+    ref = local_band_reference(q, k, v, list(seg), list(dil), window, q_far=q_far, k_far=k_far)
+    assert (out.double() - ref).abs().max().item() < F32_TOL

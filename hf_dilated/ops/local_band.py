@@ -53,10 +53,12 @@ def local_band_attention(q, k, v, segment_lengths, dilation_rates, *, local_wind
     if dropout_p > 0.0:
         raise ValueError(f"dropout_p: a local band (local_window) has no attention dropout yet, got {dropout_p}")
     layout = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
-    plan = _plan(layout, q.shape[2], list(segment_lengths), list(dilation_rates), local_window, is_causal,
-                 sliding_window)
     if q_far is None:
         q_far, k_far = q, k
+    if plain_forward_applies(layout, q, k, segment_lengths, is_causal, sliding_window):
+        return plain_forward(q, k, v, q_far, k_far, list(segment_lengths), list(dilation_rates), local_window, scale)
+    plan = _plan(layout, q.shape[2], list(segment_lengths), list(dilation_rates), local_window, is_causal,
+                 sliding_window)
     return _LocalBand.apply(q, k, v, q_far, k_far, plan, scale)
 
 
@@ -184,3 +186,100 @@ def _sum_groups(g, kv_heads):
     if g.shape[1] == kv_heads:
         return g
     return g.unflatten(1, (kv_heads, g.shape[1] // kv_heads)).sum(2)
+
+
+# --- plain layouts: no masks ---------------------------------------------------------------------
+# One document per row, no padding, positions 0..n-1, causal, no sliding window, every segment
+# whole: then every key set above is a run of "offset-causal" blocks (key y visible from query x
+# when y <= x + d), which fused calls compute without a mask. Used for prefill without autograd
+# (inference: evaluation, generation); training and every other layout take the masked calls.
+
+
+def plain_forward_applies(layout: TokenLayout, q, k, segment_lengths, is_causal, sliding_window) -> bool:
+    n = k.shape[2]
+    return (layout.plain and is_causal and sliding_window is None and q.shape[2] == n
+            and all(n % w == 0 for w in segment_lengths)
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
+
+
+def _offset_causal(q, k, v, d: int, scale: float):
+    """(out, lse) of queries x over keys y <= x + d (float32 lse; -inf and 0 for rows with no key)."""
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    acc = merge_dtype(q.dtype)
+    if d >= n_k - 1:  # every key
+        o, lse = attention_forward(q, k, v, is_causal=False, scale=scale)
+        return o.to(acc), lse.to(acc)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    if d >= 0:
+        o, part = attention_forward(q, k[..., :d + 1, :], v[..., :d + 1, :], is_causal=False, scale=scale)
+        out.copy_(o), lse.copy_(part)
+        if n_q > 1:  # keys d+1.. : query x sees key d+1+y' for y' <= x-1 (top-left causal from query 1)
+            o, part = attention_forward(q[..., 1:, :], k[..., d + 1:, :], v[..., d + 1:, :], is_causal=True,
+                                        scale=scale)
+            merge_into(out[..., 1:, :], lse[..., 1:], o, part.to(acc))
+        return out, lse
+    if -d < n_q:  # queries x >= -d see keys 0 .. x + d
+        o, part = attention_forward(q[..., -d:, :], k, v, is_causal=True, scale=scale)
+        out[..., -d:, :] = o.to(acc)
+        lse[..., -d:] = part.to(acc)
+    return out, lse
+
+
+def _merge_view(out, lse, o, part):
+    merge_into(out, lse, o, part.to(lse.dtype))
+
+
+def plain_forward(q, k, v, q_far, k_far, segment_lengths, dilation_rates, window: int, scale: float):
+    """The same result as the masked calls, for plain layouts (plain_forward_applies)."""
+    batch, n_heads, n, head_dim = q.shape
+    group = n_heads // k.shape[1]
+    acc = merge_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    # Near: query blocks of `block` tokens; the diagonal block is causal, the block's band before it
+    # (keys j > i - window) is, with queries and keys reversed, offset-causal.
+    block = min(window, n)
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        o, part = attention_forward(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale)
+        _merge_view(out[:, :, s:e], lse[:, :, s:e], o, part)
+        lo = max(0, s - window + 1)
+        if lo < s:  # key j in [lo, s) visible from query i in [s, e) when j > i - window
+            qr, kr, vr = (t.flip(2) for t in (q[:, :, s:e], k[:, :, lo:s], v[:, :, lo:s]))
+            # reversed: query x~ = e-1-i, key y~ = s-1-j; j > i - window  <=>  y~ <= x~ + (window - 1 - (e - s))
+            o, part = _offset_causal(qr, kr, vr, window - 1 - (e - s), scale)
+            _merge_view(out[:, :, s:e], lse[:, :, s:e], o.flip(2), part.flip(2))
+    # Far: each union level's keys beyond the band, class by class (heads h = c mod r read class c).
+    prev_w = None
+    for w, r in zip(segment_lengths, dilation_rates):
+        for c in range(r):
+            if c >= n_heads:  # no head reads this class
+                continue
+            heads = torch.arange(c, n_heads, r, device=q.device)
+            kv_heads = heads // group
+            slots = w // r
+
+            def classed(t, idx=None):  # (batch, heads, n, d) -> (batch * n / w, heads, w / r, d), class c
+                t = t if idx is None else t.index_select(1, idx)
+                return t.unflatten(2, (n // w, slots, r))[:, :, :, :, c].transpose(1, 2).flatten(0, 1)
+
+            qc = classed(q_far[:, c::r])
+            kc, vc = classed(k_far, kv_heads), classed(v, kv_heads)
+            out_c = out[:, c::r].unflatten(2, (n // w, slots, r))[:, :, :, :, c].transpose(1, 2)  # views
+            lse_c = lse[:, c::r].unflatten(2, (n // w, slots, r))[:, :, :, :, c].transpose(1, 2)
+            sub = slots if prev_w is None else prev_w // r
+            for s in range(0 if prev_w is None else 1, slots // sub):
+                # keys of sub-segments 0..s-1 (a level's own segment when prev_w is None: itself)
+                for s_key in range(0, s) if prev_w is not None else [0]:
+                    # slot distance t_a - t_b of class-c tokens is (position distance - gap) / r, so a key
+                    # is beyond the band (distance >= window) when t_b <= t_a + floor((gap - window) / r)
+                    gap = (s - s_key) * prev_w if prev_w is not None else 0
+                    d = (gap - window) // r
+                    q_part = qc[:, :, s * sub:(s + 1) * sub]
+                    k_slice = slice(s_key * sub, (s_key + 1) * sub)
+                    o, part = _offset_causal(q_part, kc[:, :, k_slice], vc[:, :, k_slice], d, scale)
+                    o, part = o.unflatten(0, (batch, n // w)), part.unflatten(0, (batch, n // w))
+                    _merge_view(out_c[:, :, :, s * sub:(s + 1) * sub], lse_c[:, :, :, s * sub:(s + 1) * sub], o, part)
+        prev_w = w
+    return out.to(q.dtype)
