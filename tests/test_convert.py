@@ -40,7 +40,7 @@ def source(tmp_path_factory):
 
 def test_convert_writes_a_patched_copy_and_never_touches_src(source, tmp_path):
     before = _digest(source)
-    dst = convert_checkpoint(source, tmp_path / "long", context_length=128, attn_implementation="dilated_ring")
+    dst = convert_checkpoint(source, tmp_path / "long", context_length=128, attn_implementation="dilated")
     assert _digest(source) == before
     assert sorted(os.listdir(tmp_path)) == ["long"]  # no temporary directory left behind
     weights = dst / "model.safetensors"
@@ -49,7 +49,7 @@ def test_convert_writes_a_patched_copy_and_never_touches_src(source, tmp_path):
     assert (dst / "tokenizer.json").read_text() == (source / "tokenizer.json").read_text()
     assert (dst / "extra" / "notes.txt").read_text() == "kept as is\n"
     config = json.loads((dst / "config.json").read_text())
-    assert config["attn_implementation"] == "dilated_ring"
+    assert config["attn_implementation"] == "dilated"
     assert config["max_position_embeddings"] == 128
     # The default conversion (issue 28): the checkpoint's own RoPE, the original context as a local
     # band, far keys at grouped positions that stay within 32 * (1 + 1/16) = 34 of relative position.
@@ -60,8 +60,21 @@ def test_convert_writes_a_patched_copy_and_never_touches_src(source, tmp_path):
     assert (cfg.local_window, cfg.far_group) == (32, 32)  # the smallest power of two that does
     assert 127 // 32 + 32 - 32 // 32 <= 34 < 127 // 16 + 32 - 32 // 16
     model = AutoModelForCausalLM.from_pretrained(dst)
-    assert model.config._attn_implementation == "dilated_ring"
+    assert model.config._attn_implementation == "dilated"
     assert model.model.rotary_emb.rope_type == "default"
+
+
+@pytest.mark.parametrize("attn", ["dilated_ring", "ring", "block_sparse", "block_sparse_ring"])
+def test_default_conversion_for_the_other_names_is_yarn_without_a_band(source, tmp_path, attn):
+    """Names that read no band (dilated_ring: not across ranks yet) need scaled positions for far
+    keys: YaRN by default, which a model survives inside its context far better than linear."""
+    dst = convert_checkpoint(source, tmp_path / "long", context_length=128, attn_implementation=attn)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["rope_parameters"] == {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                         "original_max_position_embeddings": 32}
+    cfg = DilatedConfig.from_dict(config["hf_dilated"])
+    assert (cfg.local_window, cfg.far_group) == (None, 1)
+    assert AutoModelForCausalLM.from_pretrained(dst).config._attn_implementation == attn
 
 
 def test_copy_flag_copies_weights(source, tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,7 +189,10 @@ def evaluate(args, runs: list[Run], progress) -> dict:
             row = {"model": run.label, "path": str(run.path), "attn": attn}
             progress.set_description(f"{run.label} {attn}")
             if docs:
+                start = time.perf_counter()
                 row["loss_by_bucket"] = core.bucket_losses(model, docs, ppl_length, bucket, args.batch_size, progress)
+                # Forward time beside the loss (the same forward, no extra one): seconds per document.
+                row["loss_seconds_per_doc"] = (time.perf_counter() - start) / len(docs)
                 if args.cut_rows == "all" or not result["rows"]:
                     row["windowed_loss_by_bucket"] = core.windowed_losses(model, docs, ppl_length, bucket, window, stride,
                                                                           args.batch_size, progress)
@@ -242,16 +246,17 @@ def markdown(result: dict) -> str:
         out += [f"### Loss by position (nats/token, {len(s['documents'])} held-out documents x {s['ppl_length']} tokens)",
                 "",
                 f"Whole document, and (cut) the same tokens with the context cut to the previous "
-                f"{s['window'] - s['window_stride'] + 1}-{s['window']} tokens; gain = cut - whole.",
+                f"{s['window'] - s['window_stride'] + 1}-{s['window']} tokens; gain = cut - whole; s / doc: "
+                "seconds of the whole-document forward (no grad), per document.",
                 "",
                 "| checkpoint | attention | " + " | ".join(names) + " | "
-                + " | ".join(f"{x} cut | {x} gain" for x in names[1:]) + " |",
-                "|" + "---|" * (2 + n + 2 * (n - 1))]
+                + " | ".join(f"{x} cut | {x} gain" for x in names[1:]) + " | s / doc |",
+                "|" + "---|" * (3 + n + 2 * (n - 1))]
         for r in ppl_rows:
             full, cut = r["loss_by_bucket"], r.get("windowed_loss_by_bucket")  # --cut-rows first: one row has it
             out.append(f"| {r['model']} | {r['attn']} | " + " | ".join(f"{v:.3f}" for v in full) + " | "
                        + " | ".join(f"{cut[k]:.3f} | {cut[k] - full[k]:+.3f}" if cut else "- | -" for k in range(1, n))
-                       + " |")
+                       + f" | {r['loss_seconds_per_doc']:.1f} |")
         out.append("")
     pk_rows = [r for r in rows if "passkey" in r]
     if pk_rows:
