@@ -248,11 +248,14 @@ BAND_OVERSHOOT = 1 / 16
 
 
 def default_band(original_length: int, target_length: int) -> dict:
-    """The local band of the default conversion (docs/contract.md 4.1): the band is the original
-    context L itself, so within L the model reads exactly as it was trained (every name equals
-    sdpa there); keys further back sit at Self-Extend's grouped positions, G = the smallest power
-    of two that keeps the farthest one (T - 1 back) within L * (1 + BAND_OVERSHOOT) of relative
-    position: (T - 1) // G + L - L // G <= L (1 + BAND_OVERSHOOT)."""
+    """The hf_dilated fields of the default conversion (docs/contract.md 4.1). The band is the
+    original context L itself, so within L the model reads exactly as it was trained (every name
+    equals sdpa there). Keys further back are all read (one level of dilation 1 covering the target:
+    measured on a real checkpoint, far keys on only some heads and queries, as dilated levels give,
+    lose what a pretrained model keeps at the start of its context; docs/benchmarks.md), at
+    Self-Extend's grouped positions, G = the smallest power of two that keeps the farthest key
+    (T - 1 back) within L * (1 + BAND_OVERSHOOT) of relative position:
+    (T - 1) // G + L - L // G <= L (1 + BAND_OVERSHOOT)."""
     check_int("original_length", original_length)
     check_int("target_length", target_length)
     if target_length <= original_length:
@@ -261,7 +264,10 @@ def default_band(original_length: int, target_length: int) -> dict:
     while (target_length - 1) // group + original_length - original_length // group > \
             original_length * (1 + BAND_OVERSHOOT):
         group *= 2
-    return {"local_window": original_length, "far_group": group}
+    segment = original_length
+    while segment < target_length:
+        segment *= 2
+    return {"local_window": original_length, "far_group": group, "segment_lengths": [segment], "dilation_rates": [1]}
 
 
 def default_schedule(first_segment: int, length: int) -> tuple[list[int], list[int]]:

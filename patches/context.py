@@ -151,10 +151,12 @@ def dilated_entry(config, context_length: int | None = None, **fields) -> dict:
         check_context_length(config, context_length)
         base = {k: existing[k] for k in _KEPT_ON_RECONVERT if k in existing}
         target = context_length
-        if existing.get("local_window") == original and existing.get("far_group", 1) > 1 and "far_group" not in fields:
-            base["far_group"] = default_band(original, max(target, original + 1))["far_group"]  # the default band's
         chosen = {k: existing[k] for k in ("segment_lengths", "dilation_rates") if k in existing}
-        if chosen and not {"segment_lengths", "dilation_rates"} & set(fields):
+        default_band_before = existing.get("local_window") == original and existing.get("far_group", 1) > 1
+        if default_band_before:  # an earlier default conversion: the default band of the new length
+            band = default_band(original, max(target, original + 1))
+            base.update({k: v for k, v in band.items() if k not in fields})
+        elif chosen and not {"segment_lengths", "dilation_rates"} & set(fields):
             default = DilatedConfig.default(original, existing.get("target_length") or original)
             if chosen != {"segment_lengths": default.segment_lengths, "dilation_rates": default.dilation_rates}:
                 warnings.warn(f"hf_dilated: the earlier conversion's own levels {chosen} were replaced by the default "

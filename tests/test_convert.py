@@ -55,7 +55,7 @@ def test_convert_writes_a_patched_copy_and_never_touches_src(source, tmp_path):
     # band, far keys at grouped positions that stay within 32 * (1 + 1/16) = 34 of relative position.
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
     cfg = DilatedConfig.from_dict(config["hf_dilated"])
-    assert (cfg.segment_lengths, cfg.dilation_rates) == ([32, 64, 128], [1, 2, 4])
+    assert (cfg.segment_lengths, cfg.dilation_rates) == ([128], [1])  # every far key, one level
     assert (cfg.original_length, cfg.target_length, cfg.mode) == (32, 128, "union")
     assert (cfg.local_window, cfg.far_group) == (32, 32)  # the smallest power of two that does
     assert 127 // 32 + 32 - 32 // 32 <= 34 < 127 // 16 + 32 - 32 // 16
@@ -510,3 +510,13 @@ def test_convert_removes_a_sliding_window_only_when_it_extends_the_context(tmp_p
     assert "sliding_window" not in capsys.readouterr().err
     assert json.loads((tmp_path / "same" / "config.json").read_text())["sliding_window"] == 16
     assert json.loads((src / "config.json").read_text())["sliding_window"] == 16  # the source is untouched
+
+
+def test_reconverting_a_default_conversion_gives_the_default_band_of_the_new_length(source, tmp_path):
+    first = convert_checkpoint(source, tmp_path / "a", context_length=64)
+    second = convert_checkpoint(first, tmp_path / "b", context_length=256)
+    a = DilatedConfig.from_dict(json.loads((first / "config.json").read_text())["hf_dilated"])
+    b = DilatedConfig.from_dict(json.loads((second / "config.json").read_text())["hf_dilated"])
+    assert (a.local_window, a.far_group, a.segment_lengths, a.dilation_rates) == (32, 16, [64], [1])
+    assert (b.local_window, b.far_group, b.segment_lengths, b.dilation_rates) == (32, 128, [256], [1])
+    assert json.loads((second / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
