@@ -112,7 +112,8 @@ echo "tiny-base part: $(( $(date +%s) - START )) s (output in $OUT/eval)"
 # converted with every default to 2L = 16K tokens, and read beside sdpa on held-out standard-library
 # sources of at least 2L tokens: loss by position (whole, and cut to L with the unconverted model),
 # chat passkeys more than L tokens back, forward time. One 16K forward costs minutes on a CPU; sizes:
-# REAL_DOCS documents, REAL_DEPTHS passkey depths (one sample each). REAL=0 skips the step.
+# REAL_DOCS documents, REAL_DEPTHS passkey depths (one sample each; one depth keeps the whole job near
+# 25 minutes on 2 cores). REAL=0 skips the step.
 if [ "${REAL:-1}" != 0 ]; then
     REAL_START=$(date +%s)
     REAL_LEN=16384
@@ -144,7 +145,7 @@ PICK
         --text "$OUT/heldout_real" --ppl-length "$REAL_LEN" --bucket 8192 --cut-rows first --samples 0 --no-cost \
         --lengths "$REAL_LEN" --batch-size 1 --output-dir "$OUT/eval_real/loss"
     hf-dilated eval --model "converted=$OUT/smollm2-16k@dilated,sdpa" --samples 1 \
-        --depths ${REAL_DEPTHS:-0.1 0.4} --lengths "$REAL_LEN" --no-cost --batch-size 1 \
+        --depths ${REAL_DEPTHS:-0.25} --lengths "$REAL_LEN" --no-cost --batch-size 1 \
         --output-dir "$OUT/eval_real/passkey"
     python - "$OUT/eval_real" <<'TARGETS'
 import json, sys
