@@ -222,3 +222,46 @@ def test_plain_inference_path_matches_reference(levels, window, heads, monkeypat
     assert taken
     ref = local_band_reference(q, k, v, list(seg), list(dil), window, q_far=q_far, k_far=k_far)
     assert (out.double() - ref).abs().max().item() < F32_TOL
+
+
+# --- the rules docs/contract.md binds every extension to: windows, non-causal calls, gradcheck ----
+
+@pytest.mark.parametrize("sliding_window", (4, 9, 30))
+@pytest.mark.parametrize("layout", ("plain", "left", "holes"))
+def test_sliding_window_on_top_of_the_band_matches_reference(layout, sliding_window, chunk):
+    case = replace(BASE, layout=layout, seed=40)
+    q, k, v, mask, pos, real_query = make_inputs(case, torch.float32)
+    far = far_projections(q, k, 2)
+    for q_len in (45, 6, 1):
+        out = run(case, q[:, :, -q_len:], k, v, mask, pos, 8, (far[0][:, :, -q_len:], far[1]),
+                  sliding_window=sliding_window)
+        ref = local_band_reference(q.double()[:, :, -q_len:], k.double(), v.double(), list(case.segment_lengths),
+                                   list(case.dilation_rates), 8, q_far=far[0].double()[:, :, -q_len:],
+                                   k_far=far[1].double(), attention_mask=mask, position_ids=pos,
+                                   sliding_window=sliding_window)
+        rows = real_query[:, None, -q_len:, None]
+        assert ((out.double() - ref) * rows).abs().max().item() < F32_TOL
+
+
+@pytest.mark.parametrize("layout", ("plain", "packed", "holes"))
+def test_non_causal_band_matches_reference(layout, chunk):
+    case = replace(BASE, layout=layout, seed=41)
+    q, k, v, mask, pos, real_query = make_inputs(case, torch.float32)
+    far = far_projections(q, k, 4)
+    out = run(case, q, k, v, mask, pos, 8, far, is_causal=False)
+    ref = local_band_reference(q.double(), k.double(), v.double(), list(case.segment_lengths),
+                               list(case.dilation_rates), 8, q_far=far[0].double(), k_far=far[1].double(),
+                               attention_mask=mask, position_ids=pos, is_causal=False)
+    assert ((out.double() - ref) * real_query[:, None, :, None]).abs().max().item() < F32_TOL
+
+
+@pytest.mark.parametrize("with_far", (False, True), ids=("one_projection", "far_projections"))
+def test_gradcheck_float64(with_far, chunk):
+    case = replace(BASE, layout="left", kv_len=13, segment_lengths=(4, 8), dilation_rates=(1, 2), batch=1, seed=42)
+    q, k, v, mask, pos, _ = make_inputs(case, torch.float64)
+    leaves = (q, k, v) + (far_projections(q, k, 5) if with_far else ())
+
+    def f(*t):
+        return run(case, *t[:3], mask, pos, 3, t[3:] if with_far else None)
+
+    assert torch.autograd.gradcheck(f, leaves, atol=1e-6)
