@@ -5,7 +5,8 @@ adding a row here.
 Each row's `run(q, k, v, settings, *, is_causal, attention_mask, position_ids, scale, dropout_p,
 group, layout, sliding_window)` takes the kernels' inputs (the layout of docs/contract.md 1;
 positions and padding by the kernels' rule of ops/token_layout.py; the window of
-docs/contract.md 3.3) and the settings named in `settings` (name -> default, None: required). The ring kinds take this rank's shards under a sequence-parallel `group`; with no
+docs/contract.md 3.3) and the settings named in `settings` (name -> default, None: required).
+The ring kinds take this rank's shards under a sequence-parallel `group`; with no
 group (or a group of one) each equals its single-process counterpart, so that fallback is written
 once, in hf_dilated.distributed. The ring layout reaches `run` resolved (an entry point resolves
 it once, hf_dilated.distributed.groups.resolve_group_layout).

@@ -14,9 +14,9 @@ which is exactly when greedy generation after the question produces the key (the
 digit would be the first one greedy decoding gets wrong). One forward pass per sample.
 
 Cost (`forward_cost`): wall time of a no-grad forward of the decoder (the model without its LM head)
-over one row of `length` tokens (median of a few calls after a warm-up) and the peak memory above what was held before it (CUDA: the
-allocator's peak; CPU: the resident high-water mark, reset through /proc/self/clear_refs where
-Linux allows it, under glibc settings that map each large block on its own so that the resident
+over one row of `length` tokens (median of a few calls after a warm-up) and the peak memory above
+what was held before it (CUDA: the allocator's peak; CPU: the resident high-water mark, reset
+through /proc/self/clear_refs where Linux allows it, under glibc settings that map each large block on its own so that the resident
 set follows the live tensors; elsewhere an upper bound, flagged).
 """
 from __future__ import annotations

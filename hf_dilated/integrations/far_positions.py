@@ -26,7 +26,8 @@ def rotary_frequencies(module) -> torch.Tensor:
         raise ValueError("far_group: grouped far positions need fixed rotary frequencies; dynamic NTK RoPE changes "
                          "them with the length (convert with --rope none or yarn, or set far_group to 1)")
     modeling = sys.modules[type(module).__module__]
-    classes = [obj for name, obj in vars(modeling).items() if name.endswith("RotaryEmbedding") and isinstance(obj, type)]
+    classes = [obj for name, obj in vars(modeling).items()
+               if name.endswith("RotaryEmbedding") and isinstance(obj, type)]
     if not classes:
         raise ValueError(f"far_group: {type(module).__name__} has no rotary embedding class beside it; grouped far "
                          "positions need RoPE (set far_group to 1)")

@@ -43,7 +43,7 @@ from .local_band import local_band_attention
 from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
 from ..config import DEFAULT_MODE, check_int
-from .token_layout import TokenLayout, token_layout
+from .token_layout import TokenLayout, first_key_within, token_layout
 from .validate import check_dilated_config, check_qkv, check_scale_dropout
 
 # Upper bound on the elements of one explicit bias block; larger ones are cut into row chunks.
@@ -217,26 +217,6 @@ def plan_levels(layout: TokenLayout, q_len, q_heads, kv_heads, seg, dil, mode, i
     return levels
 
 
-def _first_planned_index(layout: TokenLayout, q_len: int, w: int, window: int | None) -> int:
-    """The first key index a level of segment `w` can read when only the last q_len tokens are
-    queries (0 for a prefill). A key shares a segment with a query only within w - 1 positions, and
-    within a document positions advance by at least one per real token, so such a key is among the
-    last w - 1 *real* tokens before the first query: with holes in the mask that can lie more than
-    w - 1 indices back (counting indices instead lost keys of chunked prefills). A sliding window
-    hides keys more than window - 1 *indices* back. The plan starts at the nearer of the two."""
-    kv_len = layout.real.shape[1]
-    first = kv_len - q_len
-    if first <= 0:
-        return 0
-    real = layout.real.long()
-    before = real.cumsum(1) - real  # real tokens before each index
-    need = (before[:, first] - (w - 1)).clamp(min=0)  # per row: real tokens before the first key planned
-    lo = int(torch.searchsorted(before.contiguous(), need[:, None].contiguous()).min())
-    if window is not None:
-        lo = max(lo, first - (window - 1))
-    return lo
-
-
 @dataclass
 class _Rows:
     """A level's real tokens as rows (module docstring): table[c, i, t] is the key index of the
@@ -383,7 +363,8 @@ def _plan_level(layout: TokenLayout, shape: _Shape, w: int, r: int, prev_w: int 
     `heads`: its rows, query slots, head order, calls and gather indices. None when the level has
     no real token (decode, chunked prefill: no row that holds a query)."""
     first_query = shape.first_query
-    rows = _level_rows(layout, _first_planned_index(layout, shape.q_len, w, shape.window), w, r)
+    # A decode step or chunk plans only the keys some query's segment (or window) can reach.
+    rows = _level_rows(layout, first_key_within(layout, first_query, w, shape.window), w, r)
     if rows is not None and first_query > 0:
         rows = _rows_with_queries(rows, first_query)
     if rows is None:

@@ -21,7 +21,7 @@ import torch
 
 from .backend import attention_backward, attention_forward
 from .merge import merge_dtype, merge_into
-from .token_layout import TokenLayout, token_layout
+from .token_layout import TokenLayout, first_key_within, token_layout
 
 _CHUNK = 512  # queries per call: a (heads x chunk x keys) mask stays a few hundred MB at 16K keys
 
@@ -69,16 +69,11 @@ def _plan(layout, q_len, seg, dil, window, is_causal, sliding_window) -> _Plan:
     first query is beyond every band."""
     batch, kv_len = layout.real.shape
     first = kv_len - q_len
-    real = layout.real.long()
-    before = real.cumsum(1) - real  # real tokens before each index
     calls = []
     for s in range(0, q_len, _CHUNK):
         e = min(q_len, s + _CHUNK)
         stop = first + e if is_causal else kv_len
-        need = (before[:, first + s] - (window - 1)).clamp(min=0)
-        near_lo = int(torch.searchsorted(before.contiguous(), need[:, None].contiguous()).min())
-        if sliding_window is not None:
-            near_lo = max(near_lo, first + s - (sliding_window - 1))
+        near_lo = first_key_within(layout, first + s, window, sliding_window)
         # Within a document a position advances at most as far as the index (3.1), so a key W or more
         # positions before the chunk's last query lies at least W indices before it.
         far_stop = max(0, first + e - window) if is_causal else kv_len
@@ -226,10 +221,6 @@ def _offset_causal(q, k, v, d: int, scale: float):
     return out, lse
 
 
-def _merge_view(out, lse, o, part):
-    merge_into(out, lse, o, part.to(lse.dtype))
-
-
 def plain_forward(q, k, v, q_far, k_far, segment_lengths, dilation_rates, window: int, scale: float):
     """The same result as the masked calls, for plain layouts (plain_forward_applies)."""
     batch, n_heads, n, head_dim = q.shape
@@ -243,13 +234,13 @@ def plain_forward(q, k, v, q_far, k_far, segment_lengths, dilation_rates, window
     for s in range(0, n, block):
         e = min(n, s + block)
         o, part = attention_forward(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale)
-        _merge_view(out[:, :, s:e], lse[:, :, s:e], o, part)
+        merge_into(out[:, :, s:e], lse[:, :, s:e], o, part)
         lo = max(0, s - window + 1)
         if lo < s:  # key j in [lo, s) visible from query i in [s, e) when j > i - window
             qr, kr, vr = (t.flip(2) for t in (q[:, :, s:e], k[:, :, lo:s], v[:, :, lo:s]))
             # reversed: query x~ = e-1-i, key y~ = s-1-j; j > i - window  <=>  y~ <= x~ + (window - 1 - (e - s))
             o, part = _offset_causal(qr, kr, vr, window - 1 - (e - s), scale)
-            _merge_view(out[:, :, s:e], lse[:, :, s:e], o.flip(2), part.flip(2))
+            merge_into(out[:, :, s:e], lse[:, :, s:e], o.flip(2), part.flip(2))
     # Far: each union level's keys beyond the band, class by class (heads h = c mod r read class c).
     prev_w = None
     for w, r in zip(segment_lengths, dilation_rates):
@@ -280,6 +271,6 @@ def plain_forward(q, k, v, q_far, k_far, segment_lengths, dilation_rates, window
                     k_slice = slice(s_key * sub, (s_key + 1) * sub)
                     o, part = _offset_causal(q_part, kc[:, :, k_slice], vc[:, :, k_slice], d, scale)
                     o, part = o.unflatten(0, (batch, n // w)), part.unflatten(0, (batch, n // w))
-                    _merge_view(out_c[:, :, :, s * sub:(s + 1) * sub], lse_c[:, :, :, s * sub:(s + 1) * sub], o, part)
+                    merge_into(out_c[:, :, :, s * sub:(s + 1) * sub], lse_c[:, :, :, s * sub:(s + 1) * sub], o, part)
         prev_w = w
     return out.to(q.dtype)

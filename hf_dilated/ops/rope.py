@@ -15,7 +15,8 @@ def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
     ones (partial rotary, GPT-NeoX) are left as they are."""
     rot = 2 * inv_freq.shape[-1]
     if rot > x.shape[-1]:
-        raise ValueError(f"inv_freq: {inv_freq.shape[-1]} frequencies rotate {rot} dims, more than head_dim {x.shape[-1]}")
+        raise ValueError(f"inv_freq: {inv_freq.shape[-1]} frequencies rotate {rot} dims, more than head_dim "
+                         f"{x.shape[-1]}")
     angle = delta.to(torch.float64)[:, None, :, None] * inv_freq.to(device=x.device, dtype=torch.float64)
     angle = torch.cat([angle, angle], -1)
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)

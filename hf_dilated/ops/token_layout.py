@@ -73,3 +73,20 @@ def ranks_in_document(layout: TokenLayout) -> torch.Tensor:
     first = torch.full_like(before, none).scatter_reduce(  # `before` at each document's first real token
         -1, layout.doc, torch.where(layout.real, before, none), "amin")
     return (before - first.gather(-1, layout.doc)).clamp(min=0)
+
+
+def first_key_within(layout: TokenLayout, index: int, reach: int, window: int | None = None) -> int:
+    """The first key index that can lie within `reach` - 1 positions of the query at `index` (or
+    of any later query), over every row. Within a document positions advance by at least one per
+    real token, so such a key is among the last `reach` - 1 *real* tokens before `index`: with holes
+    in the mask it can lie more than `reach` - 1 indices back. A sliding `window` (counted in
+    indices, docs/contract.md 3.3) also hides keys more than `window` - 1 indices back."""
+    if index <= 0:
+        return 0
+    real = layout.real.long()
+    before = real.cumsum(1) - real  # real tokens before each index
+    need = (before[:, index] - (reach - 1)).clamp(min=0)  # per row: real tokens before the first key
+    lo = int(torch.searchsorted(before.contiguous(), need[:, None].contiguous()).min())
+    if window is not None:
+        lo = max(lo, index - (window - 1))
+    return lo
