@@ -15,15 +15,21 @@ from .groups import (
     get_sequence_parallel_group,
     get_sequence_parallel_layout,
     get_sequence_parallel_state,
+    rank_grid,
     reduce_loss,
     setup_sequence_parallel,
+    setup_sequence_parallel_from_mesh,
     shard_batch,
 )
+from .fsdp import FSDP_SHARDING, apply_fsdp2, build_mesh
 from .layout import padded_length, shard, shard_indices, unshard
 from .ring import ring_attention
 
 __all__ = [
+    "FSDP_SHARDING",
     "SequenceParallel",
+    "apply_fsdp2",
+    "build_mesh",
     "block_sparse_ring_attention",
     "bytes_sent",
     "destroy_sequence_parallel",
@@ -34,10 +40,12 @@ __all__ = [
     "get_sequence_parallel_layout",
     "get_sequence_parallel_state",
     "padded_length",
+    "rank_grid",
     "reduce_loss",
     "reset_bytes_sent",
     "ring_attention",
     "setup_sequence_parallel",
+    "setup_sequence_parallel_from_mesh",
     "shard",
     "shard_batch",
     "shard_indices",

@@ -11,7 +11,12 @@ Typical loop (the same code runs on one process, where there is no group and not
     batch = shard_batch(input_ids, labels=input_ids)      # this rank's part, labels shifted first
     out = model(**batch)                                  # loss = local sum / global token count
     loss = reduce_loss(out.loss)                          # value: the global loss, on every rank
-    loss.backward()                                       # then average gradients (DDP does)
+    loss.backward()                                       # then average gradients (DDP / FSDP2 do)
+
+The grid can also come from a torch DeviceMesh with a named sequence-parallel dimension
+(`setup_sequence_parallel_from_mesh(mesh, sp_dim="sp")`), the mesh FSDP2 (`fsdp.apply_fsdp2`)
+shards parameters over; the SP group is then that dimension's group, the DP group the other
+dimensions' together.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ class SequenceParallel:
     dp_size: int
     dp_rank: int
     layout: str
+    mesh: object = None  # the DeviceMesh the grid was taken from (setup_sequence_parallel_from_mesh), else None
 
 
 _STATE: SequenceParallel | None = None
@@ -75,6 +81,64 @@ def setup_sequence_parallel(sp_size: int, *, layout: str = DEFAULT_RING_LAYOUT, 
         if rank in ranks:
             dp_group = g
     _STATE = SequenceParallel(sp_group, dp_group, sp_size, rank % sp_size, dp_size, rank // sp_size, layout)
+    return _STATE
+
+
+def rank_grid(mesh, sp_dim: str = "sp") -> torch.Tensor:
+    """The global ranks of `mesh` as a (dp_size, sp_size) tensor: row d is one sequence-parallel
+    group (along `sp_dim`), column s one data-parallel group (every other dimension, flattened in
+    the mesh's order)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if sp_dim not in names:
+        raise ValueError(f"sp_dim {sp_dim!r} is not a dimension of the mesh (its dimensions: {names}); "
+                         "build it with mesh_dim_names, e.g. init_device_mesh('cpu', (dp, sp), "
+                         "mesh_dim_names=('dp_shard', 'sp'))")
+    index = names.index(sp_dim)
+    return mesh.mesh.movedim(index, -1).reshape(-1, mesh.mesh.shape[index])
+
+
+def setup_sequence_parallel_from_mesh(mesh, *, sp_dim: str = "sp", layout: str = DEFAULT_RING_LAYOUT,
+                                      timeout: timedelta | None = None) -> SequenceParallel:
+    """Like `setup_sequence_parallel`, with the grid of a DeviceMesh: the SP group is the group of
+    the mesh's `sp_dim` dimension (so FSDP2 over the same mesh and our ring kernels agree on which
+    ranks share a sequence), the DP group the ranks of the other dimensions at the same SP rank.
+
+    The mesh must span every process of the default group. A mesh of torch's `init_device_mesh`
+    (dimensions e.g. ("dp_shard", "sp")) works, and so does Accelerate's
+    `ParallelismConfig(dp_shard_size=D, cp_size=S).build_device_mesh(...)` with sp_dim="cp".
+    Every rank must call this, with the same arguments; `timeout` applies to a DP group that has
+    to be created (one spanning several of the mesh's dimensions), the mesh's own groups keep theirs.
+    """
+    global _STATE
+    check_layout(layout)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("setup_sequence_parallel_from_mesh: torch.distributed is not initialised; call "
+                           "init_process_group (or create an accelerate.Accelerator) first")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta or None, got {type(timeout).__name__}")
+    grid = rank_grid(mesh, sp_dim)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if grid.numel() != world:
+        raise ValueError(f"mesh spans {grid.numel()} processes, the default group {world}: the sequence-parallel "
+                         "grid must cover every process")
+    dp_size, sp_size = grid.shape
+    dp_rank, sp_rank = (int(i) for i in (grid == rank).nonzero()[0])
+    sp_group = mesh.get_group(sp_dim)
+    others = [n for n in mesh.mesh_dim_names if n != sp_dim]
+    if len(others) == 1:
+        dp_group = mesh.get_group(others[0])
+    else:  # none (dp_size 1) or several: one group per column of the grid, created in order by every rank
+        kwargs = {"timeout": timeout if timeout is not None else _default_group_timeout()}
+        dp_group = None
+        for s in range(sp_size):
+            g = dist.new_group(grid[:, s].tolist(), **kwargs)
+            if s == sp_rank:
+                dp_group = g
+    _STATE = SequenceParallel(sp_group, dp_group, sp_size, sp_rank, dp_size, dp_rank, layout, mesh)
     return _STATE
 
 
