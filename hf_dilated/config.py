@@ -31,6 +31,9 @@ RING_LAYOUTS = ("zigzag", "contiguous")  # docs/contract.md 6
 DEFAULT_RING_LAYOUT = "zigzag"  # of setup_sequence_parallel and the ring kernels
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_ATTN_IMPLEMENTATION = "dilated"  # of patch, patch_family and hf-dilated convert
+# Calls with at most this many queries against a longer cache (a decode step, a few speculative
+# tokens) take the strided decode path of ops/dilated_decode.py when their rows allow it.
+DECODE_MAX_QUERIES = 8
 
 
 # --- the checks of single settings ---------------------------------------------------------------

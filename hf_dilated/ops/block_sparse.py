@@ -39,6 +39,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from .backend import attention_backward, attention_forward
+from ..config import DECODE_MAX_QUERIES
+from .block_sparse_decode import block_sparse_decode
 from .block_patterns import AdaptivePattern, CustomPattern, make_pattern
 from .merge import merge_dtype, merge_into
 from .token_layout import token_layout
@@ -87,6 +89,11 @@ def block_sparse_attention(q, k, v, pattern, *, block_size, is_causal=True, scal
             f"pattern: a custom layout needs 1 or q_heads ({q_heads}) heads, got {pattern.layout.shape[0]}"
         )
     scale = float(scale) if scale is not None else q.shape[-1] ** -0.5
+    if q.shape[2] <= DECODE_MAX_QUERIES and q.shape[2] < k.shape[2] and is_causal and not return_layout:
+        out = block_sparse_decode(q, k, v, pattern, block_size=block_size, scale=scale, attention_mask=attention_mask,
+                                  position_ids=position_ids, sliding_window=sliding_window)
+        if out is not None:
+            return out
 
     st = _structure(q.shape[0], q.shape[2], k.shape[2], block_size, q.device, attention_mask, position_ids)
     layout, rows = _layout(pattern, q, k, st)

@@ -42,7 +42,8 @@ from .backend import attention_backward, attention_forward
 from .local_band import local_band_attention
 from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
-from ..config import DEFAULT_MODE, check_int
+from ..config import DECODE_MAX_QUERIES, DEFAULT_MODE, check_int
+from .dilated_decode import dilated_decode
 from .token_layout import TokenLayout, first_key_within, token_layout
 from .validate import check_dilated_config, check_qkv, check_scale_dropout
 
@@ -134,6 +135,13 @@ def dilated_attention(
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if local_window is not None or q_far is not None or k_far is not None:
         _check_local_band(q, k, mode, local_window, q_far, k_far)
+    if q.shape[2] <= DECODE_MAX_QUERIES and q.shape[2] < k.shape[2] and is_causal and dropout_p == 0.0:
+        out = dilated_decode(q, k, v, seg, dil, mode, scale=scale, attention_mask=attention_mask,
+                             position_ids=position_ids, sliding_window=sliding_window, local_window=local_window,
+                             q_far=q_far, k_far=k_far)
+        if out is not None:
+            return out
+    if local_window is not None:
         return local_band_attention(q, k, v, seg, dil, local_window=local_window, q_far=q_far, k_far=k_far,
                                     is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                                     attention_mask=attention_mask, position_ids=position_ids,

@@ -21,7 +21,8 @@ def merge_partial(out_a, lse_a, out_b, lse_b):
     sigmoid(lse_b - lse_a), and out = lerp(out_a, out_b, weight): one fused pass over the outputs.
     """
     lse = torch.logaddexp(lse_a, lse_b)
-    weight_b = torch.sigmoid(lse_b - lse_a).nan_to_num_(0.0)  # both -inf: nothing to take from b
+    # both -inf: nothing to take from b (out of place: autograd keeps the sigmoid for its backward)
+    weight_b = torch.sigmoid(lse_b - lse_a).nan_to_num(0.0)
     out = torch.lerp(out_a, out_b.to(out_a.dtype), weight_b.unsqueeze(-1).to(out_a.dtype))
     return out, lse
 

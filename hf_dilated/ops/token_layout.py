@@ -90,3 +90,32 @@ def first_key_within(layout: TokenLayout, index: int, reach: int, window: int | 
     if window is not None:
         lo = max(lo, index - (window - 1))
     return lo
+
+
+def regular_rows(batch: int, kv_len: int, device, attention_mask=None, position_ids=None):
+    """(first, shift) when every row's real tokens are one run to the end of the row at consecutive
+    positions: row b's real tokens are indices first[b] .. kv_len - 1, one document, the token at
+    index j at position j + shift[b] (what an unpadded or left-padded cache gives). Lists of ints;
+    None when some row is not regular (holes, packing, right padding). With neither mask nor
+    positions this decides from the shapes alone, reading no tensor."""
+    if attention_mask is None and position_ids is None:
+        return [0] * batch, [0] * batch
+    index = torch.arange(kv_len, device=device)
+    if attention_mask is not None:
+        real = attention_mask.to(device=device, dtype=torch.bool).expand(batch, kv_len)
+        count = real.sum(-1)
+        first = kv_len - count
+        # one run to the end: exactly the last `count` tokens are real
+        if not bool((real == (index >= first[:, None])).all()):
+            return None
+    else:
+        first = torch.zeros(batch, dtype=torch.long, device=device)
+    if position_ids is None:
+        shift = -first
+    else:
+        positions = position_ids.to(device=device, dtype=torch.long).expand(batch, kv_len)
+        offset = positions - index
+        shift = offset.gather(1, first.clamp(max=kv_len - 1)[:, None]).squeeze(1)
+        if not bool(((offset == shift[:, None]) | (index < first[:, None])).all()):
+            return None
+    return first.tolist(), shift.tolist()

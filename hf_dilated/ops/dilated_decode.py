@@ -1,0 +1,146 @@
+"""Dilated attention for a few queries against a long cache (a decode step, a few speculative
+tokens), exact to docs/contract.md 4 and 4.1, reading only the keys each query may see.
+
+How it is computed. For the query at position p, level g (segment w, dilation r) involves only
+the heads of offset o = (p mod w) mod r (h mod r == o), and each of those reads one residue class
+of its segment: positions S + o, S + o + r, ... with S = p - p mod w, up to p ("union" stops
+level g >= 2 before the query's level-(g-1) sub-segment, whose keys the lower levels already
+hold; a local band takes the last `local_window` positions and leaves the levels the keys before
+it). When a row's real tokens are one run at consecutive positions (no padding, or left padding:
+ops/token_layout.regular_rows), those keys are a *strided view* of the cache,
+`k[..., start : stop : r, :]`, so a step plans in O(levels) from p alone and reads
+sum_g w_g / r_g keys per participating kv head, not the cache. Per (query, level) one small
+attention over the view gives (out, lse), merged by log-sum-exp (merge.py) into the query's
+participating heads. Heads that read the same class from one kv head stay batched: with r
+dividing the group size they are the kv head's heads o, o + r, ...; with the group size dividing
+r they sit on kv heads o // G, o // G + r / G, ... (a strided view of the kv heads too).
+
+Rows that are not regular (holes in the mask, packed documents, right padding) return None: the
+caller runs the general path. `COUNTS` tallies both outcomes so that a benchmark can say how
+often its layouts fell back.
+"""
+from __future__ import annotations
+
+import torch
+
+from .merge import merge_dtype, merge_into, merge_partial
+from .token_layout import regular_rows
+
+COUNTS = {"strided": 0, "fallback": 0}
+
+
+def dilated_decode(q, k, v, seg, dil, mode, *, scale, attention_mask=None, position_ids=None,
+                   sliding_window=None, local_window=None, q_far=None, k_far=None):
+    """Inputs as `dilated_attention` (validated there; causal, no dropout, q_len < kv_len).
+    Returns the output, or None when some row is not regular."""
+    batch, kv_len = k.shape[0], k.shape[2]
+    rows = regular_rows(batch, kv_len, k.device, attention_mask, position_ids)
+    q_len = q.shape[2]
+    if rows is None or min(rows[0]) > kv_len - q_len:  # a padded query: not one run to the end
+        COUNTS["fallback"] += 1
+        return None
+    COUNTS["strided"] += 1
+    first, shift = rows
+    acc = torch.zeros(q.shape, dtype=merge_dtype(q.dtype), device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc.dtype, device=q.device)
+    groups = [list(range(batch))] if len(set(zip(first, shift))) == 1 else [[b] for b in range(batch)]
+    far = (q, k) if q_far is None else (q_far, k_far)
+    for rows_ in groups:
+        b = slice(rows_[0], rows_[-1] + 1)
+        for t in range(q_len):
+            index = kv_len - q_len + t
+            for part in _parts(index, first[rows_[0]], shift[rows_[0]], q.shape[1], k.shape[1], seg, dil, mode,
+                               sliding_window, local_window):
+                qq, kk = far if part.far else (q, k)
+                _attend(acc[b, :, t], lse[b, :, t], qq[b, :, t], kk[b], v[b], part, scale)
+    return acc.to(q.dtype)
+
+
+class _Part:
+    """Keys start, start + step, ... (count of them) of the cache, read by the query heads
+    h0, h0 + h_step, ... (n_heads of them); `far`: scored with q_far / k_far."""
+
+    __slots__ = ("start", "step", "count", "h0", "h_step", "n_heads", "far")
+
+    def __init__(self, start, step, count, h0, h_step, n_heads, far):
+        self.start, self.step, self.count = start, step, count
+        self.h0, self.h_step, self.n_heads, self.far = h0, h_step, n_heads, far
+
+
+def _parts(index, first, shift, q_heads, kv_heads, seg, dil, mode, sliding_window, local_window):
+    """The key runs the query at cache index `index` reads (docs/contract.md 4, 4.1), disjoint
+    for "union" (a key once), one per level for "longnet" (a multiset)."""
+    p = index + shift
+    lowest = max(first, 0 if sliding_window is None else index - sliding_window + 1)  # first visible index
+    parts = []
+    levels_end = index  # last index the levels read: all, or the keys before a band
+    if local_window is not None:
+        start = max(lowest, index - local_window + 1)
+        parts.append(_Part(start, 1, index - start + 1, 0, 1, q_heads, False))
+        levels_end = index - local_window
+    if mode == "head_groups":
+        bounds = _head_group_bounds(q_heads, len(seg))
+    for g, (w, r) in enumerate(zip(seg, dil)):
+        o = (p % w) % r
+        lo_h, hi_h = bounds[g] if mode == "head_groups" else (0, q_heads)
+        h0 = lo_h + (o - lo_h) % r  # first head of offset o in [lo_h, hi_h)
+        if h0 >= hi_h:
+            continue
+        n_heads = (hi_h - 1 - h0) // r + 1
+        end = levels_end
+        if mode == "union" and g > 0:
+            end = min(end, index - p % seg[g - 1] - 1)  # before the query's level-(g-1) sub-segment
+        start = index - p % w + o  # the first key of offset o in the query's segment
+        if start < lowest:
+            start += -(-(lowest - start) // r) * r
+        if end < start:
+            continue
+        parts.append(_Part(start, r, (end - start) // r + 1, h0, r, n_heads, local_window is not None))
+    return parts
+
+
+def _head_group_bounds(q_heads, num_groups):
+    base, extra = divmod(q_heads, num_groups)
+    bounds, lo = [], 0
+    for g in range(num_groups):
+        hi = lo + base + (g < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def _attend(acc, lse, q, k, v, part: _Part, scale):
+    """Merges one part into acc (rows, heads, d) / lse (rows, heads): q (rows, heads, d), k and v
+    (rows, kv_heads, n, d), all views."""
+    group = q.shape[1] // k.shape[1]
+    h0, hs, nh = part.h0, part.h_step, part.n_heads
+    stop = part.start + (part.count - 1) * part.step + 1
+    keys, values = k[:, :, part.start:stop:part.step], v[:, :, part.start:stop:part.step]
+    heads = slice(h0, h0 + (nh - 1) * hs + 1, hs)
+    qh = q[:, heads]  # (rows, nh, d)
+    if group % hs == 0 and h0 % group < hs and nh % (group // hs) == 0:
+        # the heads of one kv head that read this class are consecutive in `heads`
+        per_kv = group // hs
+        kv = slice(h0 // group, h0 // group + nh // per_kv)
+        qh = qh.unflatten(1, (nh // per_kv, per_kv))  # (rows, kv, per_kv, d)
+        keys, values = keys[:, kv], values[:, kv]
+    elif hs % group == 0:  # one head per kv head, on kv heads h0 // G, h0 // G + hs / G, ...
+        kv0, ks = h0 // group, hs // group
+        qh = qh.unsqueeze(2)  # (rows, nh, 1, d)
+        keys, values = keys[:, kv0:kv0 + (nh - 1) * ks + 1:ks], values[:, kv0:kv0 + (nh - 1) * ks + 1:ks]
+    else:
+        kv = torch.arange(h0, h0 + (nh - 1) * hs + 1, hs, device=q.device) // group
+        qh = qh.unsqueeze(2)
+        keys, values = keys.index_select(1, kv), values.index_select(1, kv)
+    scores = torch.matmul(qh, keys.transpose(-1, -2)).to(acc.dtype) * scale  # (rows, kv, per_kv, n)
+    part_lse = torch.logsumexp(scores, -1)
+    probs = torch.exp(scores - part_lse.unsqueeze(-1)).to(values.dtype)
+    out = torch.matmul(probs, values)  # (rows, kv, per_kv, d)
+    out, part_lse = out.flatten(1, 2), part_lse.flatten(1, 2)
+    if torch.is_grad_enabled() and (out.requires_grad or acc.requires_grad):
+        # merge_into writes through out=, which autograd refuses: merge copies out of place (the
+        # backward keeps them), then write the result in
+        out, part_lse = merge_partial(acc[:, heads].clone(), lse[:, heads].clone(), out, part_lse)
+        acc[:, heads], lse[:, heads] = out, part_lse
+    else:
+        merge_into(acc[:, heads], lse[:, heads], out, part_lse)

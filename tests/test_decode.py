@@ -1,0 +1,173 @@
+"""The decode paths (ops/dilated_decode.py, ops/block_sparse_decode.py): a few queries against a
+long cache read only the keys they may see. Checked against the independent float64 reference of
+tests/reference.py in every layout a decode step meets (no padding, left padding, positions that
+do not start at 0, sliding windows, a local band with far projections, GQA in every head/class
+arrangement, every mode), and each test asserts which path ran: the strided path where the rows
+allow it, the general path (counted as a fallback) where they do not."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hf_dilated.ops import block_sparse_attention, dilated_attention
+from hf_dilated.ops import block_sparse_decode as bs_decode
+from hf_dilated.ops import dilated_decode
+from reference import block_sparse_reference, dilated_reference, local_band_reference
+
+F64_TOL = 1e-10
+LOW_TOL = 2e-2  # docs/contract.md 8: bfloat16 / float16
+N, BATCH, DIM = 75, 3, 8
+
+# (segment_lengths, dilation_rates), all nested (as "union" needs): dilation below, equal to and
+# above the GQA group, and one where neither divides the other (the generic head mapping)
+LEVELS = [((8,), (1,)), ((8, 16, 32), (1, 2, 4)), ((4, 16, 64), (2, 4, 16)), ((8, 16, 32, 64), (1, 2, 4, 8)),
+          ((6, 12), (1, 3))]
+HEADS = [(8, 2), (4, 4), (6, 3), (8, 1), (6, 2)]
+
+
+def _layout(kind: str):
+    """(attention_mask, position_ids) of a regular cache: none, left padding (row lengths 75, 70,
+    58), left padding with explicit positions, or positions starting at 0, 3 and 40."""
+    if kind == "plain":
+        return None, None
+    mask = torch.ones(BATCH, N, dtype=torch.long)
+    mask[1, :5] = 0
+    mask[2, :17] = 0
+    if kind == "left":
+        return mask, None
+    if kind == "left_positions":
+        return mask, (mask.cumsum(-1) - 1).clamp(min=0)
+    return None, torch.arange(N).expand(BATCH, N) + torch.tensor([0, 3, 40])[:, None]
+
+
+def _qkv(q_heads, kv_heads, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(BATCH, h, N, DIM, generator=g, dtype=dtype) for h in (q_heads, kv_heads, kv_heads))
+
+
+def _strided_runs(fn):
+    before = dilated_decode.COUNTS["strided"]
+    out = fn()
+    return out, dilated_decode.COUNTS["strided"] - before
+
+
+CASES = list(itertools.product(LEVELS, ("union", "longnet", "head_groups"), HEADS))
+
+
+@pytest.mark.parametrize("levels,mode,heads", CASES, ids=[f"{l[0]}x{l[1]}-{m}-{h[0]}/{h[1]}" for l, m, h in CASES])
+def test_dilated_decode_matches_reference(levels, mode, heads):
+    seg, dil = levels
+    q, k, v = _qkv(*heads, seed=sum(seg) + heads[0])
+    for kind, q_len, window in itertools.product(("plain", "left", "left_positions", "shifted"), (1, 3), (None, 20)):
+        mask, pos = _layout(kind)
+        ref = dilated_reference(q, k, v, list(seg), list(dil), mode, attention_mask=mask, position_ids=pos,
+                                sliding_window=window)
+        out, strided = _strided_runs(lambda: dilated_attention(
+            q[:, :, -q_len:], k, v, list(seg), list(dil), mode=mode, attention_mask=mask, position_ids=pos,
+            sliding_window=window))
+        assert strided == 1, (kind, q_len, window)
+        err = (out - ref[:, :, -q_len:]).abs().max().item()
+        assert err < F64_TOL, (kind, q_len, window, err)
+
+
+@pytest.mark.parametrize("far", [False, True], ids=["same_projections", "far_projections"])
+def test_local_band_decode_matches_reference(far):
+    for (seg, dil), heads, kind, q_len, band, window in itertools.product(
+            LEVELS[:4], HEADS[:3], ("plain", "left", "shifted"), (1, 2), (5, 16), (None, 12)):
+        q, k, v = _qkv(*heads, seed=band + q_len)
+        q_far, k_far = (torch.randn_like(q), torch.randn_like(k)) if far else (None, None)
+        mask, pos = _layout(kind)
+        ref = local_band_reference(q, k, v, list(seg), list(dil), band, q_far=q_far, k_far=k_far,
+                                   attention_mask=mask, position_ids=pos, sliding_window=window)
+        out, strided = _strided_runs(lambda: dilated_attention(
+            q[:, :, -q_len:], k, v, list(seg), list(dil), local_window=band,
+            q_far=None if q_far is None else q_far[:, :, -q_len:], k_far=k_far,
+            attention_mask=mask, position_ids=pos, sliding_window=window))
+        assert strided == 1
+        err = (out - ref[:, :, -q_len:]).abs().max().item()
+        assert err < F64_TOL, (seg, heads, kind, q_len, band, window, err)
+
+
+def test_irregular_rows_fall_back_and_stay_exact():
+    """Holes in the mask, right padding and packed documents are not one run at consecutive
+    positions: the general path runs, and is counted."""
+    q, k, v = _qkv(8, 2, seed=3)
+    seg, dil = [8, 16, 32], [1, 2, 4]
+    holes = torch.ones(BATCH, N, dtype=torch.long)
+    holes[0, 30:33] = 0
+    packed = torch.cat([torch.arange(40), torch.arange(N - 40)]).expand(BATCH, N)
+    for mask, pos in ((holes, None), (None, packed)):
+        ref = dilated_reference(q, k, v, seg, dil, attention_mask=mask, position_ids=pos)
+        before = dict(dilated_decode.COUNTS)
+        out = dilated_attention(q[:, :, -2:], k, v, seg, dil, attention_mask=mask, position_ids=pos)
+        assert dilated_decode.COUNTS["fallback"] == before["fallback"] + 1
+        assert dilated_decode.COUNTS["strided"] == before["strided"]
+        assert (out - ref[:, :, -2:]).abs().max().item() < F64_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dilated_decode_low_precision(dtype):
+    q, k, v = _qkv(8, 2, seed=5)
+    seg, dil = [8, 16, 32], [1, 2, 4]
+    mask, _ = _layout("left")
+    ref = dilated_reference(q, k, v, seg, dil, attention_mask=mask)
+    out, strided = _strided_runs(lambda: dilated_attention(
+        q[:, :, -1:].to(dtype), k.to(dtype), v.to(dtype), seg, dil, attention_mask=mask))
+    assert strided == 1 and out.dtype == dtype
+    assert (out.double() - ref[:, :, -1:]).abs().max().item() < LOW_TOL
+
+
+def test_dilated_decode_gradients_match_reference():
+    """The strided path is plain torch ops: autograd gives the gradients (a decode step under
+    training, e.g. a few tokens scored against a cache)."""
+    q, k, v = _qkv(8, 2, seed=9)
+    seg, dil = [8, 16, 32], [1, 2, 4]
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out, strided = _strided_runs(lambda: dilated_attention(q[:, :, -3:], k, v, seg, dil))
+    assert strided == 1
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref = dilated_reference(q, k, v, seg, dil)[:, :, -3:]
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for g, r in zip(grads, ref_grads):
+        assert (g - r).abs().max().item() < F64_TOL
+
+
+PATTERNS = [{"type": "local", "window": 2}, {"type": "dilated", "window": 1, "stride": 3},
+            {"type": "global_local", "global_blocks": 1, "window": 2},
+            {"type": "hierarchical", "levels": [[2, 1], [1, 3]]}]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=[p["type"] for p in PATTERNS])
+def test_block_sparse_decode_matches_reference(pattern):
+    for heads, kind, q_len, window, block in itertools.product(HEADS[:3], ("plain", "left", "shifted"), (1, 3),
+                                                               (None, 20), (4, 8)):
+        q, k, v = _qkv(*heads, seed=block + q_len)
+        mask, pos = _layout(kind)
+        _, layout = block_sparse_attention(q, k, v, pattern, block_size=block, attention_mask=mask, position_ids=pos,
+                                           sliding_window=window, return_layout=True)
+        ref = block_sparse_reference(q, k, v, layout, block, attention_mask=mask, position_ids=pos,
+                                     sliding_window=window)
+        before = bs_decode.COUNTS["gathered"]
+        out = block_sparse_attention(q[:, :, -q_len:], k, v, pattern, block_size=block, attention_mask=mask,
+                                     position_ids=pos, sliding_window=window)
+        assert bs_decode.COUNTS["gathered"] == before + 1
+        err = (out - ref[:, :, -q_len:]).abs().max().item()
+        assert err < F64_TOL, (heads, kind, q_len, window, block, err)
+
+
+def test_block_sparse_decode_custom_layout_and_fallbacks():
+    q, k, v = _qkv(8, 2, seed=11)
+    shared = torch.rand(1, 10, 10, generator=torch.Generator().manual_seed(1)) > 0.5
+    per_head = torch.rand(8, 10, 10, generator=torch.Generator().manual_seed(2)) > 0.5
+    holes = torch.ones(BATCH, N, dtype=torch.long)
+    holes[1, 20:25] = 0
+    for layout, mask, path in ((shared, None, "gathered"), (per_head, None, "fallback"), (shared, holes, "fallback")):
+        pattern = {"type": "custom", "layout": layout}
+        _, used = block_sparse_attention(q, k, v, pattern, block_size=8, attention_mask=mask, return_layout=True)
+        ref = block_sparse_reference(q, k, v, used, 8, attention_mask=mask)
+        before = dict(bs_decode.COUNTS)
+        out = block_sparse_attention(q[:, :, -2:], k, v, pattern, block_size=8, attention_mask=mask)
+        assert bs_decode.COUNTS[path] == before[path] + 1
+        assert (out - ref[:, :, -2:]).abs().max().item() < F64_TOL
