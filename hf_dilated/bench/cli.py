@@ -5,7 +5,7 @@ when a benchmark runs.
 
     hf-dilated bench kernels        every attention variant against sdpa (+ --search, --million)
     hf-dilated bench block-sparse   block-sparse against sdpa and FlexAttention with the same mask
-    hf-dilated bench decode         one token against a KV cache of N tokens, dilated vs sdpa
+    hf-dilated bench decode         one token against a KV cache of N tokens, each kernel vs sdpa; generate()
     hf-dilated bench window         a sliding window (Mistral) over N tokens, ring / dilated vs sdpa
     hf-dilated bench distributed    ring / dilated_ring over 1, 2, ... gloo processes
     hf-dilated bench e2e            a tiny Llama's training step with each attn_implementation
@@ -29,27 +29,28 @@ PROFILES = {
         segment_lengths=[2048, 4096, 8192, 16384, 32768], dilation_rates=[1, 2, 4, 8, 16], search=True,
         budget_gib=4.0, search_start=4096, search_max=1 << 21, search_timeout=120.0, bisect_steps=3,
         e2e_lengths=[4096, 16384], case_timeout=1800.0, flex=True, distributed=True, processes=[1, 2],
-        contexts=[8192, 32768, 131072], original=4096,
+        contexts=[8192, 32768, 131072, 524288, 1048576], original=4096, gen_prompt=32768,
     ),
     "quick": dict(
         lengths=[1024, 4096], dtypes=["float32"], warmup=1, repeats=3,
         segment_lengths=[256, 512, 1024, 2048, 4096], dilation_rates=[1, 2, 4, 8, 16], search=False,
         budget_gib=0.25, search_start=2048, search_max=1 << 16, search_timeout=20.0, bisect_steps=0,
         e2e_lengths=[1024], case_timeout=120.0, flex=False, distributed=False, processes=[1, 2],
-        contexts=[4096, 16384], original=1024,
+        contexts=[4096, 16384], original=1024, gen_prompt=2048,
     ),
     "smoke": dict(
         lengths=[128, 256], dtypes=["float32"], warmup=0, repeats=2,
         segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4], search=True, budget_gib=6 / 1024,
         search_start=256, search_max=1024, search_timeout=30.0, bisect_steps=1,
         e2e_lengths=[128], case_timeout=120.0, flex=False, distributed=False, processes=[1, 2],
-        contexts=[256, 1024], original=64,
+        contexts=[256, 1024], original=64, gen_prompt=128,
     ),
 }
 # Values no profile changes.
 DEFAULTS = dict(out="bench-results", device=None, threads=None, batch=1, heads=8, kv_heads=None, head_dim=64,
                 block_size=256, block_pattern=None, variants=None, million=False, e2e=True, e2e_impls=None,
-                distributed_length=None, window=None)
+                distributed_length=None, distributed_kernels=None, window=None, gen_new=64, gen_layers=4,
+                gen_intermediate=1024, gen_vocab=32000, gen_caches=["dynamic", "static"])
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -117,6 +118,18 @@ def _distributed(p):
     p.add_argument("--processes", type=_ints, help="process counts (default: 1,2)")
     p.add_argument("--distributed-length", type=int,
                    help="global sequence length (default: the longest of --lengths up to 8192)")
+    p.add_argument("--distributed-kernels", type=_distributed_kernels,
+                   help="sequence-parallel kernels, comma separated (default: ring,dilated_ring,block_sparse_ring)")
+
+
+def _distributed_kernels(text: str) -> list[str]:
+    from .distributed import KERNELS
+
+    names = _names(text)
+    unknown = sorted(set(names) - set(KERNELS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose among {', '.join(KERNELS)}")
+    return names
 
 
 def _e2e(p):
@@ -130,6 +143,15 @@ def _decode(p):
     p.add_argument("--heads", type=int, help="query heads (default: 32)")
     p.add_argument("--kv-heads", type=int, help="default: 8")
     p.add_argument("--head-dim", type=int, help="default: 128")
+    p.add_argument("--block-size", type=int, help=f"block-sparse rows: block size (default: {DEFAULTS['block_size']})")
+    p.add_argument("--block-pattern", type=json.loads, help="block-sparse rows: pattern as JSON")
+    p.add_argument("--gen-prompt", type=int, help="generate() rows: prompt tokens (0: no generate rows)")
+    p.add_argument("--gen-new", type=int, help=f"generate() rows: new tokens (default: {DEFAULTS['gen_new']})")
+    p.add_argument("--gen-layers", type=int, help=f"generate() model: layers (default: {DEFAULTS['gen_layers']})")
+    p.add_argument("--gen-intermediate", type=int,
+                   help=f"generate() model: MLP width (default: {DEFAULTS['gen_intermediate']})")
+    p.add_argument("--gen-vocab", type=int, help=f"generate() model: vocabulary (default: {DEFAULTS['gen_vocab']})")
+    p.add_argument("--gen-caches", type=_names, help="generate() rows: dynamic,static (default: both)")
 
 
 def _window(p):
@@ -157,7 +179,7 @@ SUBCOMMANDS = {
                 (_common, _shape, _pattern, _kernels), _kernel_sections, {}),
     "block-sparse": ("block-sparse against sdpa and FlexAttention with the same mask, interleaved rounds",
                      (_common, _shape, _pattern), lambda s: ["block_sparse"], {}),
-    "decode": ("one new token against a KV cache of N tokens, dilated vs sdpa",
+    "decode": ("one new token against a KV cache of N tokens, each kernel vs sdpa; generate() at a long prompt",
                (_common, _decode), lambda s: ["decode"], dict(heads=32, kv_heads=8, head_dim=128)),
     "window": ("a sliding window over N tokens: ring / dilated with the window vs sdpa with its mask",
                (_common, _shape, _window), lambda s: ["window"], {}),
@@ -205,10 +227,16 @@ def resolve_settings(args) -> dict:
     bad = sorted(set(s["dtypes"]) - set(DTYPE_NAMES))
     if bad:
         raise ValueError(f"--dtypes: unknown {bad}; choose among {', '.join(DTYPE_NAMES)}")
-    counts = s["lengths"] + s["contexts"] + s["processes"] + ([] if s["threads"] is None else [s["threads"]])
+    counts = (s["lengths"] + s["contexts"] + s["processes"] + [s["gen_new"], s["gen_layers"], s["gen_intermediate"],
+              s["gen_vocab"]] + ([] if s["threads"] is None else [s["threads"]]))
     if any(n <= 0 for n in counts):
         raise ValueError("--lengths, --contexts, --processes and --threads must be positive")
     check_dilated_config(s["segment_lengths"], s["dilation_rates"], "union")
+    if s["gen_prompt"] < 0:
+        raise ValueError(f"--gen-prompt must be 0 (no generate rows) or positive, got {s['gen_prompt']}")
+    bad = sorted(set(s["gen_caches"]) - {"dynamic", "static"})
+    if bad:
+        raise ValueError(f"--gen-caches: unknown {bad}; choose among dynamic, static")
     if s.get("window") is None:
         s["window"] = max(1, min(s["lengths"]) // 4)
     if s["window"] <= 0:

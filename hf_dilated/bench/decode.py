@@ -1,14 +1,26 @@
-"""Decode benchmark: one new token against a KV cache of N tokens, dilated attention vs sdpa.
+"""Decode benchmark: one new token against a KV cache of N tokens, each of our kernels vs sdpa, and
+the figure a user sees, `generate()` on a Llama-shaped model with a long prompt.
 
-A decode step of dilated attention gathers, per level, only the w_g / r_g keys of the query's
-segment that its head selects, so its cost follows sum_g w_g / r_g, not N. The configuration is
-the documented default for a checkpoint pretrained at --original tokens and extended to N
-(DilatedConfig.default: segments original * 2^g, dilations 2^g). One process per (context, dtype);
-the two are timed in interleaved rounds and their memory measured after (measure.py).
+Kernel rows. The dilated configuration is the documented schedule for a checkpoint pretrained at
+--original tokens and extended to N (DilatedConfig.default: segments original * 2^g, dilations
+2^g); "dilated+band" adds the local band of `original` keys (docs/contract.md 4.1); block-sparse
+uses the benchmark's block pattern. sdpa runs as transformers runs it for one query with grouped
+heads and a mask (the query heads packed per kv head, no K/V repeat: the faster of its two forms
+on CPU). Every row also gives the K/V rows the step reads (computed from the plan: kv head x key)
+and the "limit": sdpa's rows over ours, the speedup a step that only read memory would reach.
+One process per (context, dtype); the variants are timed in interleaved rounds and their memory
+measured after (measure.py). `ring`, `dilated_ring` and `block_sparse_ring` on one process run
+these same kernels.
+
+Generate rows. LlamaForCausalLM with random weights and the given shapes, a prompt of
+--gen-prompt random tokens, --gen-new greedy tokens, with DynamicCache and StaticCache: prefill
+seconds (prompt to first token) and decode tokens/s (the remaining tokens), timed inside
+`generate()` by a logits processor that stamps each step. One process per (name, cache).
 """
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -17,33 +29,106 @@ from .. import measure
 from .kernels import DTYPES
 from .report import mib, say
 
+KERNEL_VARIANTS = ("sdpa", "dilated", "dilated+band", "block_sparse")
+
+
+def kv_rows(spec: dict, variant: str, cfg) -> int:
+    """K/V rows (kv head x key) one decode step of `variant` reads at the end of the cache."""
+    from ..ops.dilated_decode import _parts
+    from ..ops.block_sparse_decode import _visible_keys
+    from ..ops.block_patterns import make_pattern
+
+    n, hq, hkv = spec["n"], spec["heads"], spec["kv_heads"]
+    if variant == "sdpa":
+        return hkv * n
+    if variant == "block_sparse":
+        bs = spec["block_size"]
+        keys = _visible_keys(make_pattern(spec["block_pattern"]), n - 1, 0, 0, bs, (n - 1) // bs + 1, None, "cpu")
+        return hkv * keys.numel()
+    band = spec["original"] if variant == "dilated+band" else None
+    group = hq // hkv
+    rows = 0
+    for part in _parts(n - 1, 0, 0, hq, hkv, cfg.segment_lengths, cfg.dilation_rates, cfg.mode, None, band):
+        heads = range(part.h0, part.h0 + part.n_heads * part.h_step, part.h_step)
+        rows += part.count * len({h // group for h in heads})
+    return rows
+
 
 def run_decode_case(spec: dict, own_process: bool = False) -> dict:
     from ..config import DilatedConfig
-    from ..ops import dilated_attention
+    from ..ops import block_sparse_attention, dilated_attention
+    from ..ops import block_sparse_decode, dilated_decode
 
     device, dtype, n = torch.device(spec["device"]), DTYPES[spec["dtype"]], spec["n"]
     cfg = DilatedConfig.default(spec["original"], n)
+    seg, dil = cfg.segment_lengths, cfg.dilation_rates
     gen = torch.Generator(device="cpu").manual_seed(0)
-    q = torch.randn(1, spec["heads"], 1, spec["head_dim"], generator=gen, dtype=dtype).to(device)
-    k, v = (torch.randn(1, spec["kv_heads"], n, spec["head_dim"], generator=gen, dtype=dtype).to(device)
-            for _ in range(2))
-    gqa = spec["heads"] != spec["kv_heads"]
+    hq, hkv, d = spec["heads"], spec["kv_heads"], spec["head_dim"]
+    q = torch.randn(1, hq, 1, d, generator=gen, dtype=dtype).to(device)
+    k, v = (torch.randn(1, hkv, n, d, generator=gen, dtype=dtype).to(device) for _ in range(2))
+    packed = q.view(1, hkv, hq // hkv, d)  # transformers' pack_gqa for one query
     steps = {
-        # what transformers' sdpa does for one query with grouped heads: no mask, enable_gqa
-        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
-        "dilated": lambda: dilated_attention(q, k, v, cfg.segment_lengths, cfg.dilation_rates, mode=cfg.mode),
+        "sdpa": lambda: F.scaled_dot_product_attention(packed, k, v),
+        "dilated": lambda: dilated_attention(q, k, v, seg, dil, mode=cfg.mode),
+        "dilated+band": lambda: dilated_attention(q, k, v, seg, dil, mode=cfg.mode, local_window=spec["original"]),
+        "block_sparse": lambda: block_sparse_attention(q, k, v, spec["block_pattern"], block_size=spec["block_size"]),
     }
+    counts = (dilated_decode.COUNTS, block_sparse_decode.COUNTS)
+    before = [dict(c) for c in counts]
     log = []
     with torch.no_grad():
         times = measure.time_interleaved(list(steps.items()), spec["repeats"], warmup=max(1, spec["warmup"]),
-                                       log=log.append, device=device)
+                                         log=log.append, device=device)
         timed = {name: {"times_s": t, "median_s": statistics.median(t)}
                  for name, t in zip(steps, times) if t is not None}
         measure.measure_memory({name: steps[name] for name in timed}, timed, device, own_process)
-    keys = sum(w // r for w, r in zip(cfg.segment_lengths, cfg.dilation_rates))
-    return {"spec": spec, "levels": len(cfg.segment_lengths), "keys_per_query": min(keys, n),
-            "segment_lengths": cfg.segment_lengths, "dilation_rates": cfg.dilation_rates, "passes": timed, "log": log}
+    fallbacks = sum(c["fallback"] - b["fallback"] for c, b in zip(counts, before))
+    rows = {name: kv_rows(spec, name, cfg) for name in steps}
+    return {"spec": spec, "levels": len(seg), "segment_lengths": seg, "dilation_rates": dil, "passes": timed,
+            "kv_rows": rows, "bytes_per_row": 2 * d * q.element_size(), "fallbacks": fallbacks, "log": log}
+
+
+class _StepClock:
+    """A logits processor that records the time of each generation step (it runs after each forward)."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores):
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def run_generate_case(spec: dict, own_process: bool = False) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
+
+    from ..config import CONFIG_KEY, DilatedConfig
+
+    total = spec["prompt"] + spec["new"]
+    config = LlamaConfig(**spec["model_config"], max_position_embeddings=total)
+    setattr(config, CONFIG_KEY, DilatedConfig.default(spec["original"], total).to_dict())
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation=spec["attn_implementation"],
+                                          dtype=DTYPES[spec["dtype"]]).eval()
+    ids = torch.randint(0, config.vocab_size, (1, spec["prompt"]), generator=torch.Generator().manual_seed(0))
+    clock = _StepClock()
+    cache = {"cache_implementation": "static"} if spec["cache"] == "static" else {}
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=spec["new"],
+                             min_new_tokens=spec["new"], do_sample=False, pad_token_id=0,
+                             logits_processor=LogitsProcessorList([clock]), **cache)
+    stamps = clock.stamps
+    decode_s = stamps[-1] - stamps[0]
+    return {"spec": spec, "prefill_s": stamps[0] - start, "decode_s": decode_s,
+            "decode_tokens_per_s": (len(stamps) - 1) / decode_s, "tokens": out[0, spec["prompt"]:].tolist(),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def generate_model_config(s) -> dict:
+    return dict(hidden_size=s["heads"] * s["head_dim"], num_attention_heads=s["heads"],
+                num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], num_hidden_layers=s["gen_layers"],
+                intermediate_size=s["gen_intermediate"], vocab_size=s["gen_vocab"])
 
 
 def run_section(s, runner, report) -> dict:
@@ -52,42 +137,81 @@ def run_section(s, runner, report) -> dict:
         for n in s["contexts"]:
             spec = dict(kind="decode", n=n, original=s["original"], heads=s["heads"], kv_heads=s["kv_heads"],
                         head_dim=s["head_dim"], dtype=dtype, device=s["device"], warmup=s["warmup"],
-                        repeats=s["repeats"], threads=s["threads"])
+                        repeats=s["repeats"], threads=s["threads"], block_size=s["block_size"],
+                        block_pattern=s["block_pattern"])
             r = runner.run(spec, s["case_timeout"])
             p = r.get("passes", {})
-            say(f"  decode {dtype:>8} N={n:<7} " + ("; ".join(
+            say(f"  decode {dtype:>8} N={n:<8} " + ("; ".join(
                 f"{name} {p[name]['median_s'] * 1e3:.2f} ms" for name in p if "median_s" in p[name])
                 or r.get("error", "")))
             results.append(r)
-    return {"results": results}
+    generated = []
+    if s["gen_prompt"]:
+        for cache in s["gen_caches"]:
+            for name in ("sdpa", "dilated"):
+                spec = dict(kind="generate", attn_implementation=name, cache=cache, prompt=s["gen_prompt"],
+                            new=s["gen_new"], original=s["original"], dtype=s["dtypes"][0],
+                            model_config=generate_model_config(s), threads=s["threads"])
+                r = runner.run(spec, s["case_timeout"])
+                say(f"  generate {name:>8} {cache:>7} cache: " + (
+                    f"prefill {r['prefill_s']:.1f} s, decode {r['decode_tokens_per_s']:.2f} tokens/s"
+                    if "prefill_s" in r else r.get("error", "")))
+                generated.append(r)
+    return {"results": results, "generate": generated}
 
 
 def _cells(p) -> list[str]:
     if "median_s" not in p:
-        return [p.get("error", "-"), "-"]
+        return [p.get("error", "-")]
     t = p["times_s"]
-    return [f"{p['median_s'] * 1e3:.2f} [{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}]", mib(p.get("peak_extra_bytes"))]
+    return [f"{p['median_s'] * 1e3:.2f} [{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}]"]
 
 
 def markdown_section(section, s) -> list[str]:
     L = ["## Decode: one token against a KV cache of N tokens\n",
-         f"{s['heads']} query heads over {s['kv_heads']} kv heads, head_dim {s['head_dim']}; dilated config "
-         f"DilatedConfig.default({s['original']}, N). Time: median [min-max] of {s['repeats']} interleaved rounds, "
-         "ms; ratio = dilated / sdpa time (median runs; fastest runs). Memory: peak beyond the cache in one more "
-         "call, MiB.\n",
-         "| dtype | N | levels | keys per query <= | sdpa ms | sdpa MiB | dilated ms | dilated MiB | dilated / sdpa |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+         f"{s['heads']} query heads over {s['kv_heads']} kv heads, head_dim {s['head_dim']}. dilated: "
+         f"DilatedConfig.default({s['original']}, N); dilated+band: the same with a local band of {s['original']} "
+         f"keys; block_sparse: {s['block_pattern']} with blocks of {s['block_size']}. sdpa as transformers runs one "
+         f"query with a mask (heads packed per kv head). Time: median [min-max] of {s['repeats']} interleaved "
+         "rounds, ms. K/V MiB: what the step reads (kv head x key rows, K and V). speedup = sdpa time / ours; "
+         "limit = sdpa's K/V bytes / ours; of limit = speedup / limit. Memory: peak beyond the cache, MiB.\n",
+         "| dtype | N | variant | ms | K/V MiB read | peak MiB | speedup vs sdpa | limit | of limit |",
+         "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in section["results"]:
         spec, p = r["spec"], r.get("passes", {})
         if "error" in r:
             L.append(f"| {spec['dtype']} | {spec['n']} | {r['error']} | - | - | - | - | - | - |")
             continue
-        sdpa, dil = p.get("sdpa", {}), p.get("dilated", {})
-        ratio = "-"
-        if "median_s" in sdpa and "median_s" in dil:
-            ratio = (f"{dil['median_s'] / sdpa['median_s']:.2f} "
-                     f"({min(dil['times_s']) / min(sdpa['times_s']):.2f})")
-        L.append(f"| {spec['dtype']} | {spec['n']} | {r['levels']} | {r['keys_per_query']} | "
-                 + " | ".join(_cells(sdpa) + _cells(dil)) + f" | {ratio} |")
+        sdpa = p.get("sdpa", {})
+        for name, rows in r["kv_rows"].items():
+            mine = p.get(name, {})
+            read = f"{rows * r['bytes_per_row'] / 2 ** 20:,.1f}"
+            speed = limit = frac = "-"
+            if "median_s" in mine and "median_s" in sdpa and name != "sdpa":
+                sp = sdpa["median_s"] / mine["median_s"]
+                lim = r["kv_rows"]["sdpa"] / rows
+                speed, limit, frac = f"{sp:.1f}x", f"{lim:.1f}x", f"{sp / lim:.2f}"
+            L.append(f"| {spec['dtype']} | {spec['n']} | {name} | " + " | ".join(_cells(mine)) +
+                     f" | {read} | {mib(mine.get('peak_extra_bytes'))} | {speed} | {limit} | {frac} |")
+    falls = sum(r.get("fallbacks", 0) for r in section["results"])
+    L.append(f"\nDecode calls that fell back to the general path in these layouts: {falls}.\n")
     L += [f"- N={r['spec']['n']}: {line}" for r in section["results"] for line in r.get("log", [])]
+    gen = section.get("generate") or []
+    if gen:
+        mc = gen[0]["spec"]["model_config"]
+        L += ["", f"### generate(): prompt of {gen[0]['spec']['prompt']} tokens, {gen[0]['spec']['new']} new tokens\n",
+              f"LlamaForCausalLM, random weights: {mc['num_hidden_layers']} layers, hidden {mc['hidden_size']}, "
+              f"{mc['num_attention_heads']}/{mc['num_key_value_heads']} heads of {mc['head_dim']}, intermediate "
+              f"{mc['intermediate_size']}, vocabulary {mc['vocab_size']}; {gen[0]['spec']['dtype']}; greedy. "
+              "Prefill: prompt to first token. Decode: the other tokens.\n",
+              "| cache | attn_implementation | prefill s | decode tokens/s | decode vs sdpa |", "|---|---|---:|---:|---:|"]
+        base = {r["spec"]["cache"]: r.get("decode_tokens_per_s") for r in gen if r["spec"]["attn_implementation"] == "sdpa"}
+        for r in gen:
+            spec = r["spec"]
+            if "prefill_s" not in r:
+                L.append(f"| {spec['cache']} | {spec['attn_implementation']} | {r.get('error', '-')} | - | - |")
+                continue
+            tps, sdpa_tps = r["decode_tokens_per_s"], base.get(spec["cache"])
+            versus = f"{tps / sdpa_tps:.2f}x" if sdpa_tps else "-"
+            L.append(f"| {spec['cache']} | {spec['attn_implementation']} | {r['prefill_s']:.1f} | {tps:.2f} | {versus} |")
     return L + [""]

@@ -18,7 +18,7 @@ import traceback
 import torch
 
 from .block_sparse import run_block_sparse_case
-from .decode import run_decode_case
+from .decode import run_decode_case, run_generate_case
 from .distributed import run_distributed_rank
 from .e2e import run_e2e_case
 from .kernels import run_kernel_case
@@ -28,6 +28,7 @@ CASES = {
     "kernel": run_kernel_case,
     "block_sparse": run_block_sparse_case,
     "decode": run_decode_case,
+    "generate": run_generate_case,
     "e2e": run_e2e_case,
     "distributed": run_distributed_rank,
     "window": run_window_case,
