@@ -252,3 +252,49 @@ def test_fsdp2_with_sequence_parallelism_matches_one_process(checkpoints, dp, sp
     assert all(math.isfinite(x) for x in bf16_losses)
     assert abs(bf16_losses[0] - reference[0]) < 0.1 * reference[0]  # bf16 compute, same model
     assert dtypes == {torch.float32}  # FSDP2 keeps float32 master weights, computes in bf16
+
+
+def train_with_checkpoint(rank, world, path, checkpoint_dir, sp_size, shard, resume):
+    """LoRA Llama on a (world / sp_size) x sp_size grid: either 2 steps with the sharded state
+    saved after step 1 (resume False), or the state loaded, then step 2 (resume True). Returns
+    the losses this run computed and the trainable weights at the end."""
+    import hf_dilated.distributed as hd
+
+    mesh = hd.build_mesh(sp_size)
+    sp = hd.setup_sequence_parallel_from_mesh(mesh)
+    model = load_model(path, "dilated_ring", lora=True)
+    hd.apply_fsdp2(model, mesh, shard=shard)
+    optimizer = make_optimizer(model)
+    vocab = model.get_base_model().config.vocab_size
+    losses = []
+    if resume:
+        hd.load_sharded_state(checkpoint_dir, model, optimizer)
+    else:
+        losses.append(sharded_step(model, optimizer, step_batches(vocab, 0), sp).item())
+        hd.save_sharded_state(checkpoint_dir, model, optimizer)
+    losses.append(sharded_step(model, optimizer, step_batches(vocab, 1), sp).item())
+    weights = {n: full(p) for n, p in model.named_parameters() if p.requires_grad}
+    steps = {float(s["step"]) for s in optimizer.state.values()}
+    return losses, weights, steps
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_exactly(checkpoints, tmp_path):
+    """Saved after step 1 on 2 x 2 (parameters over all ranks), step 2 in a fresh launch gives
+    the uninterrupted run's loss and weights: on the same grid bit for bit, on 1 x 4 with the
+    SP ranks as replicas (DCP reshards on load) within TOL."""
+    path, saved = checkpoints["tiny-llama"], tmp_path / "step-1"
+    straight = launch(train_with_checkpoint, 4, path, str(saved), 2, "dp_sp", False, join_s=300, timeout_s=120)[0]
+    assert (saved / ".metadata").is_file()
+    (loss_1, loss_2), weights, steps = straight["result"]
+    assert steps == {2.0} and loss_1 != loss_2
+    resumed = launch(train_with_checkpoint, 4, path, str(saved), 2, "dp_sp", True, join_s=300, timeout_s=120)[0]
+    (loss, ), resumed_weights, resumed_steps = resumed["result"]
+    assert loss == loss_2 and resumed_steps == {2.0}
+    for n, w in weights.items():
+        assert torch.equal(resumed_weights[n], w), n
+    resharded = launch(train_with_checkpoint, 4, path, str(saved), 4, "dp", True, join_s=300, timeout_s=120)[0]
+    (loss, ), resharded_weights, _ = resharded["result"]
+    assert abs(loss - loss_2) < TOL
+    for n, w in weights.items():
+        assert (resharded_weights[n] - w).abs().max().item() < WEIGHT_TOL, n

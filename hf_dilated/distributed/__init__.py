@@ -21,7 +21,7 @@ from .groups import (
     setup_sequence_parallel_from_mesh,
     shard_batch,
 )
-from .fsdp import FSDP_SHARDING, apply_fsdp2, build_mesh
+from .fsdp import FSDP_SHARDING, apply_fsdp2, build_mesh, full_model_state, load_sharded_state, save_sharded_state
 from .layout import padded_length, shard, shard_indices, unshard
 from .ring import ring_attention
 
@@ -29,21 +29,24 @@ __all__ = [
     "FSDP_SHARDING",
     "SequenceParallel",
     "apply_fsdp2",
-    "build_mesh",
     "block_sparse_ring_attention",
+    "build_mesh",
     "bytes_sent",
     "destroy_sequence_parallel",
     "dilated_ring_attention",
+    "full_model_state",
     "gather_sequence",
     "get_data_parallel_group",
     "get_sequence_parallel_group",
     "get_sequence_parallel_layout",
     "get_sequence_parallel_state",
+    "load_sharded_state",
     "padded_length",
     "rank_grid",
     "reduce_loss",
     "reset_bytes_sent",
     "ring_attention",
+    "save_sharded_state",
     "setup_sequence_parallel",
     "setup_sequence_parallel_from_mesh",
     "shard",

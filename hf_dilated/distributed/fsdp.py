@@ -106,8 +106,10 @@ def apply_fsdp2(model: torch.nn.Module, mesh, *, sp_dim: str = "sp", shard: str 
 def _state_options(*, trainable_only: bool, full: bool = False):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    # Frozen weights (a LoRA run's base model) are the checkpoint's to begin with: not saved again.
-    return StateDictOptions(ignore_frozen_params=trainable_only, full_state_dict=full, cpu_offload=full)
+    # Frozen weights (a LoRA run's base model) come from the model's own checkpoint: not saved
+    # again, and not expected on load (strict=False; load_sharded_state checks the rest).
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only, full_state_dict=full,
+                            cpu_offload=full)
 
 
 def save_sharded_state(path, model, optimizer, *, trainable_only: bool = True) -> None:
@@ -131,8 +133,13 @@ def load_sharded_state(path, model, optimizer, *, trainable_only: bool = True) -
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=options)
+    result = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                            options=options)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(set(getattr(result, "missing_keys", ())) & trainable)
+    if missing:
+        raise ValueError(f"path: the checkpoint {path} lacks trainable weights {missing[:3]} "
+                         f"({len(missing)} in all); resume with the same LoRA / full fine-tuning settings")
 
 
 def full_model_state(model) -> dict:
