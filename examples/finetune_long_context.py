@@ -8,6 +8,9 @@ data parallel x sequence parallel.
     # 2 data-parallel replicas x 2 sequence-parallel ranks
     accelerate launch --config_file examples/accelerate_configs/gpu_dp2_sp2.yaml \
         examples/finetune_long_context.py --model ckpt-8k --attn dilated_ring --sp-size 2 ...
+    # the same grid with FSDP2: weights, gradients and optimizer state sharded over all 4 ranks
+    accelerate launch --config_file examples/accelerate_configs/gpu_fsdp_dp2_sp2.yaml \
+        examples/finetune_long_context.py --model ckpt-8k --attn dilated_ring --sp-size 2 --fsdp ...
 
 Data: `--data passkey` generates passkey-retrieval rows locally; any other value is a list of
 local text / JSON-lines files or directories, tokenized and packed to --seq-len with document
@@ -15,6 +18,8 @@ boundaries kept (see data.py).
 
 Output directory:
     checkpoints/step-NNNNNN/   trainable.safetensors, optimizer.safetensors, trainer_state.json
+                               (--fsdp: sharded/, every rank's shards (torch.distributed.checkpoint),
+                               and trainer_state.json; resume with the same --fsdp, any process count)
     adapter/                   the LoRA adapter (peft format; LoRA runs only)
     model/                     the full checkpoint (LoRA merged in) with the tokenizer; loads with
                                AutoModelForCausalLM.from_pretrained(path, attn_implementation=...)
@@ -101,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="train on CPU even when a GPU is present")
     p.add_argument("--sp-size", type=int, default=1, help="sequence-parallel group size (divides the process count)")
     p.add_argument("--sp-layout", choices=("zigzag", "contiguous"), default="zigzag")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard weights, gradients and optimizer state with FSDP2 (fully_shard per decoder layer) "
+                        "instead of replicating them (DDP); needs several processes (accelerate launch)")
+    p.add_argument("--fsdp-shard", choices=("dp_sp", "dp"), default=None,
+                   help="with --fsdp: shard over every process (dp_sp, the default: the SP ranks hold the same "
+                        "weights, so they can share them out) or over the data-parallel replicas only, each SP group "
+                        "keeping a copy (dp: less communication, more memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a process waits on the others (a collective, a barrier) before that becomes an error; "
@@ -131,6 +143,12 @@ def parse_args(argv=None):
         raise SystemExit(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         raise SystemExit(f"--stop-after-steps must be >= 1, got {args.stop_after_steps}")
+    if args.fsdp_shard is not None and not args.fsdp:
+        raise SystemExit("--fsdp-shard says how --fsdp shards: give --fsdp too")
+    if args.fsdp:
+        args.fsdp_shard = args.fsdp_shard or "dp_sp"
+        if args.mixed_precision == "fp16":
+            raise SystemExit("--fsdp --mixed-precision fp16 is not supported (it needs loss scaling); use bf16")
     if args.attn in ("sdpa", "dilated", "block_sparse") and args.sp_size > 1:
         raise SystemExit(f"--attn {args.attn} computes on one process; with --sp-size > 1 use dilated_ring, ring "
                          "or block_sparse_ring")
@@ -233,6 +251,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> int:
     from safetensors.torch import load_file
 
     params = trainable_parameters(model)
+    if not (path / "trainable.safetensors").is_file():
+        raise SystemExit(f"--resume {path}: an --fsdp checkpoint (no trainable.safetensors); resume it with --fsdp")
     saved = load_file(str(path / "trainable.safetensors"))
     if set(saved) != set(params):
         missing, extra = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
@@ -250,6 +270,42 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> int:
     if json.loads(metadata["param_names"]) != list(params):
         raise SystemExit(f"--resume {path}: trainable parameters differ in order or name from the checkpoint's")
     optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
+    trainer_state = json.loads((path / "trainer_state.json").read_text())
+    scheduler.load_state_dict(trainer_state["scheduler"])
+    return int(trainer_state["step"])
+
+
+SHARDED_DIR = "sharded"  # --fsdp checkpoints: torch.distributed.checkpoint's files, every rank's shards
+
+
+def save_sharded_checkpoint(path: Path, run, step: int) -> None:
+    """--fsdp: every rank writes its shards into a temporary directory, the main process adds
+    trainer_state.json and renames it into place (never a half-written checkpoint)."""
+    from hf_dilated.distributed import save_sharded_state
+
+    tmp = path.with_name(path.name + ".tmp")
+    if run.accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    run.accelerator.wait_for_everyone()
+    save_sharded_state(tmp / SHARDED_DIR, run.model, run.optimizer)
+    run.accelerator.wait_for_everyone()
+    if run.accelerator.is_main_process:
+        trainer_state = {"step": step, "scheduler": run.scheduler.state_dict(), "args": vars(run.args)}
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str) + "\n")
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+
+
+def load_sharded_checkpoint(path: Path, model, optimizer, scheduler) -> int:
+    """--fsdp: restores the sharded weights and optimizer state (resharded to this run's
+    processes) and the schedule; returns the step to continue from."""
+    from hf_dilated.distributed import load_sharded_state
+
+    if not (path / SHARDED_DIR / ".metadata").is_file():
+        raise SystemExit(f"--resume {path}: not an --fsdp checkpoint (no {SHARDED_DIR}/); resume it without --fsdp")
+    load_sharded_state(path / SHARDED_DIR, model, optimizer)
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     scheduler.load_state_dict(trainer_state["scheduler"])
     return int(trainer_state["step"])
@@ -348,8 +404,21 @@ def make_accelerator(args):
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1  # by accelerate launch / torchrun
     timeout = datetime.timedelta(seconds=args.timeout)
     handlers = [InitProcessGroupKwargs(backend="gloo" if cpu else "nccl", timeout=timeout)] if launched else []
+    # --fsdp: FSDP2's MixedPrecisionPolicy casts (fsdp_mixed_precision); Accelerate never wraps the
+    # model, so it must not autocast either.
+    precision = "no" if args.fsdp else mixed_precision(args.mixed_precision)
     return Accelerator(cpu=cpu, gradient_accumulation_steps=args.grad_accum, kwargs_handlers=handlers,
-                       mixed_precision=mixed_precision(args.mixed_precision))
+                       mixed_precision=precision)
+
+
+def fsdp_mixed_precision(args):
+    """--fsdp with bf16 (--mixed-precision bf16, or auto on a GPU that has it): bf16 compute and
+    all-gathers, float32 gradient reduction and float32 sharded weights for the optimizer."""
+    if mixed_precision(args.mixed_precision) != "bf16":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def check_world_size(args, world: int):
@@ -362,16 +431,33 @@ def check_world_size(args, world: int):
 
 
 def parallel_groups(args, accelerator):
-    """(sp, dp_size, dp_rank): the sequence-parallel groups of --sp-size processes (None for 1)
-    and this process's data-parallel replica among dp_size."""
+    """(sp, dp_size, dp_rank, mesh): the sequence-parallel groups of --sp-size processes (None for
+    1), this process's data-parallel replica among dp_size, and with --fsdp the (dp_shard, sp)
+    DeviceMesh FSDP2 shards over (its "sp" dimension is the SP group), else None.
+
+    The mesh is torch's init_device_mesh, not Accelerate's ParallelismConfig: there sp_size means
+    DeepSpeed's Ulysses (no mesh is built for it) and cp_size makes Accelerator.prepare attach
+    torch context-parallel hooks that drop the attention mask of every self_attn module."""
     world, rank = accelerator.num_processes, accelerator.process_index
     check_world_size(args, world)
-    if args.sp_size == 1:
-        return None, world, rank
-    from hf_dilated.distributed import setup_sequence_parallel
+    timeout = datetime.timedelta(seconds=args.timeout)
+    mesh = None
+    if args.fsdp:
+        if world == 1:
+            raise SystemExit("--fsdp shards over several processes: start them with accelerate launch, e.g. "
+                             "--config_file examples/accelerate_configs/cpu_4proc_fsdp.yaml")
+        from hf_dilated.distributed import build_mesh
 
-    sp = setup_sequence_parallel(args.sp_size, layout=args.sp_layout, timeout=datetime.timedelta(seconds=args.timeout))
-    return sp, sp.dp_size, sp.dp_rank
+        mesh = build_mesh(args.sp_size)
+    if args.sp_size == 1:
+        return None, world, rank, mesh
+    from hf_dilated.distributed import setup_sequence_parallel, setup_sequence_parallel_from_mesh
+
+    if mesh is not None:
+        sp = setup_sequence_parallel_from_mesh(mesh, layout=args.sp_layout, timeout=timeout)
+    else:
+        sp = setup_sequence_parallel(args.sp_size, layout=args.sp_layout, timeout=timeout)
+    return sp, sp.dp_size, sp.dp_rank, mesh
 
 
 def build_optimizer(args, model):
@@ -391,18 +477,27 @@ def setup(args, dataset=None) -> Run:
     from transformers import AutoTokenizer
 
     accelerator = make_accelerator(args)
-    sp, dp_size, dp_rank = parallel_groups(args, accelerator)
+    sp, dp_size, dp_rank, mesh = parallel_groups(args, accelerator)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     dtype = torch.bfloat16 if (not args.full_finetune and accelerator.mixed_precision == "bf16") else torch.float32
     model = load_model(args, dtype)
+    if mesh is not None:  # --fsdp: sharded before the optimizer is built (its parameters become DTensors)
+        from hf_dilated.distributed import apply_fsdp2
+
+        apply_fsdp2(model, mesh, shard=args.fsdp_shard, mp_policy=fsdp_mixed_precision(args))
     if dataset is None:
         dataset = build_dataset(args, tokenizer)
     optimizer, scheduler = build_optimizer(args, model)
     run = Run(args, accelerator, sp, dp_size, dp_rank, tokenizer, model, optimizer, scheduler, dataset)
     run.start_step = resume(run)
     # The scheduler is stepped by hand once per optimizer step (a prepared one would step once per process).
-    run.model, run.optimizer = accelerator.prepare(model, optimizer)
+    if mesh is not None:
+        # FSDP2 reduces the gradients itself: Accelerate only gets the optimizer (it steps on the
+        # last micro-step of --grad-accum), never the model (it would wrap it in DDP).
+        run.optimizer = accelerator.prepare(optimizer)
+    else:
+        run.model, run.optimizer = accelerator.prepare(model, optimizer)
     run.model.train()
     announce(run)
     return run
@@ -413,7 +508,8 @@ def resume(run: Run) -> int:
     path = find_resume(run.args)
     if path is None:
         return 0
-    step = load_checkpoint(path, run.model, run.optimizer, run.scheduler)
+    load = load_sharded_checkpoint if run.args.fsdp else load_checkpoint
+    step = load(path, run.model, run.optimizer, run.scheduler)
     run.accelerator.print(f"resumed from {path} at step {step}")
     return step
 
@@ -426,8 +522,11 @@ def announce(run: Run):
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     n_train = sum(p.numel() for group in run.optimizer.param_groups for p in group["params"])
     n_all = sum(p.numel() for p in accelerator.unwrap_model(run.model).parameters())
+    precision, sharding = accelerator.mixed_precision, ""
+    if args.fsdp:  # FSDP2 casts, not Accelerate
+        precision, sharding = mixed_precision(args.mixed_precision), f" fsdp={args.fsdp_shard}"
     accelerator.print(f"attn={args.attn} seq_len={args.seq_len} world={run.world} "
-                      f"(dp={run.dp_size} x sp={args.sp_size}) precision={accelerator.mixed_precision} "
+                      f"(dp={run.dp_size} x sp={args.sp_size}){sharding} precision={precision} "
                       f"trainable={n_train:,}/{n_all:,} parameters")
 
 
@@ -511,9 +610,12 @@ def save_step_checkpoint(run: Run, steps_done: int):
     """checkpoints/step-NNNNNN by the main process (the oldest beyond --keep-checkpoints removed);
     the others wait for it."""
     accelerator = run.accelerator
+    path = Path(run.args.output_dir, CHECKPOINT_DIR, f"step-{steps_done:06d}")
+    if run.args.fsdp:  # every rank writes its shards
+        save_sharded_checkpoint(path, run, steps_done)
+    elif accelerator.is_main_process:
+        save_checkpoint(path, accelerator.unwrap_model(run.model), run.optimizer, run.scheduler, steps_done, run.args)
     if accelerator.is_main_process:
-        save_checkpoint(Path(run.args.output_dir, CHECKPOINT_DIR, f"step-{steps_done:06d}"),
-                        accelerator.unwrap_model(run.model), run.optimizer, run.scheduler, steps_done, run.args)
         prune_checkpoints(run.args)
     accelerator.wait_for_everyone()
 
@@ -522,10 +624,26 @@ def finish(run: Run, end_step: int):
     """adapter/ and model/ once --max-steps is reached (unless --no-final-model), then the end."""
     args, accelerator = run.args, run.accelerator
     if not args.no_final_model and end_step == args.max_steps:
+        model = run.model
+        if args.fsdp:
+            model = unsharded_copy(run)  # collective: every rank sends its shards to the main process
         if accelerator.is_main_process:
-            save_final(run.model, run.tokenizer, args, accelerator)
+            save_final(model, run.tokenizer, args, accelerator)
         accelerator.wait_for_everyone()
     accelerator.end_training()
+
+
+def unsharded_copy(run: Run):
+    """--fsdp: on the main process, a plain (unsharded, float32) copy of the model holding the
+    trained weights, gathered from every rank's shards; None elsewhere. Collective."""
+    from hf_dilated.distributed import full_model_state
+
+    state = full_model_state(run.model)
+    if not run.accelerator.is_main_process:
+        return None
+    model = load_model(run.args, torch.float32)
+    model.load_state_dict(state)  # strict: the same model, LoRA included, so every name must match
+    return model
 
 
 def train(args, dataset=None) -> dict:

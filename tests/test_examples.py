@@ -535,3 +535,59 @@ def test_copy_rows_need_a_text_and_passkey_mixture():
 
     with pytest.raises(SystemExit, match="--copy-rows"):
         parse_args(["--model", "m", "--output-dir", "o", "--seq-len", "64", "--max-steps", "1", "--copy-rows"])
+
+
+def test_fsdp_with_sequence_parallelism_matches_single_process_and_resumes(checkpoint, single_run):
+    """--fsdp --sp-size 4 on 4 gloo processes (FSDP2 over all of them, one sequence split 4 ways),
+    stopped after step 1 and resumed from its sharded checkpoint: the same losses and accuracies as
+    one process, and the saved model (LoRA merged, gathered from the shards) loads with
+    from_pretrained and gives one process's logits under every attention name."""
+    from transformers import AutoModelForCausalLM
+
+    out = checkpoint / "fsdp_sp4"
+    launch = ["accelerate", "launch", "--config_file", EXAMPLES / "accelerate_configs/cpu_4proc_fsdp.yaml"]
+    run([*launch, "--main_process_port", free_port(),
+         *finetune_cmd(checkpoint, out, "--fsdp", "--sp-size", 4, "--stop-after-steps", 1, python=())])
+    assert (out / "checkpoints/step-000001/sharded/.metadata").is_file()
+    assert not (out / "model").exists()
+    proc = run([*launch, "--main_process_port", free_port(),
+                *finetune_cmd(checkpoint, out, "--fsdp", "--sp-size", 4, "--resume", "auto", python=())])
+    assert "resumed from" in proc.stdout + proc.stderr and "fsdp=dp_sp" in proc.stdout + proc.stderr
+    single, sharded = read_log(single_run / "log.jsonl"), read_log(out / "log.jsonl")
+    assert [r["step"] for r in sharded] == [1, 2]
+    for a, b in zip(single, sharded):  # step 2's loss also checks step 1's update
+        assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(a["loss"])), (a, b)
+        assert a["accuracy"] == b["accuracy"]
+    ids = torch.randint(3, 200, (1, SEQ_LEN), generator=torch.Generator().manual_seed(3))
+    for attn in ("dilated_ring", "ring", "block_sparse_ring", "dilated", "block_sparse", "sdpa"):
+        with torch.no_grad():
+            got = AutoModelForCausalLM.from_pretrained(out / "model", attn_implementation=attn)(ids).logits
+            want = AutoModelForCausalLM.from_pretrained(single_run / "model", attn_implementation=attn)(ids).logits
+        assert torch.isfinite(got).all(), attn
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3, msg=attn)
+
+
+def test_fsdp_bf16_full_finetune_runs(checkpoint):
+    """--fsdp with FSDP2's bf16 MixedPrecisionPolicy (float32 reduction), sharded over the
+    data-parallel replicas only (--fsdp-shard dp), full fine-tuning, 2 x 2: it trains (finite,
+    changing losses); exactness is not expected of bf16."""
+    out = checkpoint / "fsdp_bf16"
+    proc = run(["accelerate", "launch", "--config_file", EXAMPLES / "accelerate_configs/cpu_4proc_fsdp.yaml",
+                "--main_process_port", free_port(),
+                *finetune_cmd(checkpoint, out, "--fsdp", "--fsdp-shard", "dp", "--sp-size", 2, "--full-finetune",
+                              "--mixed-precision", "bf16", "--attn", "ring", "--no-final-model", python=())])
+    assert "fsdp=dp precision=bf16" in proc.stdout
+    log = read_log(out / "log.jsonl")
+    assert [r["step"] for r in log] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in log) and log[0]["loss"] != log[1]["loss"]
+
+
+def test_fsdp_options_are_checked():
+    import finetune_long_context
+
+    base = ["--model", "m", "--output-dir", "o", "--seq-len", "8", "--max-steps", "1"]
+    with pytest.raises(SystemExit, match="--fsdp-shard says how --fsdp shards"):
+        finetune_long_context.parse_args([*base, "--fsdp-shard", "dp"])
+    with pytest.raises(SystemExit, match="fp16 is not supported"):
+        finetune_long_context.parse_args([*base, "--fsdp", "--mixed-precision", "fp16"])
+    assert finetune_long_context.parse_args([*base, "--fsdp"]).fsdp_shard == "dp_sp"
