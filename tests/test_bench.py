@@ -377,13 +377,21 @@ def test_cli_bench_distributed(tmp_path):
     report, md = _run_bench(tmp_path, "distributed", "--heads", "2", "--head-dim", "16")
     assert _sections_in(report) == {"distributed"}
     rows = {(r["kernel"], r["processes"]): r for r in report["distributed"]["rows"]}
-    assert set(rows) == {(k, p) for k in ("ring", "dilated_ring") for p in (1, 2)}
+    kernels = ("ring", "dilated_ring", "block_sparse_ring")
+    assert set(rows) == {(k, p) for k in kernels for p in (1, 2)}
     for (kernel, processes), r in rows.items():
         assert "error" not in r, r
-        assert r["time_s"] > 0 and r["peak_extra_bytes"] >= 0
-        assert (r["sent_bytes"] > 0) == (processes > 1), r  # one process exchanges nothing
+        assert r["time_s"] > 0
+        for step in ("forward", "backward", "overhead"):
+            assert r[f"{step}_peak_bytes"] >= 0
+            assert (r[f"{step}_sent_bytes"] > 0) == (processes > 1), r  # one process exchanges nothing
+        # forward + backward sends the forward's K/V again plus the gradients
+        assert r["backward_sent_bytes"] >= r["forward_sent_bytes"]
+        assert r["target_ratio"] == 1.25 / processes
+    for kernel in kernels:  # the ratios are against the one-process row (where it measured anything)
+        assert rows[(kernel, 1)].get("backward_ratio", 1.0) == 1.0
     assert report["distributed"]["config"]["n"] == 256
-    assert "## Multi-process" in md
+    assert "## Multi-process" in md and "| block_sparse_ring | 2 |" in md
 
 
 @pytest.mark.slow
