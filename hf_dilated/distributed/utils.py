@@ -49,7 +49,7 @@ class Exchange:
         nxt, prv = (self.rank + 1) % self.world, (self.rank - 1) % self.world
         bufs, works = [], []
         for i, t in enumerate(tensors):
-            buf = torch.empty_like(t)
+            buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)  # contiguous, as gloo needs, whatever t's strides
             works += self.start({nxt: t.contiguous()}, {prv: buf}, tag=2 * tag + i if len(tensors) > 1 else tag)
             bufs.append(buf)
         return bufs, works
