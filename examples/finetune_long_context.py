@@ -448,7 +448,7 @@ def parallel_groups(args, accelerator):
                              "--config_file examples/accelerate_configs/cpu_4proc_fsdp.yaml")
         from hf_dilated.distributed import build_mesh
 
-        mesh = build_mesh(args.sp_size)
+        mesh = build_mesh(args.sp_size, timeout=timeout)  # its groups fail after --timeout too
     if args.sp_size == 1:
         return None, world, rank, mesh
     from hf_dilated.distributed import setup_sequence_parallel, setup_sequence_parallel_from_mesh
@@ -485,7 +485,8 @@ def setup(args, dataset=None) -> Run:
     if mesh is not None:  # --fsdp: sharded before the optimizer is built (its parameters become DTensors)
         from hf_dilated.distributed import apply_fsdp2
 
-        apply_fsdp2(model, mesh, shard=args.fsdp_shard, mp_policy=fsdp_mixed_precision(args))
+        apply_fsdp2(model, mesh, shard=args.fsdp_shard, mp_policy=fsdp_mixed_precision(args),
+                    timeout=datetime.timedelta(seconds=args.timeout))
     if dataset is None:
         dataset = build_dataset(args, tokenizer)
     optimizer, scheduler = build_optimizer(args, model)

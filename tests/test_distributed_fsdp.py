@@ -158,7 +158,12 @@ def run_grid(rank, world, checkpoints, sp_size):
 
     mesh = hd.build_mesh(sp_size)
     sp = hd.setup_sequence_parallel_from_mesh(mesh)
-    results = {"grid": (sp.dp_size, sp.sp_size, sp.dp_rank, sp.sp_rank),
+    timeout = lambda group: group._get_backend(torch.device("cpu")).options._timeout  # noqa: E731
+    sharding_mesh = hd.fsdp.fsdp_mesh(mesh, shard="dp")
+    # Every group waits as long as the default group (launch's timeout_s), not new_group's 30 minutes.
+    results = {"timeouts": {timeout(g).total_seconds() for g in (mesh.get_group("sp"), mesh.get_group("dp_shard"),
+                                                                 *(sharding_mesh.get_group(d) for d in range(2)))},
+               "grid": (sp.dp_size, sp.sp_size, sp.dp_rank, sp.sp_rank),
                "sp_ranks": dist.get_process_group_ranks(sp.sp_group),
                "dp_ranks": dist.get_process_group_ranks(sp.dp_group)}
     for preset, attn, lora, shard in CASES:
@@ -236,6 +241,7 @@ def check_against_one_process(got, checkpoints):
 def test_fsdp2_with_sequence_parallelism_matches_one_process(checkpoints, dp, sp):
     outcomes = launch(run_grid, dp * sp, checkpoints, sp, join_s=400, timeout_s=120)
     got = outcomes[0]["result"]
+    assert got["timeouts"] == {120.0}
     assert [o["result"]["grid"] for o in outcomes] == [(dp, sp, r // sp, r % sp) for r in range(dp * sp)]
     for o in outcomes:
         r = o["rank"]

@@ -23,16 +23,41 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from datetime import timedelta
+
 from ..ops.validate import check_int
-from .groups import rank_grid
+from .groups import _default_group_timeout, rank_grid
 
 FSDP_SHARDING = ("dp_sp", "dp")
 
 
-def build_mesh(sp_size: int, *, device_type: str | None = None, dim_names: tuple[str, str] = ("dp_shard", "sp")):
+def _backend_override(ndim: int, timeout: timedelta | None):
+    """A mesh's per-dimension (backend, options) giving its groups `timeout`: DeviceMesh creates
+    them with new_group, whose default is 30 minutes, not the default group's timeout (a dead
+    peer would block FSDP2's collectives that long). None: torch's defaults."""
+    if timeout is None:
+        timeout = _default_group_timeout()
+    elif not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta or None, got {type(timeout).__name__}")
+    backend = dist.get_backend()
+    options_class = {"gloo": getattr(dist, "ProcessGroupGloo", None), "nccl": getattr(dist, "ProcessGroupNCCL", None)}
+    cls = options_class.get(backend)
+    if timeout is None or cls is None:
+        return None
+    override = []
+    for _ in range(ndim):
+        options = cls._Options() if backend == "gloo" else cls.Options()
+        options._timeout = timeout
+        override.append((backend, options))
+    return tuple(override)
+
+
+def build_mesh(sp_size: int, *, device_type: str | None = None, dim_names: tuple[str, str] = ("dp_shard", "sp"),
+               timeout: timedelta | None = None):
     """A (world / sp_size) x sp_size DeviceMesh named `dim_names` over the default group: SP groups
     of consecutive ranks, as `setup_sequence_parallel` arranges them. device_type: "cuda" when the
-    default group is NCCL, else "cpu"."""
+    default group is NCCL, else "cpu". timeout: how long its groups wait on a peer (default: the
+    default group's timeout)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if not dist.is_available() or not dist.is_initialized():
@@ -46,11 +71,14 @@ def build_mesh(sp_size: int, *, device_type: str | None = None, dim_names: tuple
         raise ValueError(f"dim_names must be two distinct names (data parallel, sequence parallel), got {dim_names}")
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=tuple(dim_names))
+    override = _backend_override(2, timeout)
+    return init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=tuple(dim_names),
+                            backend_override=None if override is None else dict(enumerate(override)))
 
 
-def fsdp_mesh(mesh, *, sp_dim: str = "sp", shard: str = "dp_sp"):
-    """The mesh fully_shard gets for `shard` (see the module docstring), built from `mesh`'s grid.
+def fsdp_mesh(mesh, *, sp_dim: str = "sp", shard: str = "dp_sp", timeout: timedelta | None = None):
+    """The mesh fully_shard gets for `shard` (see the module docstring), built from `mesh`'s grid;
+    its groups wait `timeout` (default: the default group's).
 
     New meshes rather than slices of `mesh`: HSDP wants the replicated (SP) dimension first, and a
     DeviceMesh cannot be sliced with its dimensions reordered."""
@@ -60,8 +88,10 @@ def fsdp_mesh(mesh, *, sp_dim: str = "sp", shard: str = "dp_sp"):
         raise ValueError(f"shard must be one of {FSDP_SHARDING}, got {shard!r}")
     grid = rank_grid(mesh, sp_dim)  # (dp, sp)
     if shard == "dp_sp":
-        return DeviceMesh(mesh.device_type, grid.reshape(-1), mesh_dim_names=("dp_sp",))
-    return DeviceMesh(mesh.device_type, grid.t().contiguous(), mesh_dim_names=("sp_replicate", "dp_shard"))
+        return DeviceMesh(mesh.device_type, grid.reshape(-1), mesh_dim_names=("dp_sp",),
+                          backend_override=_backend_override(1, timeout))
+    return DeviceMesh(mesh.device_type, grid.t().contiguous(), mesh_dim_names=("sp_replicate", "dp_shard"),
+                      backend_override=_backend_override(2, timeout))
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -77,13 +107,14 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def apply_fsdp2(model: torch.nn.Module, mesh, *, sp_dim: str = "sp", shard: str = "dp_sp", mp_policy=None,
-                reshard_after_forward: bool = True) -> torch.nn.Module:
+                reshard_after_forward: bool = True, timeout: timedelta | None = None) -> torch.nn.Module:
     """Shards `model` in place with FSDP2: each decoder layer, then the root (embeddings, final
     norm, head). Returns the model; its parameters are DTensors, so build the optimizer after this.
 
     mesh: a DeviceMesh with a dimension named `sp_dim` (e.g. `build_mesh`'s); shard: "dp_sp" or
     "dp" (module docstring); mp_policy: a torch.distributed.fsdp.MixedPrecisionPolicy, e.g.
     MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32).
+    timeout: how long the sharding groups wait on a peer (default: the default group's timeout).
     Enable gradient checkpointing (model.gradient_checkpointing_enable) before calling this.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -93,7 +124,7 @@ def apply_fsdp2(model: torch.nn.Module, mesh, *, sp_dim: str = "sp", shard: str 
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy or None, "
                         f"got {type(mp_policy).__name__}")
-    target = fsdp_mesh(mesh, sp_dim=sp_dim, shard=shard)
+    target = fsdp_mesh(mesh, sp_dim=sp_dim, shard=shard, timeout=timeout)
     kwargs = {"mesh": target, "reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
