@@ -37,6 +37,9 @@ class Kind:
     dropout: bool  # implements attention dropout (docs/contract.md 8)
     causal_only: bool  # computes causal attention only (docs/contract.md 6)
     families: tuple = ()  # the model types it serves as a transformers attn_implementation; () : none
+    # A decode step against a static cache under torch.compile (no Python value from tensor data):
+    # static_decode(q, k, v, settings, *, real, seen, scale, sliding_window, far); None: not supported.
+    static_decode: Callable | None = None
 
     def check_call(self, *, is_causal, dropout_p, entry: str, causal_only: bool = False) -> None:
         """A ValueError naming the argument when a call asks for what this kind does not do.
@@ -121,6 +124,30 @@ def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, s
                                        position_ids=position_ids, sliding_window=sliding_window)
 
 
+def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, far=None):
+    from .ops.dilated_decode import dilated_decode_static
+
+    q_far, k_far = far or (None, None)
+    return dilated_decode_static(q, k, v, s["segment_lengths"], s["dilation_rates"], s["mode"], scale=scale, real=real,
+                                 seen=seen, local_window=s.get("local_window"), q_far=q_far, k_far=k_far,
+                                 sliding_window=sliding_window)
+
+
+def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, far=None):
+    from .ops.dilated_decode import dilated_decode_static
+
+    # dense causal attention is one level of dilation 1 whose segment holds the whole cache
+    return dilated_decode_static(q, k, v, [k.shape[2]], [1], "union", scale=scale, real=real, seen=seen,
+                                 sliding_window=sliding_window)
+
+
+def _block_sparse_static(q, k, v, s, *, real, seen, scale, sliding_window=None, far=None):
+    from .ops.block_sparse_decode import block_sparse_decode_static
+
+    return block_sparse_decode_static(q, k, v, s["pattern"], block_size=s["block_size"], scale=scale, real=real,
+                                      seen=seen, sliding_window=sliding_window)
+
+
 _DILATED = field_defaults("segment_lengths", "dilation_rates", "mode", "local_window")
 _BLOCK_SPARSE = field_defaults("pattern", "block_size")
 # Every kind but "dense" (transformers' own "sdpa" is that) serves the families of hf_dilated.patches.
@@ -131,14 +158,15 @@ KINDS = {
     for kind in (
         Kind("dense", {}, _dense, sequence_parallel=False, dropout=True, causal_only=False),
         Kind("dilated", _DILATED, _dilated, sequence_parallel=False, dropout=True, causal_only=False,
-             families=_FAMILIES),
+             families=_FAMILIES, static_decode=_dilated_static),
         Kind("block_sparse", _BLOCK_SPARSE, _block_sparse, sequence_parallel=False, dropout=False, causal_only=False,
-             families=_FAMILIES),
-        Kind("ring", {}, _ring, sequence_parallel=True, dropout=True, causal_only=True, families=_FAMILIES),
+             families=_FAMILIES, static_decode=_block_sparse_static),
+        Kind("ring", {}, _ring, sequence_parallel=True, dropout=True, causal_only=True, families=_FAMILIES,
+             static_decode=_dense_static),
         Kind("dilated_ring", _DILATED, _dilated_ring, sequence_parallel=True, dropout=True, causal_only=True,
-             families=_FAMILIES),
+             families=_FAMILIES, static_decode=_dilated_static),
         Kind("block_sparse_ring", _BLOCK_SPARSE, _block_sparse_ring, sequence_parallel=True, dropout=False,
-             causal_only=True, families=_FAMILIES),
+             causal_only=True, families=_FAMILIES, static_decode=_block_sparse_static),
     )
 }
 

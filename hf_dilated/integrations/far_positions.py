@@ -43,3 +43,14 @@ def far_projections(module, query, key, mask, positions, local_window: int, grou
     query_delta, key_delta = grouped_far_positions(layout.positions, query.shape[2], local_window, group)
     inv_freq = rotary_frequencies(module)
     return rotate_by(query, query_delta, inv_freq), rotate_by(key, key_delta, inv_freq)
+
+
+def far_projections_static(module, query, key, real, seen, local_window: int, group: int):
+    """far_projections for a compiled decode step on a static cache (ops/dilated_decode.py:
+    dilated_decode_static): positions are mask ranks, computed without any Python value from data."""
+    positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+    query_slots = seen - query.shape[2] + torch.arange(query.shape[2], device=key.device)
+    query_delta, _ = grouped_far_positions(positions.index_select(1, query_slots), query.shape[2], local_window, group)
+    key_delta = positions // group - positions
+    inv_freq = rotary_frequencies(module)
+    return rotate_by(query, query_delta, inv_freq), rotate_by(key, key_delta, inv_freq)

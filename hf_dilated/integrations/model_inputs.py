@@ -15,7 +15,12 @@ the attention which of transformers' cases it is in, and `from_model_inputs` rea
   `position_ids` (it only does so without a mask and without a KV cache: then its own mask
   function separates the documents, which is how we read its decision); the kernels then read the
   documents off those `position_ids`;
-- None when there is neither.
+- None when there is neither;
+- for a decode step against a static cache (whose layers hand a tensor `q_offset`, so that compiled
+  steps do not recompile): a fixed-shape (batch, 1, 1, kv_length) int8 tensor of slot states, 1 a
+  real token, 0 padding, -1 a slot not written yet (`static_slots`). Being 4-D, it passes through
+  transformers' mask preparation untouched, so a compiled forward receives it as built outside;
+  eager calls read it back as the (batch, seen) mask, compiled ones run the kind's static decode.
 Without a registered mask function transformers would pass `attention_mask=None` to a custom
 attention, silently dropping padding.
 """
@@ -47,6 +52,10 @@ def padding_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attenti
             "bidirectional image-token masks); only causal attention with padding and packed documents"
         )
     kv_offset = int(kv_offset or 0)
+    if isinstance(q_offset, torch.Tensor) and kv_offset == 0:
+        if attention_mask is not None and attention_mask.shape[-1] > kv_length:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens but the keys hold {kv_length}")
+        return static_slots(attention_mask, batch_size, kv_length, q_offset + int(q_length), device)
     if attention_mask is not None:
         if attention_mask.shape[-1] > kv_offset + kv_length:
             raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens but the keys hold "
@@ -61,6 +70,28 @@ def padding_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attenti
     # One document per row: None, unless a static cache holds empty slots beyond the tokens seen
     # or a sliding-window cache dropped the first ones.
     return None if seen == kv_length else torch.ones(batch_size, seen, dtype=torch.bool, device=device)
+
+
+def static_slots(attention_mask, batch: int, kv_length: int, seen, device) -> torch.Tensor:
+    """The slot states of a static cache (module docstring): (batch, 1, 1, kv_length) int8, with
+    shapes that depend on the cache alone. `seen` may be a 0-d tensor."""
+    written = torch.arange(kv_length, device=device) < seen
+    if attention_mask is None:
+        real = written.expand(batch, kv_length)
+    else:
+        mask = attention_mask.to(device=device, dtype=torch.bool)
+        real = torch.nn.functional.pad(mask, (0, kv_length - mask.shape[-1]), value=False) & written
+    return torch.where(written, real.to(torch.int8), -1)[:, None, None, :]
+
+
+def is_static_slots(mask) -> bool:
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.int8
+
+
+def read_static_slots(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(real (batch, kv_length) bool, seen: 0-d tensor, the written slots) of `static_slots`."""
+    states = slots[:, 0, 0, :]
+    return states == 1, (states[0] >= 0).sum()
 
 
 def _packed_documents(mask_function, batch, n, device):
@@ -85,6 +116,10 @@ _INPUTS = PlanCache()
 def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_parallel=False, cu_seq_lens=None):
     """(key, value, attention_mask, position_ids) for a kernel from what transformers passes."""
     batch, q_len = query.shape[0], query.shape[2]
+    if is_static_slots(attention_mask):  # an eager step on a static cache: its written slots, as a 2-D mask
+        real, seen = read_static_slots(attention_mask)
+        seen = int(seen)
+        attention_mask, key, value = real[:, :seen], key[:, :, :seen], value[:, :, :seen]
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(

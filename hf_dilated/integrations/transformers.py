@@ -14,8 +14,9 @@ import torch
 
 from ..config import CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int
 from ..kinds import KINDS, TRANSFORMERS_NAMES
-from .far_positions import far_projections
-from .model_inputs import kernel_inputs, padded_last_query_as_sdpa, padding_mask
+from .far_positions import far_projections, far_projections_static
+from .model_inputs import (is_static_slots, kernel_inputs, padded_last_query_as_sdpa, padding_mask,
+                           read_static_slots)
 
 NAMES = TRANSFORMERS_NAMES
 
@@ -40,9 +41,15 @@ def _parsed(module) -> tuple[DilatedConfig, dict]:
         raise ValueError(
             f"{type(module).__name__} has no `config`; hf_dilated attention reads its settings from the model config"
         )
+    cached = _config_cache.get(id(config))
+    if torch.compiler.is_compiling():
+        # json cannot be traced: a compiled step reads the entry the eager prefill parsed (a config
+        # edited between compiled steps is not seen; recompile after such an edit)
+        if cached is not None:
+            return cached[1], cached[2]
+        return DilatedConfig.from_model_config(config), {}
     key = json.dumps([getattr(config, CONFIG_KEY, None), getattr(config, "max_position_embeddings", None),
                       getattr(config, "rope_parameters", None)], sort_keys=True, default=str)
-    cached = _config_cache.get(id(config))
     if cached is None or cached[0] != key:
         cached = (key, DilatedConfig.from_model_config(config), {})
         _config_cache[id(config)] = cached
@@ -115,6 +122,8 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
                 f"attn_implementation={name!r}: the model config asks for ring_layout={cfg.ring_layout!r} but the "
                 f"active sequence-parallel group shards sequences as {layout!r}"
             )
+    if is_static_slots(attention_mask) and torch.compiler.is_compiling():
+        return _compiled_static_step(kind, module, query, key, value, attention_mask, scaling, kwargs, cfg, group)
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None and \
             not torch.equal(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]):
         raise ValueError(f"attn_implementation={name!r}: cu_seq_lens_q and cu_seq_lens_k differ; only causal "
@@ -141,6 +150,23 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
         if group is None and mask is not None:
             out = padded_last_query_as_sdpa(out, query, key, value, mask, scaling, window)
     # (batch, heads, q_len, head_dim) -> (batch, q_len, heads, head_dim), as sdpa_attention_forward
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _compiled_static_step(kind, module, query, key, value, slots, scaling, kwargs, cfg, group):
+    """A step on a static cache under torch.compile: the kind's static decode (kinds.py), whose
+    shapes and Python values depend on the cache alone, so that each step reuses one graph."""
+    if kind.static_decode is None or group is not None:
+        raise NotImplementedError(f"attn_implementation={kind.name!r}: a compiled step on a static cache "
+                                  + ("under sequence parallelism" if group is not None else "") + " is not supported")
+    real, seen = read_static_slots(slots)
+    settings = settings_for(module, kind)
+    far = None
+    if settings.get("local_window") is not None and cfg.far_group > 1:
+        far = far_projections_static(module, query, key, real, seen, cfg.local_window, cfg.far_group)
+    out = kind.static_decode(query, key, value, settings, real=real, seen=seen,
+                             scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
+                             sliding_window=kwargs.get("sliding_window"), far=far)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -69,3 +69,36 @@ def _visible_keys(pattern, index, first, shift, block_size, num_blocks, sliding_
     offsets = torch.arange(block_size, device=device)
     keys = (starts[:, None] + offsets).reshape(-1)
     return keys[(keys >= lowest) & (keys <= index)]
+
+
+def block_sparse_decode_static(q, k, v, pattern, *, block_size, scale, real, seen, sliding_window=None):
+    """`block_sparse_decode` for a compiled decode step against a static cache (see
+    dilated_decode.dilated_decode_static for the inputs): no Python value depends on tensor data.
+    Static shapes cannot name the allowed blocks, so every cache slot is scored and the layout,
+    read at each slot's block number, masks it: exact, at dense cost. Patterns with a per-head
+    layout are refused."""
+    if isinstance(pattern, AdaptivePattern) or (isinstance(pattern, CustomPattern) and pattern.layout.shape[0] > 1):
+        raise NotImplementedError(f"pattern: a compiled decode step supports layouts shared by all heads, not "
+                                  f"{type(pattern).__name__} with a head axis")
+    batch, q_heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    count = real.long().cumsum(-1)
+    key_block = (count - 1).clamp(min=0) // block_size  # (batch, kv_len) block number of each slot
+    slots = torch.arange(kv_len, device=q.device)
+    outs = []
+    for t in range(q_len):
+        index = torch.as_tensor(seen - q_len + t, device=q.device)
+        query_block = (count.index_select(1, index.reshape(1)).squeeze(1) - 1) // block_size  # (batch,)
+        if isinstance(pattern, CustomPattern):
+            rows = pattern.layout[0].to(q.device)[query_block]  # (batch, key blocks)
+        else:
+            rows = pattern.block_layout(query_block, kv_len // block_size + 1)[0, 0]
+        visible = rows.gather(1, key_block.clamp(max=rows.shape[1] - 1)) & real & (slots <= index)
+        if sliding_window is not None:
+            visible &= slots > index - sliding_window
+        scores = torch.matmul(q[:, :, t].unflatten(1, (kv_heads, q_heads // kv_heads)), k.transpose(-1, -2))
+        scores = scores.to(merge_dtype(q.dtype)) * scale  # (batch, kv_heads, group, kv_len)
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, -1).nan_to_num(0.0).to(v.dtype)  # a row with no key: output 0
+        outs.append(torch.matmul(probs, v).flatten(1, 2))
+    return torch.stack(outs, 2).to(q.dtype)

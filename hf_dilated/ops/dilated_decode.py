@@ -144,3 +144,71 @@ def _attend(acc, lse, q, k, v, part: _Part, scale):
         acc[:, heads], lse[:, heads] = out, part_lse
     else:
         merge_into(acc[:, heads], lse[:, heads], out, part_lse)
+
+
+# --- the same with static shapes, for torch.compile ------------------------------------------
+
+
+def dilated_decode_static(q, k, v, seg, dil, mode, *, scale, real, seen, local_window=None, q_far=None, k_far=None,
+                          sliding_window=None):
+    """`dilated_decode` for a compiled decode step against a static cache: no Python value depends
+    on tensor data, so `torch.compile(fullgraph=True)` traces it once for every step.
+
+    k, v hold `kv_len` cache slots of which the first `seen` (a 0-d tensor) are written; the q_len
+    queries are slots seen - q_len .. seen - 1. `real` (batch, kv_len) bool marks the written slots
+    that hold tokens; positions are mask ranks (one document per row, docs/contract.md 3.2). Per
+    level the query's w / r candidate keys (positions S + o + m r) are found with a search over the
+    running count of real tokens, so holes in the mask are exact too, and gathered for every kv head
+    (which heads take part is data, so each level reads w / r rows of every kv head); keys past the
+    level's end and heads of another offset are masked."""
+    batch, q_heads, q_len, dim = q.shape
+    kv_heads = k.shape[1]
+    group = q_heads // kv_heads
+    count = real.long().cumsum(-1)  # (batch, kv_len): real tokens up to each slot
+    acc = q.new_zeros(q.shape, dtype=merge_dtype(q.dtype))
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc.dtype, device=q.device)
+    heads = torch.arange(q_heads, device=q.device)
+    bounds = _head_group_bounds(q_heads, len(seg)) if mode == "head_groups" else [(0, q_heads)] * len(seg)
+    far = (q, k) if q_far is None else (q_far, k_far)
+    outs, lses = [], []
+    for t in range(q_len):
+        index = torch.as_tensor(seen - q_len + t, device=q.device)  # 0-d tensor: the query's slot
+        p = count.index_select(1, index.reshape(1)).squeeze(1) - 1  # (batch,) its position
+        lowest = None if sliding_window is None else index - sliding_window + 1
+        parts = []  # (first candidate position (batch,), count, step, end position (batch,), head mask, far)
+        levels_end = p
+        if local_window is not None:
+            parts.append((p - local_window + 1, local_window, 1, p, None, False))
+            levels_end = p - local_window
+        for g, (w, r) in enumerate(zip(seg, dil)):
+            o = (p % w) % r
+            end = levels_end
+            if mode == "union" and g > 0:
+                end = torch.minimum(end, p - p % seg[g - 1] - 1)
+            lo, hi = bounds[g]
+            takes_part = ((heads[None, :] % r) == o[:, None]) & (heads >= lo) & (heads < hi)  # (batch, q_heads)
+            parts.append((p - p % w + o, w // r, r, end, takes_part, local_window is not None))
+        out_t = acc[:, :, t]
+        lse_t = lse[:, :, t]
+        for start, n, step, end, takes_part, is_far in parts:
+            qq, kk = far if is_far else (q, k)
+            pos = start[:, None] + step * torch.arange(n, device=q.device)  # (batch, n) candidate positions
+            slot = torch.searchsorted(count, pos + 1).clamp(max=k.shape[2] - 1)  # first slot holding rank pos
+            ok = (pos >= 0) & (pos <= end[:, None]) & (slot < seen)
+            if lowest is not None:
+                ok &= slot >= lowest
+            gather = slot[:, None, :, None].expand(batch, kv_heads, n, dim)
+            keys, values = kk.gather(2, gather), v.gather(2, gather)
+            scores = torch.matmul(qq[:, :, t].unflatten(1, (kv_heads, group)), keys.transpose(-1, -2))
+            scores = scores.to(acc.dtype) * scale  # (batch, kv_heads, group, n)
+            mask = ok[:, None, None, :]
+            if takes_part is not None:
+                mask = mask & takes_part.view(batch, kv_heads, group, 1)
+            scores = scores.masked_fill(~mask, float("-inf"))
+            part_lse = torch.logsumexp(scores, -1)  # -inf where no key
+            probs = torch.exp(scores - part_lse.nan_to_num(neginf=0.0).unsqueeze(-1)).to(values.dtype)
+            part_out = torch.matmul(probs, values).flatten(1, 2)
+            out_t, lse_t = merge_partial(out_t, lse_t, part_out, part_lse.flatten(1, 2))
+        outs.append(out_t)
+        lses.append(lse_t)
+    return torch.stack(outs, 2).to(q.dtype)
