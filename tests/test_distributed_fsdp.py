@@ -260,6 +260,19 @@ def test_fsdp2_with_sequence_parallelism_matches_one_process(checkpoints, dp, sp
     assert dtypes == {torch.float32}  # FSDP2 keeps float32 master weights, computes in bf16
 
 
+def load_into_full_finetuning(rank, world, path, checkpoint_dir):
+    """A LoRA run's checkpoint loaded into a fully fine-tuned model: the error it gives."""
+    import hf_dilated.distributed as hd
+
+    model = load_model(path, "dilated_ring", lora=False)
+    hd.apply_fsdp2(model, hd.build_mesh(2))
+    try:
+        hd.load_sharded_state(checkpoint_dir, model, make_optimizer(model))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def train_with_checkpoint(rank, world, path, checkpoint_dir, sp_size, shard, resume):
     """LoRA Llama on a (world / sp_size) x sp_size grid: either 2 steps with the sharded state
     saved after step 1 (resume False), or the state loaded, then step 2 (resume True). Returns
@@ -304,3 +317,5 @@ def test_sharded_checkpoint_resumes_exactly(checkpoints, tmp_path):
     assert abs(loss - loss_2) < TOL
     for n, w in weights.items():
         assert (resharded_weights[n] - w).abs().max().item() < WEIGHT_TOL, n
+    mismatch = launch(load_into_full_finetuning, 4, path, str(saved), join_s=300, timeout_s=120)[0]["result"]
+    assert mismatch is not None and f"path: {saved} does not hold this model's trainable weights" in mismatch

@@ -20,10 +20,10 @@ of the replicas' gradients, exactly one process's gradient when D = 1.
 """
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
-
-from datetime import timedelta
 
 from ..ops.validate import check_int
 from .groups import _default_group_timeout, rank_grid
@@ -70,7 +70,7 @@ def build_mesh(sp_size: int, *, device_type: str | None = None, dim_names: tuple
     if len(dim_names) != 2 or len(set(dim_names)) != 2:
         raise ValueError(f"dim_names must be two distinct names (data parallel, sequence parallel), got {dim_names}")
     if device_type is None:
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = "cuda" if "nccl" in dist.get_backend() else "cpu"  # "nccl" or e.g. "cpu:gloo,cuda:nccl"
     override = _backend_override(2, timeout)
     return init_device_mesh(device_type, (world // sp_size, sp_size), mesh_dim_names=tuple(dim_names),
                             backend_override=None if override is None else dict(enumerate(override)))
@@ -155,22 +155,23 @@ def save_sharded_state(path, model, optimizer, *, trainable_only: bool = True) -
 
 
 def load_sharded_state(path, model, optimizer, *, trainable_only: bool = True) -> None:
-    """Restores what `save_sharded_state` wrote into an identically sharded model and its optimizer
-    (any world size: DCP reshards on load). Collective: call on every rank."""
+    """Restores what `save_sharded_state` wrote into a model sharded by `apply_fsdp2` and its
+    optimizer, on any grid and sharding (DCP reshards on load). Collective: call on every rank."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     options = _state_options(trainable_only=trainable_only)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state = {"model": model_state, "optimizer": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
-    result = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                            options=options)
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    missing = sorted(set(getattr(result, "missing_keys", ())) & trainable)
-    if missing:
-        raise ValueError(f"path: the checkpoint {path} lacks trainable weights {missing[:3]} "
-                         f"({len(missing)} in all); resume with the same LoRA / full fine-tuning settings")
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (CheckpointException, RuntimeError) as e:  # DCP names the first weight it lacks, deep in its message
+        raise ValueError(f"path: {path} does not hold this model's {'trainable ' if trainable_only else ''}weights "
+                         "and optimizer state (was it saved with the same model and LoRA / full fine-tuning "
+                         f"settings?): {str(e)[:300]}") from e
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
 
 
 def full_model_state(model) -> dict:
