@@ -569,13 +569,14 @@ def test_fsdp_with_sequence_parallelism_matches_single_process_and_resumes(check
 
 def test_fsdp_bf16_full_finetune_runs(checkpoint):
     """--fsdp with FSDP2's bf16 MixedPrecisionPolicy (float32 reduction), sharded over the
-    data-parallel replicas only (--fsdp-shard dp), full fine-tuning, 2 x 2: it trains (finite,
-    changing losses); exactness is not expected of bf16."""
+    data-parallel replicas only (--fsdp-shard dp), full fine-tuning, 2 micro-steps per step, 2 x 2:
+    it trains (finite, changing losses); exactness is not expected of bf16."""
     out = checkpoint / "fsdp_bf16"
     proc = run(["accelerate", "launch", "--config_file", EXAMPLES / "accelerate_configs/cpu_4proc_fsdp.yaml",
                 "--main_process_port", free_port(),
                 *finetune_cmd(checkpoint, out, "--fsdp", "--fsdp-shard", "dp", "--sp-size", 2, "--full-finetune",
-                              "--mixed-precision", "bf16", "--attn", "ring", "--no-final-model", python=())])
+                              "--mixed-precision", "bf16", "--attn", "ring", "--grad-accum", 2, "--no-final-model",
+                              python=())])
     assert "fsdp=dp precision=bf16" in proc.stdout
     log = read_log(out / "log.jsonl")
     assert [r["step"] for r in log] == [1, 2]
