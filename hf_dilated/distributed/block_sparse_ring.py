@@ -1,12 +1,14 @@
 """Block-sparse attention over a sequence sharded across a process group.
 
 Computes exactly the single-process `hf_dilated.ops.block_sparse_attention` on the global
-sequence, the same way dilated_ring does (windows.windowed_attention): each local chunk of
-queries runs the single-process kernel over a window of the global sequence and receives from the
-other ranks only the keys of blocks some local query block may read (per kv head when the layout
-has a head axis). Static patterns (local, dilated, global_local, hierarchical, custom) are
-supported; the adaptive pattern is not: its top-k choice pools the queries and keys of whole
-blocks, which may straddle ranks, so it cannot be decided per rank without another exchange.
+sequence, on the ring of ring.py as dilated_ring does: each (local query rows, key tile) call of
+the fused kernel gets the block layout between those global tokens as its mask
+(`block_sparse_visible`); a call is skipped when none of its query tiles reads a block of the key
+tile, and only the keys of blocks some rank further along the ring may read travel on (per kv
+head when the layout has a head axis). Static patterns (local, dilated, global_local,
+hierarchical, custom) are supported; the adaptive pattern is not: its top-k choice pools the
+queries and keys of whole blocks, which may straddle ranks, so it cannot be decided per rank
+without another exchange.
 """
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import torch
 from ..config import DEFAULT_RING_LAYOUT
 from ..ops.block_patterns import AdaptivePattern, CustomPattern, make_pattern
 from ..ops.validate import check_int, check_qkv, check_scale_dropout
+from .ring import _RingAttention, ring_plan
 from .tokens import GlobalTokens, prepare_call
 from .utils import Exchange
-from .windows import plan_windows, windowed_attention
 from .groups import group_size_rank
 from .layout import check_layout
 
@@ -68,6 +70,22 @@ def block_sparse_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, pa
     return need
 
 
+def _blocks(tokens: GlobalTokens, pattern, block_size: int, q_heads: int):
+    """Each token's block number (batch, seq_len) (docs/contract.md 5: p // block_size, positions
+    counting within the document) and the layout (heads or 1, blocks, blocks) over the sequence."""
+    p, real = tokens.positions, tokens.real
+    block = torch.where(real, p // block_size, torch.zeros_like(p))
+    num_blocks = int(block[real].max()) + 1 if bool(real.any()) else 1
+    return block, block_allowed(pattern, num_blocks, q_heads, p.device)
+
+
+def block_sparse_visible(block, allowed, q_index, k_index) -> torch.Tensor:
+    """bool (batch, heads or 1, len(q_index), len(k_index)): the layout allows key j's block for
+    query i's block (before causality, documents and padding)."""
+    bq, bk = block[:, q_index], block[:, k_index]
+    return allowed[:, bq[:, :, None], bk[:, None, :]].transpose(0, 1)
+
+
 def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, layout: str = DEFAULT_RING_LAYOUT,
                                 scale=None, attention_mask=None, position_ids=None, sliding_window: int | None = None):
     """Block-sparse attention over a sequence sharded across `group` (docs/contract.md 6).
@@ -100,17 +118,13 @@ def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, lay
     def build(tokens):
         if tokens.real.any() and bool((tokens.positions[tokens.real] < 0).any()):
             raise ValueError("position_ids: real (unmasked) tokens must have non-negative positions")
-        return plan_windows(tokens, lambda qi: block_sparse_needed_keys(tokens, qi, pattern, block_size, q_heads,
-                                                                        kv_heads), sliding_window)
+        block, allowed = _blocks(tokens, pattern, block_size, q_heads)
+        return ring_plan(tokens, sliding_window, pattern=lambda qi, kj: block_sparse_visible(block, allowed, qi, kj),
+                         needed_keys=lambda qi: block_sparse_needed_keys(tokens, qi, pattern, block_size, q_heads,
+                                                                         kv_heads))
 
     plan = prepare_call("block_sparse_ring_attention", q, k, v, attention_mask=attention_mask,
                         position_ids=position_ids, group=group, layout=layout, build=build, scale=scale,
                         pattern=pattern.to_dict(), block_size=block_size, sliding_window=sliding_window)
-
-    def kernel(qc, kw, vw, attention_mask, position_ids):
-        return block_sparse_attention(qc, kw, vw, pattern, block_size=block_size, scale=scale,
-                                      attention_mask=attention_mask, position_ids=position_ids,
-                                      sliding_window=sliding_window)
-
-    return windowed_attention(q.contiguous(), k.contiguous(), v.contiguous(), plan,
-                              Exchange(group, "block_sparse_ring"), kernel)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Exchange(group, "block_sparse_ring"),
+                                plan, scale)

@@ -1,15 +1,21 @@
 """Dilated attention (LongNet) over a sequence sharded across a process group.
 
-Computes exactly the single-process `hf_dilated.ops.dilated_attention` on the global sequence.
-Each local chunk of queries runs the single-process kernel over a window of the global sequence
-(windows.windowed_attention); from the other ranks it receives only the K/V entries its queries
-can see:
+Computes exactly the single-process `hf_dilated.ops.dilated_attention` on the global sequence, on
+the ring of ring.py: K/V tiles travel around the ring, and each (local query rows, key tile) call
+of the fused kernel gets the dilated pattern between those global tokens as its mask
+(`dilated_visible`), so a rank holds one tile in hand and one in flight, never a window of a whole
+segment, and its memory falls as 1/P. A key counted at several levels ("longnet") weighs
+exp(s + log c). Only the K/V entries some rank further along the ring can see travel on
+(`dilated_needed_keys`, the ring plan's masks), and only the gradients of entries a rank used come
+back:
 - a level whose segments do not cross a rank boundary needs nothing from other ranks;
 - at a level with dilation r, kv head h needs only the keys selected for the offsets of its
   query heads ((p mod w) mod r == h mod r), so with one query head per kv head the traffic of a
   level falls by r (with grouped-query attention, by r / min(r, query heads per kv head)).
 Which entries are needed is decided from positions, documents and padding alone, the same
-rules the kernel applies (docs/contract.md 4); a needed entry is sent once per window.
+rules the kernel applies (docs/contract.md 4). The mask is dense over a tile: the work of a call
+does not shrink with the pattern's density, only calls where no query needs a key of the tile are
+skipped.
 """
 from __future__ import annotations
 
@@ -17,9 +23,9 @@ import torch
 
 from ..config import DEFAULT_MODE, DEFAULT_RING_LAYOUT
 from ..ops.validate import check_dilated_config, check_int, check_qkv, check_scale_dropout
+from .ring import _RingAttention, ring_plan
 from .tokens import GlobalTokens, prepare_call
 from .utils import Exchange
-from .windows import plan_windows, windowed_attention
 from .groups import group_size_rank
 from .layout import check_layout
 
@@ -82,6 +88,34 @@ def dilated_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, q_heads
     return need
 
 
+def dilated_visible(tokens: GlobalTokens, q_index, k_index, q_heads: int, segment_lengths, dilation_rates,
+                    mode: str) -> torch.Tensor:
+    """(batch, q_heads, len(q_index), len(k_index)): for each query head, how the pattern counts key
+    j for query i (docs/contract.md 4), before causality, documents and padding: bool for "union"
+    (in some V_g(h, i)) and "head_groups" (in V_g(h, i) of the head's level), the number of levels
+    g with j in V_g(h, i) for "longnet"."""
+    pq, pk = tokens.positions[:, q_index], tokens.positions[:, k_index]
+    heads = torch.arange(q_heads, device=pq.device)
+    levels = levels_of_heads(q_heads, len(segment_lengths), mode)
+    total = None
+    for g, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
+        reads = torch.tensor([g in levels[h] for h in range(q_heads)], device=pq.device)
+        if not bool(reads.any()):
+            continue
+        same = torch.div(pq, w, rounding_mode="floor")[:, :, None] == torch.div(pk, w, rounding_mode="floor")[:, None, :]
+        offset = (heads % r)[None, :, None]  # head h reads offset class h mod r
+        sel_q = (((pq % w) % r)[:, None, :] == offset) & reads[None, :, None]  # (batch, heads, nq)
+        sel_k = ((pk % w) % r)[:, None, :] == offset  # (batch, heads, nk)
+        part = same[:, None] & sel_q[..., None] & sel_k[:, :, None, :]
+        if total is None:
+            total = part.to(torch.int32) if mode == "longnet" else part
+        elif mode == "longnet":
+            total += part
+        else:
+            total |= part
+    return total
+
+
 def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: str = DEFAULT_MODE, group=None,
                            layout: str = DEFAULT_RING_LAYOUT, scale=None, attention_mask=None, position_ids=None,
                            dropout_p: float = 0.0, sliding_window: int | None = None):
@@ -111,16 +145,13 @@ def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: st
 
     def build(tokens):
         memo = {}
-        return plan_windows(tokens, lambda qi: dilated_needed_keys(tokens, qi, q_heads, kv_heads, seg, dil, mode,
-                                                                   memo), sliding_window)
+        return ring_plan(tokens, sliding_window,
+                         pattern=lambda qi, kj: dilated_visible(tokens, qi, kj, q_heads, seg, dil, mode),
+                         needed_keys=lambda qi: dilated_needed_keys(tokens, qi, q_heads, kv_heads, seg, dil, mode,
+                                                                    memo))
 
     plan = prepare_call("dilated_ring_attention", q, k, v, attention_mask=attention_mask, position_ids=position_ids,
                         group=group, layout=layout, build=build, scale=scale, segment_lengths=seg,
                         dilation_rates=dil, mode=mode, sliding_window=sliding_window)
-
-    def kernel(qc, kw, vw, attention_mask, position_ids):
-        return dilated_attention(qc, kw, vw, seg, dil, mode=mode, scale=scale, attention_mask=attention_mask,
-                                 position_ids=position_ids, sliding_window=sliding_window)
-
-    return windowed_attention(q.contiguous(), k.contiguous(), v.contiguous(), plan,
-                              Exchange(group, "dilated_ring"), kernel)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Exchange(group, "dilated_ring"),
+                                plan, scale)

@@ -13,6 +13,12 @@ dK/dV), never a peer's whole block; and each fused call takes at most 1/`ROW_SPL
 queries, which bounds its output, log-sum-exp, mask and gradient temporaries. Every tile still
 travels P - 1 hops, so the bytes sent are those of whole blocks.
 
+dilated_ring and block_sparse_ring run on this ring too (ring_plan's `pattern` and `needed_keys`):
+each call gets the sparse pattern between its global tokens as a mask, a call where no query needs
+a key of the tile is skipped, and a tile travels on with only the entries some rank further along
+the ring needs, zero elsewhere (its dK/dV come back with only the entries that were used), so those
+kernels send at most what this one does.
+
 Visibility (docs/contract.md 6: dense causal with padding and documents) is a function of
 global token indices and the gathered metadata (tokens.global_tokens), so padding and packed
 documents are honoured whatever rank a key comes from. Tiles lie inside one layout chunk, and the
@@ -46,6 +52,10 @@ KV_TILES = 64
 # Query rows per fused call: at most 1/ROW_SPLITS of the local queries, which bounds the call's
 # output and log-sum-exp (forward), dQ (backward) and mask.
 ROW_SPLITS = 32
+# But never tiles under MIN_TILE tokens nor calls under MIN_ROWS rows: below that the memory is
+# negligible, and each call's dK/dV comes back rounded to the input dtype, so in bfloat16 many tiny
+# calls would add up many roundings (the fused kernel accumulates a call in float32).
+MIN_TILE, MIN_ROWS = 16, 64
 
 
 @dataclass
@@ -53,27 +63,43 @@ class Piece:
     """One fused call of a ring step: local query rows x the whole key tile in hand."""
     rows: slice
     is_causal: bool
-    # Padding / documents / window: the global indices of the rows and keys, to build the mask when
-    # the call runs (built per call, never stored: it is (batch, rows, tile)).
+    # Padding / documents / window / a sparse pattern: the global indices of the rows and keys, to
+    # build the mask when the call runs (built per call, never stored: it is (batch, heads, rows, tile)).
     q_index: torch.Tensor | None = None
     k_index: torch.Tensor | None = None
     tokens: GlobalTokens | None = None
     window: int | None = None  # sliding window (docs/contract.md 3.3)
+    # pattern(q_index, k_index) -> (batch or 1, heads or 1, rows, tile): bool (the pattern lets the
+    # pair through) or a count (how many times the key is in K(h, i): "longnet"); None: dense.
+    pattern: object = None
 
     def mask(self, dtype):
-        """(additive bias (batch, 1, nq, nk) or None, bool rows with no visible key or None)."""
+        """(additive bias (batch, 1 or heads, nq, nk) or None, bool rows with no visible key or None)."""
         if self.q_index is None:
             return None, None
-        visible = _visible(self.tokens, self.q_index, self.k_index, self.window)
+        visible = _visible(self.tokens, self.q_index, self.k_index, self.window)[:, None]
+        if self.pattern is not None:
+            weight = self.pattern(self.q_index, self.k_index)
+            if weight.dtype != torch.bool:  # a key counted c times weighs exp(s + log c)
+                weight = weight.to(dtype) * visible
+                return torch.log(weight), (weight == 0).all(-1)
+            visible = visible & weight
         bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
         bias.masked_fill_(~visible, float("-inf"))
-        return bias[:, None], ~visible.any(-1)[:, None]
+        return bias, ~visible.any(-1)
 
 
 @dataclass
 class RingPlan:
     tiles: list  # (start, stop) local index range of each K/V tile, the same on every rank
     steps: list  # steps[j][t]: the Pieces of tile j at hop t (the tile of rank (rank - t) mod P)
+    # Sparse patterns only (None: whole tiles travel). kv_out[j][t] / kv_in[j][t]: bool (batch,
+    # kv_heads, tile) entries of the K/V tile this rank sends / receives at hop t; grad_out[j][t] /
+    # grad_in[j][t]: entries of the dK/dV message it sends / receives at hop t >= 1.
+    kv_out: list | None = None
+    kv_in: list | None = None
+    grad_out: list | None = None
+    grad_in: list | None = None
 
 
 def _visible(tokens: GlobalTokens, qi, kj, window=None):
@@ -88,13 +114,14 @@ def ring_tiles(n_local: int, layout: str) -> list[tuple[int, int]]:
     equal as can be, each inside one layout chunk (so its global indices are consecutive)."""
     cpr = chunks_per_rank(layout)
     c = n_local // cpr
-    per_chunk = max(1, min(c, KV_TILES // cpr))
+    per_chunk = max(1, min(c // MIN_TILE, KV_TILES // cpr))
     return [(ch * c + i * c // per_chunk, ch * c + (i + 1) * c // per_chunk)
             for ch in range(cpr) for i in range(per_chunk)]
 
 
 def _runs(tiles, kinds, max_rows):
-    """Consecutive local query tiles of one kind ("full"), joined while at most max_rows long."""
+    """The calls against one key tile: each causal query tile alone, consecutive fully visible ones
+    joined while at most max_rows long; (start, stop) or (start, stop, "causal")."""
     runs, cur = [], None
     for (a, b), kind in zip(tiles, kinds):
         if kind == "full" and cur is not None and cur[1] == a and b - cur[0] <= max_rows:
@@ -110,17 +137,28 @@ def _runs(tiles, kinds, max_rows):
     return runs
 
 
-def ring_plan(tokens: GlobalTokens, window: int | None = None) -> RingPlan:
+def ring_plan(tokens: GlobalTokens, window: int | None = None, pattern=None, needed_keys=None) -> RingPlan:
     """For each tile j and hop t (tile j of rank (rank - t) mod P), the Pieces to compute; a piece
-    is left out when a sliding `window`, padding or documents hide all its pairs."""
+    is left out when a sliding `window`, padding, documents or the pattern hide all its pairs.
+
+    Sparse patterns (dilated_ring, block_sparse_ring) give `pattern` (see Piece) and
+    `needed_keys(query_index)` -> bool (batch, kv_heads, seq_len): every key the pattern lets some
+    query of `query_index` (global indices) see, a superset of what `pattern` lets through. From it
+    every rank knows, for each tile and hop, which entries some rank further along the ring still
+    needs (only those travel on) and which entries earlier ranks used (only their gradients travel
+    back), without any message about it."""
     world, rank = tokens.world, tokens.rank
     n_local = tokens.local_index.numel()
     tiles = ring_tiles(n_local, tokens.layout)
-    max_rows = max(1, n_local // ROW_SPLITS)
+    max_rows = max(MIN_ROWS, n_local // ROW_SPLITS)
     q_first = [int(tokens.local_index[a]) for a, _ in tiles]
     src_index = [tokens.rank_index(r) for r in range(world)]  # the pieces keep views of these
+    sparse = needed_keys is not None
+    if sparse:
+        need = _needs(tokens, src_index, needed_keys, window)
+        used = _used_tiles(tokens, tiles, src_index, needed_keys, window)
     steps = []
-    for a, b in tiles:
+    for j, (a, b) in enumerate(tiles):
         hops = []
         for t in range(world):
             src = (rank - t) % world
@@ -129,6 +167,8 @@ def ring_plan(tokens: GlobalTokens, window: int | None = None) -> RingPlan:
             # Query tiles and key tiles lie on one grid: a query tile is after the key tile (full),
             # is it (causal) or is before it (nothing visible).
             kinds = ["full" if k1 <= q0 else "causal" if q0 == k0 else None for q0 in q_first]
+            if sparse:  # and a query tile that needs no key of this tile skips it
+                kinds = [kind if used[i][src][j] else None for i, kind in enumerate(kinds)]
             pieces = []
             for run in _runs(tiles, kinds, max_rows):
                 rows = slice(run[0], run[1])
@@ -137,15 +177,125 @@ def ring_plan(tokens: GlobalTokens, window: int | None = None) -> RingPlan:
                 if window is not None and int(qi[0]) - k1 + 1 >= window:
                     continue  # the window hides every pair
                 cut = window is not None and int(qi[-1]) - k0 >= window  # the window hides some pair
-                if tokens.plain and not cut:
+                if sparse:
+                    pieces.append(Piece(rows, False, qi, kj, tokens, window, pattern))
+                elif tokens.plain and not cut:
                     pieces.append(Piece(rows, is_causal=causal))
                 elif bool(_visible(tokens, qi, kj, window).any()):
                     pieces.append(Piece(rows, False, qi, kj, tokens, window))
             hops.append(pieces)
         steps.append(hops)
-    return RingPlan(tiles, steps)
+    plan = RingPlan(tiles, steps)
+    if sparse:
+        # Tile j of rank s at hop t is held by rank s + t. Onwards go the entries that a rank after
+        # it needs; back (dK/dV, hop t >= 1) the entries that ranks s + 1 .. s + t used (the owner
+        # keeps its own part).
+        def tile_need(s, j, ranks):
+            idx = src_index[s][tiles[j][0]:tiles[j][1]]
+            out = torch.zeros(need[0].shape[:2] + (idx.numel(),), dtype=torch.bool, device=idx.device)
+            for d in ranks:
+                out |= need[(s + d) % world][:, :, idx]
+            return out
+
+        def ahead(s, j, t):
+            return tile_need(s, j, range(t + 1, world))
+
+        def behind(s, j, t):
+            return tile_need(s, j, range(1, t + 1))
+
+        rng = range(len(tiles))
+        plan.kv_out = [[ahead((rank - t) % world, j, t) for t in range(world)] for j in rng]
+        plan.kv_in = [[ahead((rank - 1 - t) % world, j, t) for t in range(world)] for j in rng]
+        plan.grad_out = [[behind((rank - t) % world, j, t) for t in range(world)] for j in rng]
+        plan.grad_in = [[behind((rank - 1 - t) % world, j, t) for t in range(world)] for j in rng]
+    return plan
 
 
+def _trimmed(tokens, needed_keys, qi, window):
+    """needed_keys(qi), cut to the keys causality (and a sliding window) leave to those queries."""
+    index = torch.arange(tokens.positions.shape[1], device=qi.device)
+    keep = index <= qi.max()
+    if window is not None:
+        keep &= index > qi.min() - window
+    return needed_keys(qi) & keep
+
+
+def _needs(tokens, src_index, needed_keys, window):
+    """need[d]: bool (batch, kv_heads, seq_len), the keys rank d's queries need."""
+    from .layout import chunks_per_rank
+
+    n = tokens.local_index.numel()
+    c = n // chunks_per_rank(tokens.layout)
+    out = []
+    for d in range(tokens.world):
+        mask = None
+        for start in range(0, n, c):  # per chunk: its own causal / window cut
+            m = _trimmed(tokens, needed_keys, src_index[d][start:start + c], window)
+            mask = m if mask is None else mask | m
+        out.append(mask)
+    return out
+
+
+def _used_tiles(tokens, tiles, src_index, needed_keys, window):
+    """used[i][s][j]: whether local query tile i needs any key of tile j of rank s."""
+    n = tokens.local_index.numel()
+    device = tokens.local_index.device
+    tile_of = torch.empty(n, dtype=torch.long, device=device)
+    for j, (a, b) in enumerate(tiles):
+        tile_of[a:b] = j
+    used = []
+    for a, b in tiles:
+        m = _trimmed(tokens, needed_keys, tokens.local_index[a:b], window).any(0).any(0)  # (seq_len,)
+        per_src = []
+        for s in range(tokens.world):
+            hit = torch.zeros(len(tiles), dtype=torch.long, device=device).index_add_(0, tile_of,
+                                                                                      m[src_index[s]].long())
+            per_src.append((hit > 0).tolist())
+        used.append(per_src)
+    return used
+
+
+def _post(exchange: Exchange, tensors, out_mask, in_mask, tag: int):
+    """Sends each tile-shaped (batch, kv_heads, tile, head_dim) tensor to the next rank, only the
+    entries of out_mask (None: all of it; none: no message), and posts the receive of the previous
+    rank's, the entries of in_mask. Returns what _land needs once the messages are in."""
+    nxt, prv = (exchange.rank + 1) % exchange.world, (exchange.rank - 1) % exchange.world
+    like = tensors[0]
+    n_in = None if in_mask is None else int(in_mask.sum())
+    bufs, works, payloads = [], [], []
+    for i, t in enumerate(tensors):
+        payload = t.contiguous() if out_mask is None else t[out_mask] if bool(out_mask.any()) else None
+        buf = (torch.empty(t.shape, dtype=t.dtype, device=t.device) if in_mask is None
+               else torch.empty((n_in, t.shape[-1]), dtype=t.dtype, device=t.device) if n_in else None)
+        works += exchange.start({nxt: payload} if payload is not None else {},
+                                {prv: buf} if buf is not None else {}, tag=2 * tag + i)
+        bufs.append(buf)
+        payloads.append(payload)  # alive until the send is waited on
+    return bufs, works, payloads, in_mask, like.shape, like.dtype
+
+
+def _land(posted):
+    """Waits for _post's messages; returns the received tiles (zero outside the mask received)."""
+    bufs, works, _, in_mask, shape, dtype = posted
+    wait_all(works)
+    if in_mask is None:
+        return bufs
+    tiles = []
+    for buf in bufs:
+        tile = torch.zeros(shape, dtype=dtype, device=in_mask.device)
+        if buf is not None:
+            tile[in_mask] = buf
+        tiles.append(tile)
+    return tiles
+
+
+def _at(masks, j, t):
+    return None if masks is None else masks[j][t]
+
+
+# Every fused call runs in the merge dtype (float32 for bfloat16 / float16 inputs): a row's output
+# and a key's dK/dV are sums over many calls, and rounding each call's part to bfloat16 would add
+# one rounding per call. The copies are of one call's rows and one tile, a few percent of q.
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, exchange: Exchange, plan: RingPlan, scale):
@@ -153,25 +303,24 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         world = exchange.world
-        for (a, b), hops in zip(plan.tiles, plan.steps):
-            # K and V travel as two messages (no stacked copy); the own tile is copied out of the
-            # shard once, so the message is a live tensor until its send completes.
+        for j, ((a, b), hops) in enumerate(zip(plan.tiles, plan.steps)):
+            # K and V travel as two messages (no stacked copy), from a copy of the own tile.
             kv = (k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous())
             for t, pieces in enumerate(hops):
                 if t + 1 < world:  # post the next hop before computing on the tile in hand
-                    kv_next, works = exchange.ring_shift(kv, tag=0)
+                    posted = _post(exchange, kv, _at(plan.kv_out, j, t), _at(plan.kv_in, j, t), tag=0)
                 for piece in pieces:
-                    bias, empty_rows = piece.mask(q.dtype)
-                    o, l = attention_forward(q[:, :, piece.rows], kv[0], kv[1], is_causal=piece.is_causal,
-                                             scale=scale, attn_bias=bias)
+                    bias, empty_rows = piece.mask(acc)
+                    o, l = attention_forward(q[:, :, piece.rows].to(acc), kv[0].to(acc), kv[1].to(acc),
+                                             is_causal=piece.is_causal, scale=scale, attn_bias=bias)
                     o, l = o.to(acc), l.to(acc)
                     if empty_rows is not None:  # the kernel reports lse 0 for a row with no key
                         l = l.masked_fill(empty_rows, float("-inf"))
                     merge_into(out[:, :, piece.rows], lse[:, :, piece.rows], o, l)
                     del o, l, bias
                 if t + 1 < world:
-                    wait_all(works)
-                    kv = kv_next
+                    kv = _land(posted)
+                    del posted
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.exchange, ctx.plan, ctx.scale = exchange, plan, scale
@@ -188,44 +337,47 @@ class _RingAttention(torch.autograd.Function):
             torch.float32 if q.dtype != torch.float64 else torch.float64)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
-        for (a, b), hops in zip(plan.tiles, plan.steps):
+        for j, ((a, b), hops) in enumerate(zip(plan.tiles, plan.steps)):
             kv = (k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous())
-            dkv_in, dkv_works = None, []  # set at every hop: the tile's dK/dV arriving from the previous rank
+            # The owner keeps its own part of its tile's dK/dV; the message that travels from hop 1
+            # on carries the parts of the ranks that held the tile since, back to the owner at the end.
+            own, incoming = None, None
             for t, pieces in enumerate(hops):
                 if t + 1 < world:
-                    kv_next, kv_works = exchange.ring_shift(kv, tag=0)
-                mine = None  # this rank's contribution to the dK/dV of the tile in hand
+                    posted = _post(exchange, kv, _at(plan.kv_out, j, t), _at(plan.kv_in, j, t), tag=0)
+                mine = None  # this rank's part of the dK/dV of the tile in hand
                 for piece in pieces:
                     r = piece.rows
-                    bias, _ = piece.mask(q.dtype)
-                    gq, gk, gv = attention_backward(dout[:, :, r], q[:, :, r], kv[0], kv[1], out[:, :, r],
-                                                    lse[:, :, r], is_causal=piece.is_causal, scale=scale,
-                                                    attn_bias=bias)
+                    bias, _ = piece.mask(acc)
+                    gq, gk, gv = attention_backward(dout[:, :, r].to(acc), q[:, :, r].to(acc), kv[0].to(acc),
+                                                    kv[1].to(acc), out[:, :, r].to(acc), lse[:, :, r],
+                                                    is_causal=piece.is_causal, scale=scale, attn_bias=bias)
                     dq[:, :, r] += gq
-                    if mine is None:  # it is sent on: a contiguous buffer (the kernel's may be strided)
+                    if mine is None:  # it may be sent on: a contiguous buffer (the kernel's may be strided)
                         mine = [gk.to(acc).contiguous(), gv.to(acc).contiguous()]
                     else:
                         mine[0] += gk
                         mine[1] += gv
                     del gq, gk, gv, bias
-                if t == 0:  # the tile's first hop: its dK/dV start here
-                    dkv = mine if mine is not None else [kv[0].new_zeros(kv[0].shape, dtype=acc),
-                                                         kv[1].new_zeros(kv[1].shape, dtype=acc)]
-                else:  # the accumulated dK/dV of the tile in hand, from the previous rank
-                    wait_all(dkv_works)
-                    dkv = dkv_in
-                    if mine is not None:
+                if t == 0:
+                    own = mine
+                else:  # add this rank's part to what came from the previous rank (hop t - 1), send it on
+                    dkv = _land(incoming) if incoming is not None else None
+                    if dkv is None:
+                        dkv = mine if mine is not None else [kv[0].new_zeros(kv[0].shape, dtype=acc),
+                                                             kv[1].new_zeros(kv[1].shape, dtype=acc)]
+                    elif mine is not None:
                         dkv[0] += mine[0]
                         dkv[1] += mine[1]
+                    incoming = _post(exchange, dkv, _at(plan.grad_out, j, t), _at(plan.grad_in, j, t), tag=1)
+                    del dkv
                 del mine
-                dkv_in, dkv_works = exchange.ring_shift(dkv, tag=1)
-                del dkv
                 if t + 1 < world:
-                    wait_all(kv_works)
-                    kv = kv_next
-            wait_all(dkv_works)  # after P hops the tile's gradient is back with its owner
-            dk[:, :, a:b] = dkv_in[0]
-            dv[:, :, a:b] = dkv_in[1]
+                    kv = _land(posted)
+                    del posted
+            back = _land(incoming)  # hop P - 1 of the previous rank: this rank's own tile
+            for i, grad in enumerate((dk, dv)):
+                grad[:, :, a:b] = back[i] if own is None else back[i] + own[i]
         return dq.to(q.dtype), dk, dv, None, None, None
 
 
