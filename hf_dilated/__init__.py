@@ -5,6 +5,7 @@
 """
 from .config import DilatedConfig
 from .integrations import register as _register_with_transformers
+from .integrations.cache import ReservedCache
 from .nn import DilatedMultiheadAttention, create_attention
 from .ops import dilated_attention
 from .patching import lora_config, patch, patch_family, unpatch_family
@@ -13,6 +14,6 @@ _register_with_transformers()
 
 __version__ = "0.1.0"
 __all__ = [
-    "DilatedConfig", "DilatedMultiheadAttention", "create_attention", "dilated_attention", "lora_config", "patch",
+    "DilatedConfig", "DilatedMultiheadAttention", "ReservedCache", "create_attention", "dilated_attention", "lora_config", "patch",
     "patch_family", "unpatch_family",
 ]

@@ -171,3 +171,67 @@ def test_block_sparse_decode_custom_layout_and_fallbacks():
         out = block_sparse_attention(q[:, :, -2:], k, v, pattern, block_size=8, attention_mask=mask)
         assert bs_decode.COUNTS[path] == before[path] + 1
         assert (out - ref[:, :, -2:]).abs().max().item() < F64_TOL
+
+
+# ---------------------------------------------------------------------------------------------
+# ReservedCache: transformers' DynamicCache behaviour without the copy per step
+
+
+def _tiny_llama(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_dilated.convert import convert_checkpoint
+    from hf_dilated.model_configs import build_model_config
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(build_model_config("tiny-llama")).save_pretrained(tmp_path / "base")
+    return convert_checkpoint(tmp_path / "base", tmp_path / "long", preset="tiny-llama")
+
+
+def test_reserved_cache_generates_as_dynamic_cache_and_writes_in_place(tmp_path):
+    import hf_dilated
+    from transformers import AutoModelForCausalLM
+
+    path = _tiny_llama(tmp_path)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 200, (2, 37), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    common = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    for name in ("sdpa", "dilated", "block_sparse"):
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name).eval()
+        with torch.no_grad():
+            want = model.generate(ids, **common)
+            cache = hf_dilated.ReservedCache(config=model.config)
+            got = model.generate(ids, past_key_values=cache, **common)
+            beams = model.generate(ids, num_beams=3, **common)
+            beams_reserved = model.generate(ids, num_beams=3, past_key_values=hf_dilated.ReservedCache(), **common)
+        assert torch.equal(got, want), name
+        assert torch.equal(beams_reserved, beams), name  # beam search reorders the cache between steps
+        layer = cache.layers[0]
+        assert layer.keys.shape[-2] == 37 + 11  # the last token is generated, not cached
+        assert layer.keys.data_ptr() == layer._room[0].data_ptr()  # a view of the reserved buffer, not a copy
+
+
+def test_reserved_layer_appends_crops_and_reorders():
+    from hf_dilated.integrations.cache import ReservedLayer
+
+    layer = ReservedLayer()
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(2, 3, n, 4, generator=g) for n in (5, 1, 1, 300)]
+    want = []
+    for p in parts:
+        keys, values = layer.update(p, -p)
+        want.append(p)
+        assert torch.equal(keys, torch.cat(want, 2)) and torch.equal(values, -torch.cat(want, 2))
+    first = layer._room[0].data_ptr()
+    held = torch.cat(want + [parts[1]], 2)
+    layer.update(parts[1], -parts[1])
+    assert layer._room[0].data_ptr() == first  # room was left: written in place
+    layer.crop(-2)  # a view of the same buffer, shorter: the next tokens overwrite the cropped ones
+    keys, values = layer.update(parts[0], -parts[0])
+    assert torch.equal(keys, torch.cat([held[..., :-2, :], parts[0]], 2)) and torch.equal(values, -keys)
+    layer.batch_select_indices(torch.tensor([1]))  # rebinds keys to a new tensor: taken into new room
+    keys, values = layer.update(parts[1][1:], -parts[1][1:])
+    assert keys.shape == (1, 3, held.shape[2] - 2 + 5 + 1, 4)
+    assert torch.equal(keys[..., -1:, :], parts[1][1:]) and torch.equal(values, -keys)

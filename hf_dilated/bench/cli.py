@@ -50,7 +50,7 @@ PROFILES = {
 DEFAULTS = dict(out="bench-results", device=None, threads=None, batch=1, heads=8, kv_heads=None, head_dim=64,
                 block_size=256, block_pattern=None, variants=None, million=False, e2e=True, e2e_impls=None,
                 distributed_length=None, distributed_kernels=None, window=None, gen_new=64, gen_layers=4,
-                gen_intermediate=1024, gen_vocab=32000, gen_caches=["dynamic", "static"])
+                gen_intermediate=1024, gen_vocab=32000, gen_caches=["dynamic", "static", "reserved"])
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -151,7 +151,7 @@ def _decode(p):
     p.add_argument("--gen-intermediate", type=int,
                    help=f"generate() model: MLP width (default: {DEFAULTS['gen_intermediate']})")
     p.add_argument("--gen-vocab", type=int, help=f"generate() model: vocabulary (default: {DEFAULTS['gen_vocab']})")
-    p.add_argument("--gen-caches", type=_names, help="generate() rows: dynamic,static (default: both)")
+    p.add_argument("--gen-caches", type=_names, help="generate() rows: dynamic,static,reserved (default: all)")
 
 
 def _window(p):
@@ -234,9 +234,9 @@ def resolve_settings(args) -> dict:
     check_dilated_config(s["segment_lengths"], s["dilation_rates"], "union")
     if s["gen_prompt"] < 0:
         raise ValueError(f"--gen-prompt must be 0 (no generate rows) or positive, got {s['gen_prompt']}")
-    bad = sorted(set(s["gen_caches"]) - {"dynamic", "static"})
+    bad = sorted(set(s["gen_caches"]) - {"dynamic", "static", "reserved"})
     if bad:
-        raise ValueError(f"--gen-caches: unknown {bad}; choose among dynamic, static")
+        raise ValueError(f"--gen-caches: unknown {bad}; choose among dynamic, static, reserved")
     if s.get("window") is None:
         s["window"] = max(1, min(s["lengths"]) // 4)
     if s["window"] <= 0:

@@ -13,9 +13,9 @@ measured after (measure.py). `ring`, `dilated_ring` and `block_sparse_ring` on o
 these same kernels.
 
 Generate rows. LlamaForCausalLM with random weights and the given shapes, a prompt of
---gen-prompt random tokens, --gen-new greedy tokens, with DynamicCache and StaticCache: prefill
-seconds (prompt to first token) and decode tokens/s (the remaining tokens), timed inside
-`generate()` by a logits processor that stamps each step. One process per (name, cache).
+--gen-prompt random tokens, --gen-new greedy tokens: prefill seconds (prompt to first token) and
+decode tokens/s (the remaining tokens), with DynamicCache, StaticCache and hf_dilated.ReservedCache
+(a DynamicCache that does not copy itself per step), timed inside `generate()` by a logits processor that stamps each step. One process per (name, cache).
 """
 from __future__ import annotations
 
@@ -112,7 +112,10 @@ def run_generate_case(spec: dict, own_process: bool = False) -> dict:
                                           dtype=DTYPES[spec["dtype"]]).eval()
     ids = torch.randint(0, config.vocab_size, (1, spec["prompt"]), generator=torch.Generator().manual_seed(0))
     clock = _StepClock()
-    cache = {"cache_implementation": "static"} if spec["cache"] == "static" else {}
+    from ..integrations.cache import ReservedCache
+
+    cache = {"static": {"cache_implementation": "static"}, "dynamic": {},
+             "reserved": {"past_key_values": ReservedCache(config=config)}}[spec["cache"]]
     with torch.no_grad():
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=spec["new"],
