@@ -203,9 +203,9 @@ def test_reserved_cache_generates_as_dynamic_cache_and_writes_in_place(tmp_path)
         with torch.no_grad():
             want = model.generate(ids, **common)
             cache = hf_dilated.ReservedCache(config=model.config)
-            got = model.generate(ids, past_key_values=cache, **common)
+            got = model.generate(ids, cache=cache, **common)
             beams = model.generate(ids, num_beams=3, **common)
-            beams_reserved = model.generate(ids, num_beams=3, past_key_values=hf_dilated.ReservedCache(), **common)
+            beams_reserved = model.generate(ids, num_beams=3, cache=hf_dilated.ReservedCache(), **common)
         assert torch.equal(got, want), name
         assert torch.equal(beams_reserved, beams), name  # beam search reorders the cache between steps
         layer = cache.layers[0]

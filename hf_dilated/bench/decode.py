@@ -115,7 +115,7 @@ def run_generate_case(spec: dict, own_process: bool = False) -> dict:
     from ..integrations.cache import ReservedCache
 
     cache = {"static": {"cache_implementation": "static"}, "dynamic": {},
-             "reserved": {"past_key_values": ReservedCache(config=config)}}[spec["cache"]]
+             "reserved": {"cache": ReservedCache(config=config)}}[spec["cache"]]
     with torch.no_grad():
         start = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=spec["new"],

@@ -10,7 +10,7 @@ only its own tokens, and the buffer grows by half again when full (amortised O(1
 at most 50% more memory than the tokens held).
 
     cache = hf_dilated.ReservedCache(config=model.config)
-    model.generate(ids, past_key_values=cache, ...)
+    model.generate(ids, cache=cache, ...)  # past_key_values=cache on older transformers
 """
 from __future__ import annotations
 
