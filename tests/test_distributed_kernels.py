@@ -201,10 +201,11 @@ RING_CASES = [
     make_case("ring", seed=8, offset=45, packed=True, holes=True, layout="contiguous"),
     make_case("ring", seed=9, holes=True, padding=True),
 ]
-# ring.py cuts each shard into KV_TILES key tiles and groups query rows by ROW_SPLITS: at 32 tokens
-# every tile is one token; these are long enough for tiles of several tokens, rows of several tiles
-# per call, and causal tiles with a diagonal (with padding, documents, GQA, both layouts, an uneven
-# length and a sliding window that cuts through tiles).
+# ring.py cuts each shard into tiles of at least 16 tokens and calls of at least 64 rows: at 32
+# tokens a tile is a whole chunk; these are long enough for several tiles per chunk, rows of several
+# tiles per call, and causal tiles with a diagonal (with padding, documents, GQA, both layouts, an
+# uneven length and a sliding window that cuts through tiles), for the dense ring and for the sparse
+# kernels that stream on it (every mode, a pattern per head, only the needed entries travelling).
 # Against the single-process kernel in float32 the sums over ~1000 keys (dK/dV: queries) add up in
 # another order, so they differ by a few 1e-5; the float64 reference check keeps TOL.
 LONG_RING_CASES = [dict(case, single_tol=5e-5) for case in (
@@ -212,6 +213,17 @@ LONG_RING_CASES = [dict(case, single_tol=5e-5) for case in (
     make_case("ring", seed=51, seq_len=1030, head_dim=4, packed=True, padding=True, holes=True),
     make_case("ring", seed=52, seq_len=1024, head_dim=4, layout="contiguous", q_heads=4, kv_heads=1, packed=True),
     make_case("ring", seed=53, seq_len=1024, head_dim=4, sliding_window=37, padding=True),
+    make_case("dilated_ring", seed=54, seq_len=1040, head_dim=4, segment_lengths=[64, 256, 1024],
+              dilation_rates=[1, 2, 4], packed=True, padding=True),
+    make_case("dilated_ring", seed=55, seq_len=1024, head_dim=4, mode="longnet", segment_lengths=[96, 512],
+              dilation_rates=[2, 4], layout="contiguous", holes=True),
+    make_case("dilated_ring", seed=56, seq_len=1024, head_dim=4, q_heads=4, kv_heads=4, mode="head_groups",
+              segment_lengths=[128, 1024], dilation_rates=[1, 4], sliding_window=300),
+    make_case("block_sparse_ring", seed=57, seq_len=1024, head_dim=4, block_size=64, padding=True, packed=True,
+              pattern={"type": "global_local", "global_blocks": 1, "window": 2}),
+    make_case("block_sparse_ring", seed=58, seq_len=1024, head_dim=4, block_size=32, layout="contiguous",
+              pattern={"type": "custom", "layout": (torch.rand(4, 34, 34, generator=torch.Generator().manual_seed(9))
+                                                    < 0.3).tolist()}),
 )]
 
 
@@ -284,7 +296,7 @@ def test_kernels_two_ranks():
     check(launch(run_cases, 2, runs), runs)
 
 
-def test_ring_with_tiles_of_several_tokens_two_three_and_four_ranks():
+def test_kernels_with_tiles_of_several_tokens_two_three_and_four_ranks():
     for world in (2, 3, 4):
         runs = [(world, [LONG_RING_CASES])]
         check(launch(run_cases, world, runs, join_s=300.0), runs)
