@@ -49,7 +49,7 @@ PROFILES = {
 # Values no profile changes.
 DEFAULTS = dict(out="bench-results", device=None, threads=None, batch=1, heads=8, kv_heads=None, head_dim=64,
                 block_size=256, block_pattern=None, variants=None, million=False, e2e=True, e2e_impls=None,
-                distributed_length=None, distributed_kernels=None, window=None, gen_new=64, gen_layers=4,
+                distributed_length=None, distributed_kernels=None, window=None, gen_new=64, gen_layers=2,
                 gen_intermediate=1024, gen_vocab=32000, gen_caches=["dynamic", "static", "reserved"])
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
