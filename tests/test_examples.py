@@ -583,6 +583,14 @@ def test_fsdp_bf16_full_finetune_runs(checkpoint):
     assert all(math.isfinite(r["loss"]) for r in log) and log[0]["loss"] != log[1]["loss"]
 
 
+def test_fsdp_on_one_process_asks_for_a_launcher(checkpoint, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([str(c) for c in finetune_cmd(checkpoint, tmp_path / "out", "--fsdp")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0
+    assert "--fsdp shards over several processes: start them with accelerate launch" in proc.stderr
+
+
 def test_fsdp_options_are_checked():
     import finetune_long_context
 
