@@ -184,6 +184,8 @@ def run_grid(rank, world, checkpoints, sp_size):
         for a in (from_accelerate, legacy)]
     errors = {}
     for label, call in (("sp_dim", lambda: hd.setup_sequence_parallel_from_mesh(mesh, sp_dim="seq")),
+                        ("not_a_mesh", lambda: hd.setup_sequence_parallel_from_mesh("sp")),
+                        ("part", lambda: hd.setup_sequence_parallel_from_mesh(mesh["dp_shard"], sp_dim="dp_shard")),
                         ("shard", lambda: hd.apply_fsdp2(torch.nn.Linear(2, 2), mesh, shard="zero3")),
                         ("layers", lambda: hd.apply_fsdp2(torch.nn.Linear(2, 2), mesh))):
         try:
@@ -252,6 +254,8 @@ def test_fsdp2_with_sequence_parallelism_matches_one_process(checkpoints, dp, sp
         errors = o["result"]["errors"]
         assert "sp_dim 'seq'" in errors["sp_dim"] and "shard must be one of" in errors["shard"]
         assert "no decoder layers" in errors["layers"]
+        assert errors["not_a_mesh"] == "mesh must be a torch.distributed.device_mesh.DeviceMesh, got str"
+        assert errors["part"].startswith(f"mesh spans {dp} processes, the default group {dp * sp}")
     check_against_one_process(got, checkpoints)
     bf16_losses, dtypes = got["bf16"]
     reference = got[("tiny-llama", "block_sparse_ring", True, "dp")][0]  # same model in float32
