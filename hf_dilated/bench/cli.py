@@ -43,14 +43,15 @@ PROFILES = {
         segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4], search=True, budget_gib=6 / 1024,
         search_start=256, search_max=1024, search_timeout=30.0, bisect_steps=1,
         e2e_lengths=[128], case_timeout=120.0, flex=False, distributed=False, processes=[1, 2],
-        contexts=[256, 1024], original=64, gen_prompt=128,
+        contexts=[256, 1024], original=64, gen_prompt=128, fsdp_length=128,
     ),
 }
 # Values no profile changes.
 DEFAULTS = dict(out="bench-results", device=None, threads=None, batch=1, heads=8, kv_heads=None, head_dim=64,
                 block_size=256, block_pattern=None, variants=None, million=False, e2e=True, e2e_impls=None,
                 distributed_length=None, distributed_kernels=None, window=None, gen_new=64, gen_layers=2,
-                gen_intermediate=1024, gen_vocab=32000, gen_caches=["dynamic", "static", "reserved"])
+                gen_intermediate=1024, gen_vocab=32000, gen_caches=["dynamic", "static", "reserved"],
+                fsdp=True, fsdp_processes=4, fsdp_sp=2, fsdp_length=2048)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -122,6 +123,14 @@ def _distributed(p):
                    help="sequence-parallel kernels, comma separated (default: ring,dilated_ring,block_sparse_ring)")
 
 
+def _fsdp(p):
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction,
+                   help="also one training step of a tiny Llama: plain DP x SP vs FSDP2 x SP (default: on)")
+    p.add_argument("--fsdp-processes", type=int, help=f"processes of the FSDP2 rows (default: {DEFAULTS['fsdp_processes']})")
+    p.add_argument("--fsdp-sp", type=int, help=f"their sequence-parallel size (default: {DEFAULTS['fsdp_sp']})")
+    p.add_argument("--fsdp-length", type=int, help=f"their tokens per row (default: {DEFAULTS['fsdp_length']})")
+
+
 def _distributed_kernels(text: str) -> list[str]:
     from .distributed import KERNELS
 
@@ -184,7 +193,8 @@ SUBCOMMANDS = {
     "window": ("a sliding window over N tokens: ring / dilated with the window vs sdpa with its mask",
                (_common, _shape, _window), lambda s: ["window"], {}),
     "distributed": ("ring / dilated_ring over gloo processes: time, memory, bytes sent per rank",
-                    (_common, _shape, _pattern, _distributed), lambda s: ["distributed"], {}),
+                    (_common, _shape, _pattern, _distributed, _fsdp), lambda s: ["distributed"] + ["fsdp"] * s["fsdp"],
+                    {}),
     "e2e": ("a tiny Llama's forward + backward with each attn_implementation",
             (_common, _shape, _pattern, _e2e), lambda s: ["e2e"], {}),
     "all": ("the full report: kernels, length search, block-sparse, end to end, distributed",
@@ -228,10 +238,14 @@ def resolve_settings(args) -> dict:
     if bad:
         raise ValueError(f"--dtypes: unknown {bad}; choose among {', '.join(DTYPE_NAMES)}")
     counts = (s["lengths"] + s["contexts"] + s["processes"] + [s["gen_new"], s["gen_layers"], s["gen_intermediate"],
-              s["gen_vocab"]] + ([] if s["threads"] is None else [s["threads"]]))
+              s["gen_vocab"], s["fsdp_processes"], s["fsdp_sp"], s["fsdp_length"]]
+              + ([] if s["threads"] is None else [s["threads"]]))
     if any(n <= 0 for n in counts):
         raise ValueError("--lengths, --contexts, --processes and --threads must be positive")
     check_dilated_config(s["segment_lengths"], s["dilation_rates"], "union")
+    if s["fsdp_processes"] % s["fsdp_sp"] or s["fsdp_length"] % (2 * s["fsdp_sp"]):
+        raise ValueError(f"--fsdp-sp ({s['fsdp_sp']}) must divide --fsdp-processes ({s['fsdp_processes']}), and "
+                         f"2 x it --fsdp-length ({s['fsdp_length']})")
     if s["gen_prompt"] < 0:
         raise ValueError(f"--gen-prompt must be 0 (no generate rows) or positive, got {s['gen_prompt']}")
     bad = sorted(set(s["gen_caches"]) - {"dynamic", "static", "reserved"})
@@ -246,7 +260,7 @@ def resolve_settings(args) -> dict:
 
 def _sections():
     """Report key -> (run(settings, runner, report so far), markdown(section, settings)), in report order."""
-    from . import block_sparse, decode, distributed, e2e, kernels, search, window
+    from . import block_sparse, decode, distributed, e2e, fsdp, kernels, search, window
 
     return {
         "kernels": (kernels.run_section, kernels.markdown_section),
@@ -257,6 +271,7 @@ def _sections():
         "window": (window.run_section, window.markdown_section),
         "e2e": (e2e.run_section, e2e.markdown_section),
         "distributed": (distributed.run_section, distributed.markdown_section),
+        "fsdp": (fsdp.run_section, fsdp.markdown_section),
     }
 
 

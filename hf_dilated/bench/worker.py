@@ -21,6 +21,7 @@ from .block_sparse import run_block_sparse_case
 from .decode import run_decode_case, run_generate_case
 from .distributed import run_distributed_rank
 from .e2e import run_e2e_case
+from .fsdp import run_fsdp_rank
 from .kernels import run_kernel_case
 from .window import run_window_case
 
@@ -31,6 +32,7 @@ CASES = {
     "generate": run_generate_case,
     "e2e": run_e2e_case,
     "distributed": run_distributed_rank,
+    "fsdp": run_fsdp_rank,
     "window": run_window_case,
 }
 
