@@ -123,11 +123,17 @@ def sharded_step(model, optimizer, batches, sp):
 
 
 def train_case(path, attn, lora, shard, mesh, sp, steps=2, mp_policy=None):
-    """Losses of `steps` steps, the gathered gradients of step 1 and the weights after it."""
+    """Losses of `steps` steps, the gathered gradients of step 1 and the weights after it, the
+    parameters' dtypes, and how often the decoder layers' insides ran per batch (2 with activation
+    checkpointing: the forward, then its recomputation in the backward; transformers checkpoints a
+    layer's forward, inside the layer's own hooks, so the count is taken on a child module)."""
     import hf_dilated.distributed as hd
 
     model = load_model(path, attn, lora)
     hd.apply_fsdp2(model, mesh, shard=shard, mp_policy=mp_policy)
+    layer_calls = []
+    for layer in hd.fsdp.decoder_layers(model):
+        next(layer.children()).register_forward_hook(lambda *_: layer_calls.append(1))
     optimizer = make_optimizer(model)
     losses, grads, weights = [], None, None
     vocab = model.config.vocab_size if not lora else model.get_base_model().config.vocab_size
@@ -146,7 +152,8 @@ def train_case(path, attn, lora, shard, mesh, sp, steps=2, mp_policy=None):
         if step == 0:
             weights = {n: full(p.detach()) for n, p in model.named_parameters() if p.requires_grad}
     dtypes = {p.dtype for p in model.parameters()}
-    return losses, grads, weights, dtypes
+    batches_run = steps * 2 // sp.dp_size
+    return losses, grads, weights, dtypes, len(layer_calls) / (batches_run * len(hd.fsdp.decoder_layers(model)))
 
 
 def run_grid(rank, world, checkpoints, sp_size):
@@ -167,11 +174,12 @@ def run_grid(rank, world, checkpoints, sp_size):
                "sp_ranks": dist.get_process_group_ranks(sp.sp_group),
                "dp_ranks": dist.get_process_group_ranks(sp.dp_group)}
     for preset, attn, lora, shard in CASES:
-        losses, grads, weights, _ = train_case(checkpoints[preset], attn, lora, shard, mesh, sp)
+        losses, grads, weights, _, runs_per_batch = train_case(checkpoints[preset], attn, lora, shard, mesh, sp)
+        assert runs_per_batch == 2, f"activation checkpointing: each layer ran {runs_per_batch} times per batch"
         if rank == 0:
             results[(preset, attn, lora, shard)] = (losses, grads, weights)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    losses, _, _, dtypes = train_case(checkpoints["tiny-llama"], "block_sparse_ring", True, "dp_sp", mesh, sp,
+    losses, _, _, dtypes, _ = train_case(checkpoints["tiny-llama"], "block_sparse_ring", True, "dp_sp", mesh, sp,
                                       mp_policy=bf16)
     results["bf16"] = (losses, dtypes)
     # Accelerate's mesh for the same grid (its "cp" dimension as our SP dimension) and the legacy

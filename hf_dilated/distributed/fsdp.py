@@ -99,7 +99,8 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     (LlamaDecoderLayer, GPTNeoXLayer, ...), looked up through a peft wrapper."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    # By the class and its bases: fully_shard makes each layer an FSDP<Name> subclass of its class.
+    layers = [m for m in model.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise ValueError(f"model: found no decoder layers to shard ({type(base).__name__}._no_split_modules = "
                          f"{sorted(names)}); apply_fsdp2 needs a transformers model that names its blocks")
