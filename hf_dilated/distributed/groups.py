@@ -319,8 +319,8 @@ def reduce_loss(local_loss: torch.Tensor, *, group=None, grad_reduction: str = "
 
     Its backward sends each rank only its own part's gradient (no communication); summed over the
     group's ranks these are the gradient of the global loss. `grad_reduction` says how parameter
-    gradients will be combined across the group afterwards: "mean" (DDP / Accelerate average over
-    all processes; the gradient is scaled by the group size to compensate) or "sum".
+    gradients will be combined across the group afterwards: "mean" (DDP / Accelerate / FSDP2 average
+    over all processes; the gradient is scaled by the group size to compensate) or "sum".
     """
     if grad_reduction not in ("mean", "sum"):
         raise ValueError(f"grad_reduction must be 'mean' or 'sum', got {grad_reduction!r}")
