@@ -26,7 +26,7 @@ LR = 1e-3
 # taken from the right gradient apart from any other (every other weight moves by ~lr).
 WEIGHT_TOL = 0.1 * LR
 SEQ_LEN = 128
-FAMILIES = {"tiny-llama": "LlamaForCausalLM", "tiny-gpt-neox": "GPTNeoXForCausalLM"}
+FAMILIES = ("tiny-llama", "tiny-gpt-neox")  # model_configs presets
 # (preset, attention name, LoRA, shard): both families, full and LoRA, both shardings, every ring name.
 CASES = (
     ("tiny-llama", "dilated_ring", False, "dp_sp"),
