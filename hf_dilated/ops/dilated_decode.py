@@ -41,6 +41,13 @@ def dilated_decode(q, k, v, seg, dil, mode, *, scale, attention_mask=None, posit
         return None
     COUNTS["strided"] += 1
     first, shift = rows
+    if q_len == 1 and len(set(zip(first, shift))) == 1:
+        parts = _parts(kv_len - 1, first[0], shift[0], q.shape[1], k.shape[1], seg, dil, mode, sliding_window,
+                       local_window)
+        if len(parts) == 1 and parts[0].step == 1 and parts[0].n_heads == q.shape[1] and not parts[0].far:
+            # One run of keys read by every head (a context within the first segment, or the band):
+            # dense attention over it, one fused call, as sdpa runs a step (heads packed per kv head).
+            return _dense_step(q, k, v, parts[0], scale)
     acc = torch.zeros(q.shape, dtype=merge_dtype(q.dtype), device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc.dtype, device=q.device)
     groups = [list(range(batch))] if len(set(zip(first, shift))) == 1 else [[b] for b in range(batch)]
@@ -97,6 +104,15 @@ def _parts(index, first, shift, q_heads, kv_heads, seg, dil, mode, sliding_windo
             continue
         parts.append(_Part(start, r, (end - start) // r + 1, h0, r, n_heads, local_window is not None))
     return parts
+
+
+def _dense_step(q, k, v, part: _Part, scale):
+    batch, q_heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    keys = slice(part.start, part.start + part.count)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(batch, kv_heads, q_heads // kv_heads, dim), k[:, :, keys], v[:, :, keys], scale=scale)
+    return out.view(batch, q_heads, 1, dim)
 
 
 def _head_group_bounds(q_heads, num_groups):
