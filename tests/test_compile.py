@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, CompileConfig
+from transformers import AutoModelForCausalLM, CompileConfig, Qwen2Config
 
 from hf_dilated.convert import convert_checkpoint
 from hf_dilated.model_configs import build_model_config
@@ -31,6 +31,13 @@ def checkpoints(tmp_path_factory):
         if preset == "tiny-llama":
             out["tiny-llama-band"] = convert_checkpoint(root / "base", root / "band", attn_implementation="dilated",
                                                         context_length=128)
+    # Qwen2 without its sliding window (the default): its static cache layers are plain ones
+    root = tmp_path_factory.mktemp("qwen2")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=256, hidden_size=32, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, intermediate_size=37,
+                                                 max_position_embeddings=128)).save_pretrained(root)
+    out["qwen2"] = root
     return out
 
 
@@ -71,7 +78,7 @@ def test_static_cache_compiled_fullgraph_equals_eager_without_recompiling(checkp
     _compiled_matches_eager(checkpoints["tiny-llama"], name, backend="eager")
 
 
-@pytest.mark.parametrize("case", ["tiny-gpt-neox", "tiny-llama-band"])
+@pytest.mark.parametrize("case", ["tiny-gpt-neox", "tiny-llama-band", "qwen2"])
 def test_static_cache_compiled_fullgraph_other_family_and_band(checkpoints, case):
     _compiled_matches_eager(checkpoints[case], "dilated", backend="eager")
 
