@@ -102,11 +102,14 @@ def dilated_visible(tokens: GlobalTokens, q_index, k_index, q_heads: int, segmen
         reads = torch.tensor([g in levels[h] for h in range(q_heads)], device=pq.device)
         if not bool(reads.any()):
             continue
-        same = torch.div(pq, w, rounding_mode="floor")[:, :, None] == torch.div(pk, w, rounding_mode="floor")[:, None, :]
-        offset = (heads % r)[None, :, None]  # head h reads offset class h mod r
-        sel_q = (((pq % w) % r)[:, None, :] == offset) & reads[None, :, None]  # (batch, heads, nq)
-        sel_k = ((pk % w) % r)[:, None, :] == offset  # (batch, heads, nk)
-        part = same[:, None] & sel_q[..., None] & sel_k[:, :, None, :]
+        # Same segment and same offset class is one comparison of (segment, class) codes, the same
+        # for every head; a head then keeps the queries of its own class (h mod r).
+        cls_q = (pq % w) % r
+        code_q = torch.div(pq, w, rounding_mode="floor") * r + cls_q
+        code_k = torch.div(pk, w, rounding_mode="floor") * r + (pk % w) % r
+        same = code_q[:, :, None] == code_k[:, None, :]  # (batch, nq, nk)
+        sel_q = (cls_q[:, None, :] == (heads % r)[None, :, None]) & reads[None, :, None]  # (batch, heads, nq)
+        part = same[:, None] & sel_q[..., None]
         if total is None:
             total = part.to(torch.int32) if mode == "longnet" else part
         elif mode == "longnet":
