@@ -97,26 +97,29 @@ def dilated_visible(tokens: GlobalTokens, q_index, k_index, q_heads: int, segmen
     pq, pk = tokens.positions[:, q_index], tokens.positions[:, k_index]
     heads = torch.arange(q_heads, device=pq.device)
     levels = levels_of_heads(q_heads, len(segment_lengths), mode)
-    total = None
+    # j is in V_g(h, i) when i and j have the same level-g (segment, offset class) code and i's class
+    # is h's (h mod r). Level by level: bit g of pairs[i, j] (codes equal, the same for every head)
+    # and of heads_of[h, i] (i selected for h at g); one AND over (heads, rows, keys) at the end,
+    # instead of one per level (the mask costs more than the attention call it serves otherwise).
+    bits = torch.uint8 if len(segment_lengths) <= 8 else torch.int64  # one bit a level
+    pairs = torch.zeros(pq.shape[0], pq.shape[1], pk.shape[1], dtype=bits, device=pq.device)
+    heads_of = torch.zeros(pq.shape[0], q_heads, pq.shape[1], dtype=bits, device=pq.device)
     for g, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
         reads = torch.tensor([g in levels[h] for h in range(q_heads)], device=pq.device)
         if not bool(reads.any()):
             continue
-        # Same segment and same offset class is one comparison of (segment, class) codes, the same
-        # for every head; a head then keeps the queries of its own class (h mod r).
         cls_q = (pq % w) % r
         code_q = torch.div(pq, w, rounding_mode="floor") * r + cls_q
         code_k = torch.div(pk, w, rounding_mode="floor") * r + (pk % w) % r
-        same = code_q[:, :, None] == code_k[:, None, :]  # (batch, nq, nk)
-        sel_q = (cls_q[:, None, :] == (heads % r)[None, :, None]) & reads[None, :, None]  # (batch, heads, nq)
-        part = same[:, None] & sel_q[..., None]
-        if total is None:
-            total = part.to(torch.int32) if mode == "longnet" else part
-        elif mode == "longnet":
-            total += part
-        else:
-            total |= part
-    return total
+        pairs |= (code_q[:, :, None] == code_k[:, None, :]).to(bits) << g
+        heads_of |= ((cls_q[:, None, :] == (heads % r)[None, :, None]) & reads[None, :, None]).to(bits) << g
+    both = heads_of[..., None] & pairs[:, None]
+    if mode != "longnet":
+        return both != 0
+    count = torch.zeros(both.shape, dtype=torch.int32, device=both.device)  # levels counted: the set bits
+    for g in range(len(segment_lengths)):
+        count += ((both >> g) & 1).to(torch.int32)
+    return count
 
 
 def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: str = DEFAULT_MODE, group=None,

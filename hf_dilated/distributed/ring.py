@@ -84,8 +84,8 @@ class Piece:
                 weight = weight.to(dtype) * visible
                 return torch.log(weight), (weight == 0).all(-1)
             visible = visible & weight
-        bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-        bias.masked_fill_(~visible, float("-inf"))
+        bias = torch.where(visible, torch.zeros((), dtype=dtype, device=visible.device),
+                           torch.full((), float("-inf"), dtype=dtype, device=visible.device))
         return bias, ~visible.any(-1)
 
 
