@@ -235,3 +235,49 @@ def test_reserved_layer_appends_crops_and_reorders():
     keys, values = layer.update(parts[1][1:], -parts[1][1:])
     assert keys.shape == (1, 3, held.shape[2] - 2 + 5 + 1, 4)
     assert torch.equal(keys[..., -1:, :], parts[1][1:]) and torch.equal(values, -keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# The static-shape decode steps (what a compiled step on a static cache runs), against the reference
+
+
+def _static_cache(x, extra=6):
+    """x with `extra` unwritten slots (random values) after its tokens, as a static cache holds them."""
+    return torch.cat([x, torch.randn(*x.shape[:2], extra, x.shape[3], dtype=x.dtype)], 2)
+
+
+@pytest.mark.parametrize("kind", ["plain", "left", "holes"])
+def test_static_decode_steps_match_reference(kind):
+    from hf_dilated.ops.block_sparse_decode import block_sparse_decode_static
+    from hf_dilated.ops.block_patterns import make_pattern
+    from hf_dilated.ops.dilated_decode import dilated_decode_static
+
+    mask = torch.ones(BATCH, N, dtype=torch.long)
+    if kind == "left":
+        mask[1, :5], mask[2, :17] = 0, 0
+    if kind == "holes":  # positions are mask ranks: the search over the running count is exact here too
+        mask[0, 30:33], mask[2, :4], mask[1, 50] = 0, 0, 0
+    real = torch.cat([mask.bool(), torch.zeros(BATCH, 6, dtype=torch.bool)], 1)
+    seen = torch.tensor(N)
+    keep = mask[:, None, :, None].bool()
+    for (seg, dil), mode, heads, q_len, window in itertools.product(
+            LEVELS[1:3], ("union", "longnet", "head_groups"), HEADS[:2], (1, 3), (None, 20)):
+        q, k, v = _qkv(*heads, seed=q_len + len(seg))
+        ref = dilated_reference(q, k, v, list(seg), list(dil), mode, attention_mask=mask, sliding_window=window)
+        out = dilated_decode_static(q[:, :, -q_len:], _static_cache(k), _static_cache(v), list(seg), list(dil), mode,
+                                    scale=DIM ** -0.5, real=real, seen=seen, sliding_window=window)
+        err = ((out - ref[:, :, -q_len:]) * keep[:, :, -q_len:]).abs().max().item()
+        assert err < F64_TOL, (seg, mode, heads, q_len, window, err)
+    q, k, v = _qkv(8, 2, seed=21)
+    q_far, k_far = torch.randn_like(q), torch.randn_like(k)
+    ref = local_band_reference(q, k, v, [8, 16, 32], [1, 2, 4], 5, q_far=q_far, k_far=k_far, attention_mask=mask)
+    out = dilated_decode_static(q[:, :, -2:], _static_cache(k), _static_cache(v), [8, 16, 32], [1, 2, 4], "union",
+                                scale=DIM ** -0.5, real=real, seen=seen, local_window=5, q_far=q_far[:, :, -2:],
+                                k_far=_static_cache(k_far))
+    assert ((out - ref[:, :, -2:]) * keep[:, :, -2:]).abs().max().item() < F64_TOL
+    for pattern in PATTERNS:
+        _, layout = block_sparse_attention(q, k, v, pattern, block_size=8, attention_mask=mask, return_layout=True)
+        ref = block_sparse_reference(q, k, v, layout, 8, attention_mask=mask)
+        out = block_sparse_decode_static(q[:, :, -2:], _static_cache(k), _static_cache(v), make_pattern(pattern),
+                                         block_size=8, scale=DIM ** -0.5, real=real, seen=seen)
+        assert ((out - ref[:, :, -2:]) * keep[:, :, -2:]).abs().max().item() < F64_TOL, pattern["type"]
