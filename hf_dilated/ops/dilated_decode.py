@@ -116,13 +116,10 @@ def _dense_step(q, k, v, part: _Part, scale):
 
 
 def _head_group_bounds(q_heads, num_groups):
-    base, extra = divmod(q_heads, num_groups)
-    bounds, lo = [], 0
-    for g in range(num_groups):
-        hi = lo + base + (g < extra)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
+    """(first, end) head of each level's group in mode "head_groups": the groups of dilated.head_groups."""
+    from .dilated import head_groups  # here: dilated.py imports this module
+
+    return [(g[0], g[-1] + 1) if g else (0, 0) for g in head_groups(q_heads, num_groups)]
 
 
 def _attend(acc, lse, q, k, v, part: _Part, scale):
