@@ -58,8 +58,8 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, help="a model_configs preset (e.g. llama2-7b-32k)")
     p.add_argument("--rope", choices=ROPE_CHOICES, default=None,
                    help="RoPE scaling (default: the preset's, else the one an earlier conversion chose, else for an "
-                        "unscaled checkpoint 'none' with --attn dilated (far keys at grouped positions) and 'yarn' "
-                        "with the others)")
+                        "unscaled checkpoint 'none' with --attn dilated or dilated_ring (far keys at grouped positions) "
+                        "and 'yarn' with the others)")
     # The hf_dilated fields, with DilatedConfig's help; unset: the preset's, else the earlier
     # conversion's mode, else DilatedConfig's defaults (levels: its default schedule for --context).
     p.add_argument("--mode", choices=DILATED_MODES, default=None, help=field_help("mode"))
@@ -68,8 +68,8 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dilation-rates", type=_int_list, default=None,
                    help=field_help("dilation_rates") + ", comma-separated, e.g. 1,2,4")
     p.add_argument("--local-window", type=int, default=None,
-                   help=field_help("local_window") + " (default with --attn dilated: the original context, when the "
-                        "RoPE is left unscaled)")
+                   help=field_help("local_window") + " (default with --attn dilated or dilated_ring: the original "
+                        "context, when the RoPE is left unscaled)")
     p.add_argument("--far-group", type=int, default=None,
                    help=field_help("far_group") + " (default with the default band: hf_dilated.config.default_band)")
     p.add_argument("--copy", action="store_true", help="copy weight files instead of hard-linking them")

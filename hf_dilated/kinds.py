@@ -101,18 +101,13 @@ def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
            sliding_window=None, far=None):
     from .distributed import dilated_ring_attention
 
-    if s.get("local_window") is not None:
-        import torch.distributed as dist
-
-        if group is not None and dist.get_world_size(group) > 1:
-            raise NotImplementedError("local_window: a local band under sequence parallelism is not supported yet "
-                                      "(docs/contract.md 4.1); use 'dilated' on one process, or levels alone")
-        return _dilated(q, k, v, s, is_causal=is_causal, attention_mask=attention_mask, position_ids=position_ids,
-                        scale=scale, dropout_p=dropout_p, group=None, layout=layout, sliding_window=sliding_window,
-                        far=far)
+    # far: (q_far, k_far), or under sequence parallelism a function of the shard's global positions
+    q_far, k_far = (None, None) if far is None or callable(far) else far
     return dilated_ring_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"], group=group,
                                   layout=layout, scale=scale, attention_mask=attention_mask,
-                                  position_ids=position_ids, dropout_p=dropout_p, sliding_window=sliding_window)
+                                  position_ids=position_ids, dropout_p=dropout_p, sliding_window=sliding_window,
+                                  local_window=s.get("local_window"), q_far=q_far, k_far=k_far,
+                                  far_at=far if callable(far) else None)
 
 
 def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,

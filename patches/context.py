@@ -44,9 +44,9 @@ def check_context_length(config, context_length) -> int:
     return context_length
 
 
-# The names the default conversion gives a local band (docs/contract.md 4.1). Not dilated_ring: a band
-# does not run across ranks yet, and a user who picks the ring name means to shard the sequence.
-BAND_NAMES = ("dilated",)
+# The names the default conversion gives a local band (docs/contract.md 4.1): the dilated pattern's,
+# on one process or across ranks.
+BAND_NAMES = ("dilated", "dilated_ring")
 
 
 def default_conversion(config, context_length: int | None, attn_implementation: str | None, rope: str | None,
@@ -54,7 +54,7 @@ def default_conversion(config, context_length: int | None, attn_implementation: 
     """The default conversion, written once: (rope, hf_dilated fields) for what the caller left unset.
 
     A first conversion that lengthens an unscaled checkpoint, with no RoPE scaling asked for, keeps
-    the checkpoint's RoPE ("none") and, for "dilated", unites the levels with the
+    the checkpoint's RoPE ("none") and, for "dilated" and "dilated_ring", unites the levels with the
     default band (config.default_band: the original context read as trained, far keys at grouped
     positions): a pretrained model survives it without fine-tuning, and within its original context
     it is unchanged. For the other names the far keys need scaled positions: YaRN, which costs a

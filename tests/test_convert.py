@@ -64,10 +64,22 @@ def test_convert_writes_a_patched_copy_and_never_touches_src(source, tmp_path):
     assert model.model.rotary_emb.rope_type == "default"
 
 
-@pytest.mark.parametrize("attn", ["dilated_ring", "ring", "block_sparse", "block_sparse_ring"])
+def test_default_conversion_for_dilated_ring_is_the_band(source, tmp_path):
+    """dilated_ring runs the band across ranks, so its default conversion is dilated's: the
+    checkpoint's RoPE, the original context as a band, far keys at grouped positions (it was YaRN
+    without a band while the ring refused a band)."""
+    dst = convert_checkpoint(source, tmp_path / "long", context_length=128, attn_implementation="dilated_ring")
+    config = json.loads((dst / "config.json").read_text())
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    cfg = DilatedConfig.from_dict(config["hf_dilated"])
+    assert (cfg.local_window, cfg.far_group, cfg.segment_lengths, cfg.dilation_rates) == (32, 32, [128], [1])
+    assert AutoModelForCausalLM.from_pretrained(dst).config._attn_implementation == "dilated_ring"
+
+
+@pytest.mark.parametrize("attn", ["ring", "block_sparse", "block_sparse_ring"])
 def test_default_conversion_for_the_other_names_is_yarn_without_a_band(source, tmp_path, attn):
-    """Names that read no band (dilated_ring: not across ranks yet) need scaled positions for far
-    keys: YaRN by default, which a model survives inside its context far better than linear."""
+    """Names that read no band need scaled positions for far keys: YaRN by default, which a model
+    survives inside its context far better than linear."""
     dst = convert_checkpoint(source, tmp_path / "long", context_length=128, attn_implementation=attn)
     config = json.loads((dst / "config.json").read_text())
     assert config["rope_parameters"] == {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,

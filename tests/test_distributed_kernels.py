@@ -25,6 +25,10 @@ def make_case(kernel, *, seed, batch=2, q_heads=4, kv_heads=2, seq_len=32, head_
     k = torch.randn(batch, kv_heads, seq_len, head_dim, generator=g).to(dtype)
     v = torch.randn(batch, kv_heads, seq_len, head_dim, generator=g).to(dtype)
     dout = torch.randn(batch, q_heads, seq_len, head_dim, generator=g).to(dtype)
+    far = {}
+    if kwargs.pop("far", False):  # far projections of a local band (docs/contract.md 4.1)
+        far = dict(q_far=torch.randn(batch, q_heads, seq_len, head_dim, generator=g).to(dtype),
+                   k_far=torch.randn(batch, kv_heads, seq_len, head_dim, generator=g).to(dtype))
     mask = pos = None
     if padding:  # row 0 left-padded by 5, row 1 right-padded by 3
         mask = torch.ones(batch, seq_len, dtype=torch.long)
@@ -41,15 +45,26 @@ def make_case(kernel, *, seed, batch=2, q_heads=4, kv_heads=2, seq_len=32, head_
     if offset:  # positions that do not start at 0 (docs/contract.md 6: ring is dense whatever they are)
         pos = (torch.arange(seq_len).expand(batch, seq_len) if pos is None else pos) + offset
     return dict(kernel=kernel, q=q, k=k, v=v, dout=dout, attention_mask=mask, position_ids=pos,
-                layout=layout, kwargs=kwargs)
+                layout=layout, kwargs=kwargs, **far)
+
+
+def _inputs(case):
+    """The differentiated inputs of a case: q, k, v and, with a band's far projections, q_far, k_far."""
+    return ("q", "k", "v") + (("q_far", "k_far") if "q_far" in case else ())
 
 
 def reference_result(case):
-    q, k, v = (case[n].double().requires_grad_() for n in ("q", "k", "v"))
+    inputs = [case[n].double().requires_grad_() for n in _inputs(case)]
+    q, k, v = inputs[:3]
     kw = dict(attention_mask=case["attention_mask"], position_ids=case["position_ids"],
               sliding_window=case["kwargs"].get("sliding_window"))
     if case["kernel"] == "ring":
         out = reference.dense_causal_reference(q, k, v, **kw)
+    elif case["kwargs"].get("local_window") is not None:
+        a = case["kwargs"]
+        far = dict(zip(("q_far", "k_far"), inputs[3:]))
+        out = reference.local_band_reference(q, k, v, a["segment_lengths"], a["dilation_rates"], a["local_window"],
+                                             **far, **kw)
     elif case["kernel"] == "dilated_ring":
         a = case["kwargs"]
         out = reference.dilated_reference(q, k, v, a["segment_lengths"], a["dilation_rates"],
@@ -59,7 +74,7 @@ def reference_result(case):
         out = reference.block_sparse_reference(q, k, v, spec_layout(a["pattern"], 64), a["block_size"], **kw)
     real_q = query_weights(case)
     (out * case["dout"].double() * real_q.double()).sum().backward()
-    return out.detach(), q.grad, k.grad, v.grad
+    return (out.detach(), *(t.grad for t in inputs))
 
 
 def single_process_result(case):
@@ -67,21 +82,24 @@ def single_process_result(case):
     from hf_dilated.ops import dilated_attention
     from hf_dilated.ops.dense import dense_attention
 
-    q, k, v = (case[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    inputs = [case[n].clone().requires_grad_() for n in _inputs(case)]
+    q, k, v = inputs[:3]
     kw = dict(attention_mask=case["attention_mask"], position_ids=case["position_ids"],
               sliding_window=case["kwargs"].get("sliding_window"))
     if case["kernel"] == "ring":
         out = dense_attention(q, k, v, **kw)
     elif case["kernel"] == "dilated_ring":
         a = case["kwargs"]
-        out = dilated_attention(q, k, v, a["segment_lengths"], a["dilation_rates"], mode=a.get("mode", "union"), **kw)
+        out = dilated_attention(q, k, v, a["segment_lengths"], a["dilation_rates"], mode=a.get("mode", "union"),
+                                local_window=a.get("local_window"), **dict(zip(("q_far", "k_far"), inputs[3:])),
+                                **kw)
     else:
         from hf_dilated.ops.block_sparse import block_sparse_attention
 
         a = case["kwargs"]
         out = block_sparse_attention(q, k, v, a["pattern"], block_size=a["block_size"], **kw)
     (out * case["dout"] * query_weights(case)).sum().backward()
-    return out.detach(), q.grad, k.grad, v.grad
+    return (out.detach(), *(t.grad for t in inputs))
 
 
 def spec_layout(pattern, num_blocks):
@@ -144,16 +162,18 @@ def run_grid(sp_size, cases_by_dp):
                     t = torch.cat([t, torch.full(shape, value, dtype=t.dtype)], dim=dim)
             return shard(t, p, r, layout, dim=dim).contiguous()
 
-        q, k, v = (prep(case[n], 2).requires_grad_() for n in ("q", "k", "v"))
+        inputs = [prep(case[n], 2).requires_grad_() for n in _inputs(case)]
+        q, k, v = inputs[:3]
+        far = dict(zip(("q_far", "k_far"), inputs[3:]))
         dout = prep(case["dout"] * query_weights(case), 2)
         mask = prep(case["attention_mask"], 1, 0) if case["attention_mask"] is not None else None
         pos = prep(case["position_ids"], 1, "continue") if case["position_ids"] is not None else None
         fn = {"ring": hd.ring_attention, "dilated_ring": hd.dilated_ring_attention,
               "block_sparse_ring": hd.block_sparse_ring_attention}[case["kernel"]]
-        out = fn(q, k, v, group=group, layout=layout, attention_mask=mask, position_ids=pos, **case["kwargs"])
+        out = fn(q, k, v, group=group, layout=layout, attention_mask=mask, position_ids=pos, **far, **case["kwargs"])
         (out * dout).sum().backward()
         gathered = []
-        for t in (out.detach(), q.grad, k.grad, v.grad):
+        for t in (out.detach(), *(t.grad for t in inputs)):
             parts = [torch.empty_like(t) for _ in range(p)]
             dist.all_gather(parts, t.contiguous(), group=group)
             gathered.append(unshard(parts, layout, dim=2)[:, :, :seq_len])
@@ -180,7 +200,8 @@ def check_group(results, cases, dp_rank):
         for what, want, tol in (("reference", reference_result(case), LOW_TOL if low else TOL),
                                 ("single process", single_process_result(case),
                                  LOW_TOL if low else case.get("single_tol", SINGLE_TOL))):
-            for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            assert len(got) == len(want)
+            for name, a, b in zip(("out", "dq", "dk", "dv", "dq_far", "dk_far"), got, want):
                 if name == "out":
                     a, b = a * w, b * w
                 err = (a.double() - b.double()).abs().max().item()
@@ -217,6 +238,15 @@ LONG_RING_CASES = [dict(case, single_tol=5e-5) for case in (
               dilation_rates=[1, 2, 4], packed=True, padding=True),
     make_case("dilated_ring", seed=55, seq_len=1024, head_dim=4, mode="longnet", segment_lengths=[96, 512],
               dilation_rates=[2, 4], layout="contiguous", holes=True),
+    # a band of 150 positions with far projections: plain (near, far and straddling calls), and with
+    # padding and packed documents
+    make_case("dilated_ring", seed=60, seq_len=1040, head_dim=4, local_window=150, far=True,
+              segment_lengths=[64, 256, 1024], dilation_rates=[1, 2, 4]),
+    make_case("dilated_ring", seed=61, seq_len=1030, head_dim=4, local_window=150, far=True, packed=True,
+              padding=True, holes=True, segment_lengths=[2048], dilation_rates=[1]),
+    # plain tokens: far calls compacted with no mask at all (heads of one kv head read different keys)
+    make_case("dilated_ring", seed=59, seq_len=1024, head_dim=4, q_heads=4, kv_heads=2, segment_lengths=[64, 256, 1024],
+              dilation_rates=[1, 2, 4]),
     make_case("dilated_ring", seed=56, seq_len=1024, head_dim=4, q_heads=4, kv_heads=4, mode="head_groups",
               segment_lengths=[128, 1024], dilation_rates=[1, 4], sliding_window=300),
     make_case("block_sparse_ring", seed=57, seq_len=1024, head_dim=4, block_size=64, padding=True, packed=True,
@@ -237,6 +267,12 @@ DILATED_CASES = [
     make_case("dilated_ring", seed=14, padding=True, packed=True, segment_lengths=[4, 32], dilation_rates=[1, 4]),
     make_case("dilated_ring", seed=15, seq_len=29, **DILATED),
     make_case("dilated_ring", seed=16, dtype=torch.bfloat16, **DILATED),
+    # a local band (docs/contract.md 4.1), its far keys with far projections or with q, k
+    make_case("dilated_ring", seed=17, local_window=6, far=True, segment_lengths=[8, 32], dilation_rates=[1, 2]),
+    make_case("dilated_ring", seed=18, local_window=5, padding=True, packed=True, segment_lengths=[4, 32],
+              dilation_rates=[1, 4]),
+    make_case("dilated_ring", seed=19, local_window=7, far=True, holes=True, layout="contiguous", q_heads=4,
+              kv_heads=1, segment_lengths=[4, 16], dilation_rates=[2, 4]),
 ]
 
 
@@ -261,6 +297,8 @@ WINDOW_CASES = [
               dilation_rates=[2, 4]),
     make_case("dilated_ring", seed=45, sliding_window=3, mode="head_groups", packed=True, layout="contiguous",
               segment_lengths=[4, 8, 32], dilation_rates=[1, 2, 4]),
+    make_case("dilated_ring", seed=48, sliding_window=9, local_window=4, far=True, padding=True,
+              segment_lengths=[8, 32], dilation_rates=[1, 2]),
     make_case("block_sparse_ring", seed=46, sliding_window=7, pattern={"type": "global_local", "global_blocks": 1,
                                                                         "window": 3}, block_size=4, padding=True),
     make_case("block_sparse_ring", seed=47, sliding_window=12, pattern={"type": "custom", "layout": CUSTOM},
@@ -270,7 +308,7 @@ WINDOW_CASES = [
 
 def test_kernels_with_a_sliding_window_two_and_four_ranks():
     # Two data-parallel groups of 2 ranks share the cases, then one ring of four ranks.
-    runs = [(2, [WINDOW_CASES[:4], WINDOW_CASES[4:]]), (4, [WINDOW_CASES[:1] + WINDOW_CASES[3:5] + WINDOW_CASES[6:7]])]
+    runs = [(2, [WINDOW_CASES[:4], WINDOW_CASES[4:]]), (4, [WINDOW_CASES[:1] + WINDOW_CASES[3:5] + WINDOW_CASES[6:8]])]
     check(launch(run_cases, 4, runs), runs)
 
 
@@ -450,3 +488,53 @@ def test_global_tokens_are_the_kernels_rule_on_the_gathered_sequence():
             assert torch.equal(positions, want.positions) and torch.equal(real, want.real)
             assert torch.equal(doc, want.doc) and plain == want.plain
             assert torch.equal(local_index, shard_indices(seq_len, 2, o["rank"], layout))
+
+
+def _plan_tokens(seq_len, world, rank, layout, attention_mask=None, position_ids=None):
+    """GlobalTokens of rank `rank` as global_tokens would build them (no process group needed)."""
+    from dataclasses import fields
+
+    from hf_dilated.distributed.layout import shard_indices
+    from hf_dilated.distributed.tokens import GlobalTokens
+    from hf_dilated.ops.token_layout import TokenLayout, token_layout
+
+    rule = token_layout(1, seq_len, torch.device("cpu"), attention_mask=attention_mask, position_ids=position_ids)
+    return GlobalTokens(**{f.name: getattr(rule, f.name) for f in fields(TokenLayout)},
+                        local_index=shard_indices(seq_len, world, rank, layout), world=world, rank=rank, layout=layout)
+
+
+def test_dilated_ring_calls_are_compacted_to_the_pattern():
+    """dilated_ring's work falls with the pattern's density: each call takes, per head, only the rows
+    and keys of its offset class, and a call whose pairs are all visible needs no mask. Before, every
+    (rows, tile) call was dense under a mask: 8 heads x 256 rows x 128 keys whatever the dilation."""
+    from hf_dilated.distributed.dilated_ring import dilated_ring_plan
+
+    n, world, heads = 4096, 2, 8
+    seg, dil = [256, 1024, 4096], [1, 2, 4]
+    tokens = _plan_tokens(n, world, 1, "contiguous")
+    plan = dilated_ring_plan(tokens, heads, heads, seg, dil, "union")
+    # Rank 1 holds tokens 2048..4095; at hop 1 it holds rank 0's tiles (tokens 0..2047): every pair
+    # of those shares only the top level (4096 tokens, one key in 4 for each head), so each head
+    # reads a quarter of the tile at a quarter of the rows, and nothing needs a mask.
+    tile = plan.tiles[0][1] - plan.tiles[0][0]
+    for hops in plan.steps:
+        (piece,) = hops[1]  # one call per (tile, hop), cut by size
+        grids = list(piece.compact(torch.float32))
+        for rows, keys, valid, calls in grids:
+            assert keys.shape[-1] == tile // 4 and calls == [(False, None, None)] and bool(valid.all())
+            assert torch.equal(tokens.local_index[rows] % 4, torch.arange(heads)[None, :, None].expand_as(rows) % 4)
+        assert sum(rows.shape[-1] for rows, *_ in grids) == (n // world) // 4
+    # With a band of 1024 positions and far projections: rows within it of every key of a tile read it
+    # densely with (q, k), rows beyond it of every key with (q_far, k_far) and the levels' quarter;
+    # the rows the band's edge cuts through get masks, near and far.
+    plan = dilated_ring_plan(tokens, heads, heads, seg, dil, "union", local_window=1024, far=True)
+    kinds = set()
+    for hops in plan.steps:
+        for rows, keys, valid, calls in hops[1][0].compact(torch.float32):
+            gap = tokens.local_index[rows].amin() - (keys.amax() + hops[1][0].k_index.amin())
+            kinds.add(tuple((far, bias is None) for far, bias, _ in calls))
+            if calls == [(False, None, None)]:
+                assert keys.shape[-1] == tile
+            if calls == [(True, None, None)]:
+                assert keys.shape[-1] == tile // 4 and gap >= 1024
+    assert {((False, True),), ((True, True),), ((False, False), (True, False))} <= kinds, kinds

@@ -56,7 +56,7 @@ def loss_and_grads(model, batch):
     return out, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_sp(rank, world, path):
+def run_sp(rank, world, path, names=NAMES):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -64,7 +64,7 @@ def run_sp(rank, world, path):
 
     sp = hd.setup_sequence_parallel(world)
     results = {}
-    for name in NAMES:
+    for name in names:
         model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
         for case, batch in batches().items():
             local = hd.shard_batch(**batch)
@@ -82,12 +82,37 @@ def run_sp(rank, world, path):
 
 
 def test_tiny_llama_sequence_parallel_matches_one_process(checkpoint):
+    check_against_one_process(checkpoint, NAMES)
+
+
+@pytest.fixture(scope="module")
+def band_checkpoint(checkpoint, tmp_path_factory):
+    """The conversion's default pattern (docs/contract.md 4.1): a band of 12 positions united with
+    dilated levels, far keys at grouped positions (G = 4)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama-band")
+    config = AutoConfig.from_pretrained(checkpoint)
+    config.hf_dilated = {"segment_lengths": [8, 16, 32], "dilation_rates": [1, 2, 4], "local_window": 12,
+                         "far_group": 4}
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def test_a_local_band_with_grouped_far_positions_under_sequence_parallelism(band_checkpoint):
+    """dilated_ring with the conversion's band and far projections on 2 ranks: the loss, logits and
+    gradients of one process (it refused a band across ranks before)."""
+    check_against_one_process(band_checkpoint, ("dilated_ring",))
+
+
+def check_against_one_process(checkpoint, names):
     from transformers import AutoModelForCausalLM
 
     from hf_dilated.distributed import shard_batch
 
-    got = launch(run_sp, 2, checkpoint, join_s=300)[0]["result"]
-    for name in NAMES:
+    got = launch(run_sp, 2, checkpoint, names, join_s=300)[0]["result"]
+    for name in names:
         model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation=name)
         for case, batch in batches().items():
             # One process, same global position ids as shard_batch gives the ranks.

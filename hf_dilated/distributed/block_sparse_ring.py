@@ -126,5 +126,6 @@ def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, lay
     plan = prepare_call("block_sparse_ring_attention", q, k, v, attention_mask=attention_mask,
                         position_ids=position_ids, group=group, layout=layout, build=build, scale=scale,
                         pattern=pattern.to_dict(), block_size=block_size, sliding_window=sliding_window)
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Exchange(group, "block_sparse_ring"),
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), None, None,
+                                Exchange(group, "block_sparse_ring"),
                                 plan, scale)

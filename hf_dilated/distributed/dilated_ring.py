@@ -13,21 +13,31 @@ back:
   query heads ((p mod w) mod r == h mod r), so with one query head per kv head the traffic of a
   level falls by r (with grouped-query attention, by r / min(r, query heads per kv head)).
 Which entries are needed is decided from positions, documents and padding alone, the same
-rules the kernel applies (docs/contract.md 4). The mask is dense over a tile: the work of a call
-does not shrink with the pattern's density, only calls where no query needs a key of the tile are
-skipped.
+rules the kernel applies (docs/contract.md 4). A call runs compacted (ring.Piece.compact): per
+head only the rows and keys in some pair of the pattern (`dilated_select`), so its work falls with
+the pattern's density, and calls where no query needs a key of the tile are skipped.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..config import DEFAULT_MODE, DEFAULT_RING_LAYOUT
-from ..ops.validate import check_dilated_config, check_int, check_qkv, check_scale_dropout
-from .ring import _RingAttention, ring_plan
+from ..ops.token_layout import token_layout
+from ..ops.validate import check_dilated_config, check_int, check_local_band, check_qkv, check_scale_dropout
+from .ring import _RingAttention, ring_plan, take
 from .tokens import GlobalTokens, prepare_call
 from .utils import Exchange
 from .groups import group_size_rank
 from .layout import check_layout
+
+
+# Tiles per rank (ring.py's KV_TILES is 64): a compacted call reads about 1/r of a tile per head,
+# and calls of a few keys cost more than their work. Measured at 16K tokens over 2 ranks (levels
+# 2048..16384, dilation 1..8, one thread per rank): 6.0 s a step with 64 tiles, 4.1 with 32, 3.5
+# with 16, 4.3 with 8. The tile in hand and in flight are 4 / 16 of q's size (K and V).
+KV_TILES = 16
 
 
 def levels_of_heads(q_heads: int, num_levels: int, mode: str) -> list[list[int]]:
@@ -88,49 +98,167 @@ def dilated_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, q_heads
     return need
 
 
-def dilated_visible(tokens: GlobalTokens, q_index, k_index, q_heads: int, segment_lengths, dilation_rates,
-                    mode: str) -> torch.Tensor:
-    """(batch, q_heads, len(q_index), len(k_index)): for each query head, how the pattern counts key
-    j for query i (docs/contract.md 4), before causality, documents and padding: bool for "union"
-    (in some V_g(h, i)) and "head_groups" (in V_g(h, i) of the head's level), the number of levels
-    g with j in V_g(h, i) for "longnet"."""
-    pq, pk = tokens.positions[:, q_index], tokens.positions[:, k_index]
-    heads = torch.arange(q_heads, device=pq.device)
+@dataclass
+class LevelCodes:
+    """One level of the pattern on the global tokens: j is in V_g(h, i) when code[i] == code[j]
+    and cls[i] == head_class[h], for the heads that read the level (docs/contract.md 4)."""
+    bit: int  # the level's index g
+    code: torch.Tensor  # (batch, seq_len): the (segment, offset class) id, distinct across batch rows
+    cls: torch.Tensor  # (batch, seq_len): the offset class (p mod w) mod r
+    head_class: torch.Tensor  # (q_heads,): h mod r
+    reads: torch.Tensor  # (q_heads,) bool: the heads that read the level
+
+
+def level_codes(tokens: GlobalTokens, q_heads: int, segment_lengths, dilation_rates, mode: str) -> list[LevelCodes]:
+    """The levels some head reads, computed once per plan for every global token."""
+    p = tokens.positions
+    heads = torch.arange(q_heads, device=p.device)
     levels = levels_of_heads(q_heads, len(segment_lengths), mode)
-    # j is in V_g(h, i) when i and j have the same level-g (segment, offset class) code and i's class
-    # is h's (h mod r). Level by level: bit g of pairs[i, j] (codes equal, the same for every head)
-    # and of heads_of[h, i] (i selected for h at g); one AND over (heads, rows, keys) at the end,
-    # instead of one per level (the mask costs more than the attention call it serves otherwise).
-    bits = torch.uint8 if len(segment_lengths) <= 8 else torch.int64  # one bit a level
-    pairs = torch.zeros(pq.shape[0], pq.shape[1], pk.shape[1], dtype=bits, device=pq.device)
-    heads_of = torch.zeros(pq.shape[0], q_heads, pq.shape[1], dtype=bits, device=pq.device)
+    row_code = torch.arange(p.shape[0], device=p.device)[:, None] << 40  # batch rows never meet
+    out = []
     for g, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
-        reads = torch.tensor([g in levels[h] for h in range(q_heads)], device=pq.device)
-        if not bool(reads.any()):
-            continue
-        cls_q = (pq % w) % r
-        code_q = torch.div(pq, w, rounding_mode="floor") * r + cls_q
-        code_k = torch.div(pk, w, rounding_mode="floor") * r + (pk % w) % r
-        pairs |= (code_q[:, :, None] == code_k[:, None, :]).to(bits) << g
-        heads_of |= ((cls_q[:, None, :] == (heads % r)[None, :, None]) & reads[None, :, None]).to(bits) << g
-    both = heads_of[..., None] & pairs[:, None]
+        reads = torch.tensor([g in levels[h] for h in range(q_heads)], device=p.device)
+        if bool(reads.any()):
+            cls = (p % w) % r
+            out.append(LevelCodes(g, torch.div(p, w, rounding_mode="floor") * r + cls + row_code, cls, heads % r,
+                                  reads))
+    return out
+
+
+def band_needed_keys(count: torch.Tensor, real: torch.Tensor, query_index: torch.Tensor, band: int) -> torch.Tensor:
+    """bool (batch, seq_len): keys within `band` positions of some query of `query_index` and not
+    after it (a superset: fewer than `band` real tokens before it; count: real tokens up to each
+    index, non-decreasing). The queries at or after key j within that reach form the index range
+    [j, e_j), e_j the first index with count >= count_j + band."""
+    batch, seq_len = count.shape
+    is_query = torch.zeros(batch, seq_len + 1, dtype=torch.long, device=count.device)
+    is_query[:, query_index + 1] = 1
+    queries_before = is_query.cumsum(-1)  # [:, i]: queries at indices < i
+    reach = torch.searchsorted(count.contiguous(), count + band)  # e_j
+    return real & (queries_before.gather(-1, reach) > queries_before[:, :seq_len])
+
+
+def dilated_visible(levels: list[LevelCodes], q_index, k_index, mode: str) -> torch.Tensor:
+    """(batch, q_heads, rows, keys): for each query head, how the pattern counts key j for query i
+    (docs/contract.md 4), before causality, documents and padding: bool for "union" (in some
+    V_g(h, i)) and "head_groups" (in V_g(h, i) of the head's level), the number of levels g with j
+    in V_g(h, i) for "longnet". q_index, k_index: global indices, (n,) or per head (batch, q_heads, n)."""
+    # Level by level: bit g of pairs[i, j] (codes equal) and of heads_of[h, i] (i selected for h at
+    # g); one AND over (heads, rows, keys) at the end, instead of one per level (the mask costs
+    # more than the attention call it serves otherwise).
+    bits = torch.uint8 if levels[-1].bit < 8 else torch.int64
+    pairs = heads_of = None
+    for level in levels:
+        code_q, code_k = take(level.code, q_index), take(level.code, k_index)
+        pair = (code_q[..., :, None] == code_k[..., None, :]).to(bits) << level.bit
+        head = ((take(level.cls, q_index) == level.head_class[None, :, None])
+                & level.reads[None, :, None]).to(bits) << level.bit
+        pairs = pair if pairs is None else pairs | pair
+        heads_of = head if heads_of is None else heads_of | head
+    both = heads_of[..., None] & pairs
     if mode != "longnet":
         return both != 0
     count = torch.zeros(both.shape, dtype=torch.int32, device=both.device)  # levels counted: the set bits
-    for g in range(len(segment_lengths)):
-        count += ((both >> g) & 1).to(torch.int32)
+    for level in levels:
+        count += ((both >> level.bit) & 1).to(torch.int32)
     return count
+
+
+def dilated_select(levels: list[LevelCodes], tokens: GlobalTokens, q_index, k_index, band: int | None = None,
+                   count=None):
+    """For a (rows, key tile) call: bool (batch, q_heads, rows), (batch, q_heads, keys), the rows and
+    keys of each head in some pair of dilated_visible: at a level it reads, a row of the head's
+    offset class with a key of the same code in the tile, and such a key (real, not after the last
+    row), and with a local `band` (count: real tokens up to each index, from level_codes' plan),
+    rows and keys within it on every head; and (rows,) the levels (and band) at which each row has
+    such a key, as bits (rows alike compact alike), or None. Without the pairwise mask: per level,
+    each side's codes looked up in the other's."""
+    rows = keys = group = None
+    for level in levels:
+        code_q, code_k = level.code[:, q_index], level.code[:, k_index]
+        hit_q = torch.isin(code_q, code_k)
+        r = hit_q[:, None] & (level.cls[:, None, q_index] == level.head_class[None, :, None]) & level.reads[None, :, None]
+        k = (torch.isin(code_k, code_q)[:, None] & (level.cls[:, None, k_index] == level.head_class[None, :, None])
+             & level.reads[None, :, None])
+        rows, keys = (r, k) if rows is None else (rows | r, keys | k)
+        hit = hit_q.long() << level.bit
+        group = hit if group is None else group | hit
+    batch, n_bits = group.shape[0], levels[-1].bit + 1
+    if band is not None:
+        # The band, on every head: a key within `band` positions of a row, found through `count`
+        # (real tokens up to each index): in a document positions advance at least one per real
+        # token, so such a pair is less than `band` real tokens apart (a superset).
+        c_q, c_k = count[:, q_index], count[:, k_index]
+        hit_q = c_q - band < c_k.amax(-1, keepdim=True)
+        rows |= hit_q[:, None]
+        keys |= (c_k > c_q.amin(-1, keepdim=True) - band)[:, None]
+        group = group | (hit_q.long() << n_bits)
+        n_bits += 1
+    keys &= (tokens.real[:, k_index] & (k_index <= q_index.max()))[:, None]
+    rows &= (q_index >= k_index.min())[None, None]
+    # Rows alike: a same-code key at the same levels (and the band), in every batch row.
+    if batch * n_bits > 62:
+        return rows, keys, None
+    return rows, keys, (group << (torch.arange(batch, device=group.device)[:, None] * n_bits)).sum(0)
+
+
+def dilated_pattern_full(levels: list[LevelCodes], q_index, k_index, q_valid, k_valid, mode: str) -> bool:
+    """Whether dilated_visible lets every pair of valid entries through (q_index, k_index: per head
+    (batch, q_heads, n), with bool q_valid, k_valid of the same shapes): for "union" and
+    "head_groups", when for each head some level it reads gives all its valid rows and keys one
+    code, of its own class. Never for "longnet" (its counts differ by pair)."""
+    if mode == "longnet":
+        return False
+    full = ~q_valid.any(-1) | ~k_valid.any(-1)  # a head without a valid row or key has no pair
+    far = 2**62
+    for level in levels:
+        code_q, code_k = take(level.code, q_index), take(level.code, k_index)
+        low = torch.minimum(torch.where(q_valid, code_q, far).amin(-1), torch.where(k_valid, code_k, far).amin(-1))
+        high = torch.maximum(torch.where(q_valid, code_q, -far).amax(-1),
+                             torch.where(k_valid, code_k, -far).amax(-1))
+        own_class = (take(level.cls, q_index) == level.head_class[None, :, None]) | ~q_valid
+        full |= (low == high) & own_class.all(-1) & level.reads[None]
+    return bool(full.all())
+
+
+def dilated_ring_plan(tokens: GlobalTokens, q_heads: int, kv_heads: int, segment_lengths, dilation_rates,
+                      mode: str, sliding_window: int | None = None, local_window: int | None = None,
+                      far: bool = False):
+    """The ring plan of dilated_ring_attention: the dilated pattern (with a local band of
+    `local_window` positions, its far keys read with far projections if `far`) as each call's
+    compacted mask and as the entries that travel."""
+    memo = {}
+    levels = level_codes(tokens, q_heads, segment_lengths, dilation_rates, mode)
+    count = None if local_window is None else tokens.real.long().cumsum(-1)
+
+    def needed(qi):
+        need = dilated_needed_keys(tokens, qi, q_heads, kv_heads, segment_lengths, dilation_rates, mode, memo)
+        if local_window is not None:
+            need |= band_needed_keys(count, tokens.real, qi, local_window)[:, None]
+        return need
+
+    return ring_plan(tokens, sliding_window,
+                     pattern=lambda qi, kj: dilated_visible(levels, qi, kj, mode),
+                     needed_keys=needed,
+                     select=lambda qi, kj: dilated_select(levels, tokens, qi, kj, local_window, count),
+                     pattern_full=lambda qi, kj, q_ok, k_ok: dilated_pattern_full(levels, qi, kj, q_ok, k_ok, mode),
+                     band=local_window, far=far, kv_tiles=KV_TILES)
 
 
 def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: str = DEFAULT_MODE, group=None,
                            layout: str = DEFAULT_RING_LAYOUT, scale=None, attention_mask=None, position_ids=None,
-                           dropout_p: float = 0.0, sliding_window: int | None = None):
+                           dropout_p: float = 0.0, sliding_window: int | None = None,
+                           local_window: int | None = None, q_far=None, k_far=None, far_at=None):
     """Dilated attention over a sequence sharded across `group` (docs/contract.md 6).
 
     q, k, v, attention_mask, position_ids: this rank's shards of the global tensors in `layout`
-    (see ring_attention); sliding_window: as in docs/contract.md 3.3, by global index. Returns this
-    rank's shard of `dilated_attention` on the global sequence.
-    With group None or of size 1 this is `hf_dilated.ops.dilated_attention` itself.
+    (see ring_attention); sliding_window: as in docs/contract.md 3.3, by global index;
+    local_window, q_far, k_far: a local band and the far projections (docs/contract.md 4.1), the
+    latter this rank's shards too; or far_at(positions) -> (q_far, k_far), given this rank's tokens'
+    positions (batch, n_local) under the kernels' rule on the whole sequence (docs/contract.md 3.1),
+    for a caller that cannot tell them from its shard of a padding mask. Returns this rank's shard
+    of `dilated_attention` on the global sequence. With group None or of size 1 this is
+    `hf_dilated.ops.dilated_attention` itself.
     """
     from ..ops import dilated_attention
 
@@ -139,25 +267,31 @@ def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: st
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, dropout_p)
     check_int("sliding_window", sliding_window, optional=True)
+    if far_at is not None and (q_far is not None or k_far is not None):
+        raise ValueError("far_at: pass far_at or q_far/k_far, not both")
+    if local_window is not None or q_far is not None or k_far is not None or far_at is not None:
+        check_local_band(q, k, mode, local_window, q_far, k_far)
     world, _ = group_size_rank(group)
     if world == 1:
+        if far_at is not None:
+            q_far, k_far = far_at(token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids).positions)
         return dilated_attention(q, k, v, seg, dil, mode=mode, scale=scale, dropout_p=dropout_p,
                                  attention_mask=attention_mask, position_ids=position_ids,
-                                 sliding_window=sliding_window)
+                                 sliding_window=sliding_window, local_window=local_window, q_far=q_far, k_far=k_far)
     if dropout_p:
         raise ValueError(f"dropout_p: dilated_ring_attention does not implement attention dropout, got {dropout_p}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     q_heads, kv_heads = q.shape[1], k.shape[1]
-
-    def build(tokens):
-        memo = {}
-        return ring_plan(tokens, sliding_window,
-                         pattern=lambda qi, kj: dilated_visible(tokens, qi, kj, q_heads, seg, dil, mode),
-                         needed_keys=lambda qi: dilated_needed_keys(tokens, qi, q_heads, kv_heads, seg, dil, mode,
-                                                                    memo))
-
+    far = q_far is not None or far_at is not None
     plan = prepare_call("dilated_ring_attention", q, k, v, attention_mask=attention_mask, position_ids=position_ids,
-                        group=group, layout=layout, build=build, scale=scale, segment_lengths=seg,
-                        dilation_rates=dil, mode=mode, sliding_window=sliding_window)
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Exchange(group, "dilated_ring"),
-                                plan, scale)
+                        group=group, layout=layout, scale=scale, segment_lengths=seg,
+                        build=lambda tokens: dilated_ring_plan(tokens, q_heads, kv_heads, seg, dil, mode,
+                                                               sliding_window, local_window, far),
+                        dilation_rates=dil, mode=mode, sliding_window=sliding_window, local_window=local_window,
+                        far=far)
+    if far_at is not None:
+        q_far, k_far = far_at(plan.tokens.positions[:, plan.tokens.local_index])
+        check_local_band(q, k, mode, local_window, q_far, k_far)
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(),
+                                q_far.contiguous() if far else None, k_far.contiguous() if far else None,
+                                Exchange(group, "dilated_ring"), plan, scale)

@@ -17,7 +17,9 @@ dilated_ring and block_sparse_ring run on this ring too (ring_plan's `pattern` a
 each call gets the sparse pattern between its global tokens as a mask, a call where no query needs
 a key of the tile is skipped, and a tile travels on with only the entries some rank further along
 the ring needs, zero elsewhere (its dK/dV come back with only the entries that were used), so those
-kernels send at most what this one does.
+kernels send at most what this one does. dilated_ring's calls are also compacted (`select`,
+Piece.compact): per head, only the rows and keys of its pattern, so its work falls with the
+pattern's density instead of being that of dense attention under a mask.
 
 Visibility (docs/contract.md 6: dense causal with padding and documents) is a function of
 global token indices and the gathered metadata (tokens.global_tokens), so padding and packed
@@ -71,28 +73,114 @@ class Piece:
     window: int | None = None  # sliding window (docs/contract.md 3.3)
     # pattern(q_index, k_index) -> (batch or 1, heads or 1, rows, tile): bool (the pattern lets the
     # pair through) or a count (how many times the key is in K(h, i): "longnet"); None: dense.
+    # The indices are 1-D, or (batch, heads, n) for a compacted call.
     pattern: object = None
+    # select(q_index, k_index) -> bool (batch, heads, rows), (batch, heads, tile): for each head, a
+    # superset of the rows and keys in some pair the pattern lets through; and (rows,) ints or None:
+    # rows of one value relate alike to the tile (compacted apart). Given, `rows` is a tensor
+    # of local row indices and the call runs compacted (see compact), in calls of at most
+    # `max_pairs` (query row, key) pairs per head.
+    select: object = None
+    max_pairs: int = 0
+    # pattern_full(q_index, k_index, q_valid, k_valid) -> bool: whether the pattern lets every pair
+    # of valid entries through (per head indices, as in compact); then a call of plain tokens whose
+    # keys all precede its rows needs no mask at all.
+    pattern_full: object = None
+    # A local band (docs/contract.md 4.1; compacted calls only): keys within `band` positions of a
+    # query are visible whatever the pattern (which then holds the levels, bool). With `far`, keys
+    # beyond the band are read with the far projections (q_far, k_far) in a call of their own.
+    band: int | None = None
+    far: bool = False
 
     def mask(self, dtype):
         """(additive bias (batch, 1 or heads, nq, nk) or None, bool rows with no visible key or None)."""
         if self.q_index is None:
             return None, None
-        visible = _visible(self.tokens, self.q_index, self.k_index, self.window)[:, None]
-        if self.pattern is not None:
-            weight = self.pattern(self.q_index, self.k_index)
-            if weight.dtype != torch.bool:  # a key counted c times weighs exp(s + log c)
-                weight = weight.to(dtype) * visible
-                return torch.log(weight), (weight == 0).all(-1)
-            visible = visible & weight
-        bias = torch.where(visible, torch.zeros((), dtype=dtype, device=visible.device),
-                           torch.full((), float("-inf"), dtype=dtype, device=visible.device))
-        return bias, ~visible.any(-1)
+        return _bias(self.tokens, self.q_index, self.k_index, self.window, self.pattern, dtype)
+
+    def compact(self, dtype):
+        """The compacted grids: (rows, keys, valid, calls) for each. rows (batch, heads, n_rows):
+        local row indices; keys (batch, heads, n_keys): indices in the tile; valid: which entries of
+        rows are selected (the others pad each head to the longest, and see no key); calls: the
+        fused calls on that grid, (far, bias, empty): whether it reads the far projections, and
+        bias and empty as in mask (None: every pair visible). A sparse pattern's work then falls
+        with its density: a head reading one key in r of a tile at one query in r runs 1/r^2 of
+        the dense call."""
+        row_sel, key_sel, group = self.select(self.q_index, self.k_index)
+        if group is None:
+            yield from self._compact_grids(self.rows, self.q_index, row_sel, key_sel, dtype)
+            return
+        for value in torch.unique(group):  # rows that relate alike to the tile: selected again, apart
+            part = group == value
+            rows, q_index = self.rows[part], self.q_index[part]
+            row_sel, key_sel, _ = self.select(q_index, self.k_index)
+            yield from self._compact_grids(rows, q_index, row_sel, key_sel, dtype)
+
+    def _compact_grids(self, local_rows, q_index, row_sel, key_sel, dtype):
+        n_rows, n_keys = int(row_sel.sum(-1).max()), int(key_sel.sum(-1).max())
+        if n_rows == 0 or n_keys == 0:
+            return
+        # The selected entries first, in order (a stable sort); the rest pad.
+        rows = torch.sort((~row_sel).to(torch.uint8), dim=-1, stable=True).indices[..., :n_rows]
+        keys = torch.sort((~key_sel).to(torch.uint8), dim=-1, stable=True).indices[..., :n_keys]
+        valid, key_valid = row_sel.gather(-1, rows), key_sel.gather(-1, keys)
+        k_index = self.k_index[keys]
+        step = max(MIN_ROWS, self.max_pairs // n_keys)
+        # Plain tokens, no padding key: a grid whose keys all precede its rows may need no mask.
+        unmasked = bool(key_valid.all()) and self.tokens.plain and self.window is None
+        for start in range(0, n_rows, step):
+            part, ok = rows[..., start:start + step], valid[..., start:start + step]
+            yield local_rows[part], keys, ok, self._calls(q_index[part], k_index, ok, key_valid, unmasked, dtype)
+
+    def _calls(self, qi, kj, ok, key_valid, unmasked, dtype):
+        far_one = 2**62
+        if unmasked:  # plain tokens: positions are the global indices
+            first_row, last_row = torch.where(ok, qi, far_one).amin(-1), torch.where(ok, qi, -far_one).amax(-1)
+            unmasked = bool((kj.amax(-1) < first_row).all())
+        if unmasked and self.band is not None and bool((last_row - kj.amin(-1) < self.band).all()):
+            return [(False, None, None)]  # every pair in the band
+        beyond = self.band is None or (unmasked and bool((first_row - kj.amax(-1) >= self.band).all()))
+        if unmasked and beyond and self.pattern_full(qi, kj, ok, key_valid):
+            return [(self.far, None, None)]  # every pair visible, none in the band
+        visible = _visible(self.tokens, qi, kj, self.window) & ok[..., None] & key_valid[..., None, :]
+        if self.band is None:
+            return [(False, *_pattern_bias(visible, self.pattern, qi, kj, dtype))]
+        pq, pk = take(self.tokens.positions, qi), take(self.tokens.positions, kj)
+        in_band = (pq[..., :, None] - pk[..., None, :]).abs() < self.band
+        levels = self.pattern(qi, kj)
+        if not self.far:
+            return [(False, *_as_bias(visible & (in_band | levels), dtype))]
+        parts = ((False, visible & in_band), (True, visible & levels & ~in_band))
+        return [(far, *_as_bias(part, dtype)) for far, part in parts if bool(part.any())]
+
+
+def _bias(tokens, q_index, k_index, window, pattern, dtype):
+    """(additive bias, bool rows with no visible key) of a call between the global tokens q_index
+    and k_index, under causality, padding, documents, the window and the pattern."""
+    return _pattern_bias(_visible(tokens, q_index, k_index, window), pattern, q_index, k_index, dtype)
+
+
+def _pattern_bias(visible, pattern, q_index, k_index, dtype):
+    if pattern is not None:
+        weight = pattern(q_index, k_index)
+        if weight.dtype != torch.bool:  # a key counted c times weighs exp(s + log c)
+            weight = weight.to(dtype) * visible
+            return torch.log(weight), (weight == 0).all(-1)
+        visible = visible & weight
+    return _as_bias(visible, dtype)
+
+
+def _as_bias(visible, dtype):
+    bias = torch.where(visible, torch.zeros((), dtype=dtype, device=visible.device),
+                       torch.full((), float("-inf"), dtype=dtype, device=visible.device))
+    return bias, ~visible.any(-1)
 
 
 @dataclass
 class RingPlan:
     tiles: list  # (start, stop) local index range of each K/V tile, the same on every rank
     steps: list  # steps[j][t]: the Pieces of tile j at hop t (the tile of rank (rank - t) mod P)
+    tokens: GlobalTokens  # what the plan was built from
     # Sparse patterns only (None: whole tiles travel). kv_out[j][t] / kv_in[j][t]: bool (batch,
     # kv_heads, tile) entries of the K/V tile this rank sends / receives at hop t; grad_out[j][t] /
     # grad_in[j][t]: entries of the dK/dV message it sends / receives at hop t >= 1.
@@ -102,19 +190,32 @@ class RingPlan:
     grad_in: list | None = None
 
 
+def take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values (batch, seq_len) at the global indices `index`, (n,) or (batch, heads, n):
+    (batch, 1 or heads, n)."""
+    if index.dim() == 1:
+        return values[:, None, index]
+    b, h, n = values.shape[0], index.shape[1], index.shape[2]
+    return values[:, None].expand(b, h, values.shape[1]).gather(2, index.expand(b, h, n))
+
+
 def _visible(tokens: GlobalTokens, qi, kj, window=None):
-    visible = (kj[None, None, :] <= qi[None, :, None]) & tokens.real[:, None, kj]
+    """bool (batch, 1 or heads, len(qi), len(kj)): causal, real key, same document, in the window;
+    qi, kj global indices, (n,) or (batch, heads, n)."""
+    q3 = qi if qi.dim() == 3 else qi[None, None]
+    k3 = kj if kj.dim() == 3 else kj[None, None]
+    visible = (k3[..., None, :] <= q3[..., :, None]) & take(tokens.real, kj)[..., None, :]
     if window is not None:
-        visible = visible & (kj[None, None, :] > qi[None, :, None] - window)
-    return visible & (tokens.doc[:, qi, None] == tokens.doc[:, None, kj])
+        visible = visible & (k3[..., None, :] > q3[..., :, None] - window)
+    return visible & (take(tokens.doc, qi)[..., :, None] == take(tokens.doc, kj)[..., None, :])
 
 
-def ring_tiles(n_local: int, layout: str) -> list[tuple[int, int]]:
-    """The local ranges the shard is cut into (for both keys and queries): KV_TILES in all, as
+def ring_tiles(n_local: int, layout: str, kv_tiles: int = KV_TILES) -> list[tuple[int, int]]:
+    """The local ranges the shard is cut into (for both keys and queries): kv_tiles in all, as
     equal as can be, each inside one layout chunk (so its global indices are consecutive)."""
     cpr = chunks_per_rank(layout)
     c = n_local // cpr
-    per_chunk = max(1, min(c // MIN_TILE, KV_TILES // cpr))
+    per_chunk = max(1, min(c // MIN_TILE, kv_tiles // cpr))
     return [(ch * c + i * c // per_chunk, ch * c + (i + 1) * c // per_chunk)
             for ch in range(cpr) for i in range(per_chunk)]
 
@@ -137,7 +238,9 @@ def _runs(tiles, kinds, max_rows):
     return runs
 
 
-def ring_plan(tokens: GlobalTokens, window: int | None = None, pattern=None, needed_keys=None) -> RingPlan:
+def ring_plan(tokens: GlobalTokens, window: int | None = None, pattern=None, needed_keys=None,
+              select=None, pattern_full=None, band: int | None = None, far: bool = False,
+              kv_tiles: int = KV_TILES) -> RingPlan:
     """For each tile j and hop t (tile j of rank (rank - t) mod P), the Pieces to compute; a piece
     is left out when a sliding `window`, padding, documents or the pattern hide all its pairs.
 
@@ -146,10 +249,11 @@ def ring_plan(tokens: GlobalTokens, window: int | None = None, pattern=None, nee
     query of `query_index` (global indices) see, a superset of what `pattern` lets through. From it
     every rank knows, for each tile and hop, which entries some rank further along the ring still
     needs (only those travel on) and which entries earlier ranks used (only their gradients travel
-    back), without any message about it."""
+    back), without any message about it. `select` and `pattern_full` (see Piece), when given, run the
+    calls compacted, with a local `band` and `far` projections if given. kv_tiles: tiles per rank."""
     world, rank = tokens.world, tokens.rank
     n_local = tokens.local_index.numel()
-    tiles = ring_tiles(n_local, tokens.layout)
+    tiles = ring_tiles(n_local, tokens.layout, kv_tiles)
     max_rows = max(MIN_ROWS, n_local // ROW_SPLITS)
     q_first = [int(tokens.local_index[a]) for a, _ in tiles]
     src_index = [tokens.rank_index(r) for r in range(world)]  # the pieces keep views of these
@@ -177,15 +281,23 @@ def ring_plan(tokens: GlobalTokens, window: int | None = None, pattern=None, nee
                 if window is not None and int(qi[0]) - k1 + 1 >= window:
                     continue  # the window hides every pair
                 cut = window is not None and int(qi[-1]) - k0 >= window  # the window hides some pair
-                if sparse:
+                if select is not None:  # joined below into one compacted call
+                    pieces.append(torch.arange(rows.start, rows.stop, device=qi.device))
+                elif sparse:
                     pieces.append(Piece(rows, False, qi, kj, tokens, window, pattern))
                 elif tokens.plain and not cut:
                     pieces.append(Piece(rows, is_causal=causal))
                 elif bool(_visible(tokens, qi, kj, window).any()):
                     pieces.append(Piece(rows, False, qi, kj, tokens, window))
+            if select is not None and pieces:
+                # One call per (tile, hop) for all the rows that may read it: compacted, it is as
+                # small as the pattern's pairs, and many small calls cost more than their work.
+                rows = torch.cat(pieces)
+                pieces = [Piece(rows, False, tokens.local_index[rows], kj, tokens, window, pattern, select,
+                                max_rows * (b - a), pattern_full, band, far)]
             hops.append(pieces)
         steps.append(hops)
-    plan = RingPlan(tiles, steps)
+    plan = RingPlan(tiles, steps, tokens)
     if sparse:
         # Tile j of rank s at hop t is held by rank s + t. Onwards go the entries that a rank after
         # it needs; back (dK/dV, hop t >= 1) the entries that ranks s + 1 .. s + t used (the owner
@@ -268,7 +380,7 @@ def _post(exchange: Exchange, tensors, out_mask, in_mask, tag: int):
         buf = (torch.empty(t.shape, dtype=t.dtype, device=t.device) if in_mask is None
                else torch.empty((n_in, t.shape[-1]), dtype=t.dtype, device=t.device) if n_in else None)
         works += exchange.start({nxt: payload} if payload is not None else {},
-                                {prv: buf} if buf is not None else {}, tag=2 * tag + i)
+                                {prv: buf} if buf is not None else {}, tag=4 * tag + i)
         bufs.append(buf)
         payloads.append(payload)  # alive until the send is waited on
     return bufs, works, payloads, in_mask, like.shape, like.dtype
@@ -297,19 +409,26 @@ def _at(masks, j, t):
 # and a key's dK/dV are sums over many calls, and rounding each call's part to bfloat16 would add
 # one rounding per call. The copies are of one call's rows and one tile, a few percent of q.
 class _RingAttention(torch.autograd.Function):
+    """q_far, k_far: None, or the far projections of a local band (docs/contract.md 4.1): k_far
+    travels with K and V, and compacted calls read (q_far, k_far) for the keys beyond the band."""
+
     @staticmethod
-    def forward(ctx, q, k, v, exchange: Exchange, plan: RingPlan, scale):
+    def forward(ctx, q, k, v, q_far, k_far, exchange: Exchange, plan: RingPlan, scale):
         acc = merge_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         world = exchange.world
+        keys = (k, v) if k_far is None else (k, v, k_far)
         for j, ((a, b), hops) in enumerate(zip(plan.tiles, plan.steps)):
-            # K and V travel as two messages (no stacked copy), from a copy of the own tile.
-            kv = (k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous())
+            # K and V (and K far) travel as separate messages (no stacked copy), from a copy of the own tile.
+            kv = tuple(t[:, :, a:b].contiguous() for t in keys)
             for t, pieces in enumerate(hops):
                 if t + 1 < world:  # post the next hop before computing on the tile in hand
                     posted = _post(exchange, kv, _at(plan.kv_out, j, t), _at(plan.kv_in, j, t), tag=0)
                 for piece in pieces:
+                    if piece.select is not None:
+                        _compact_forward(piece, (q, q_far), kv, out, lse, scale, acc)
+                        continue
                     bias, empty_rows = piece.mask(acc)
                     o, l = attention_forward(q[:, :, piece.rows].to(acc), kv[0].to(acc), kv[1].to(acc),
                                              is_causal=piece.is_causal, scale=scale, attn_bias=bias)
@@ -322,13 +441,13 @@ class _RingAttention(torch.autograd.Function):
                     kv = _land(posted)
                     del posted
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, q_far, k_far, out, lse)
         ctx.exchange, ctx.plan, ctx.scale = exchange, plan, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, q_far, k_far, out, lse = ctx.saved_tensors
         exchange, plan, scale = ctx.exchange, ctx.plan, ctx.scale
         world = exchange.world
         acc = merge_dtype(q.dtype)
@@ -336,9 +455,11 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.where(torch.isfinite(lse), lse, torch.full_like(lse, _EMPTY_ROW_LSE)).to(
             torch.float32 if q.dtype != torch.float64 else torch.float64)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dq_far = None if q_far is None else torch.zeros(q.shape, dtype=acc, device=q.device)
+        keys = (k, v) if k_far is None else (k, v, k_far)
+        grads = [torch.empty_like(t) for t in keys]  # dK, dV (, dK far)
         for j, ((a, b), hops) in enumerate(zip(plan.tiles, plan.steps)):
-            kv = (k[:, :, a:b].contiguous(), v[:, :, a:b].contiguous())
+            kv = tuple(t[:, :, a:b].contiguous() for t in keys)
             # The owner keeps its own part of its tile's dK/dV; the message that travels from hop 1
             # on carries the parts of the ranks that held the tile since, back to the owner at the end.
             own, incoming = None, None
@@ -347,6 +468,10 @@ class _RingAttention(torch.autograd.Function):
                     posted = _post(exchange, kv, _at(plan.kv_out, j, t), _at(plan.kv_in, j, t), tag=0)
                 mine = None  # this rank's part of the dK/dV of the tile in hand
                 for piece in pieces:
+                    if piece.select is not None:
+                        mine = _compact_backward(piece, (q, q_far), kv, out, lse, dout, (dq, dq_far), mine, scale,
+                                                 acc)
+                        continue
                     r = piece.rows
                     bias, _ = piece.mask(acc)
                     gq, gk, gv = attention_backward(dout[:, :, r].to(acc), q[:, :, r].to(acc), kv[0].to(acc),
@@ -364,11 +489,10 @@ class _RingAttention(torch.autograd.Function):
                 else:  # add this rank's part to what came from the previous rank (hop t - 1), send it on
                     dkv = _land(incoming) if incoming is not None else None
                     if dkv is None:
-                        dkv = mine if mine is not None else [kv[0].new_zeros(kv[0].shape, dtype=acc),
-                                                             kv[1].new_zeros(kv[1].shape, dtype=acc)]
+                        dkv = mine if mine is not None else [x.new_zeros(x.shape, dtype=acc) for x in kv]
                     elif mine is not None:
-                        dkv[0] += mine[0]
-                        dkv[1] += mine[1]
+                        for got, part in zip(dkv, mine):
+                            got += part
                     incoming = _post(exchange, dkv, _at(plan.grad_out, j, t), _at(plan.grad_in, j, t), tag=1)
                     del dkv
                 del mine
@@ -376,9 +500,83 @@ class _RingAttention(torch.autograd.Function):
                     kv = _land(posted)
                     del posted
             back = _land(incoming)  # hop P - 1 of the previous rank: this rank's own tile
-            for i, grad in enumerate((dk, dv)):
+            for i, grad in enumerate(grads):
                 grad[:, :, a:b] = back[i] if own is None else back[i] + own[i]
-        return dq.to(q.dtype), dk, dv, None, None, None
+        dk_far = grads[2] if k_far is not None else None
+        return (dq.to(q.dtype), grads[0], grads[1], None if dq_far is None else dq_far.to(q.dtype), dk_far,
+                None, None, None)
+
+
+def _flat_rows(index, heads: int, n: int):
+    """index (batch, heads, m) into dim 2 of a contiguous (batch, heads, n, d) tensor: the indices of
+    those rows in its (batch * heads * n, d) view (row copies there are far faster than gather)."""
+    b = index.shape[0]
+    base = torch.arange(b * heads, device=index.device).view(b, heads, 1) * n
+    return (index + base).reshape(-1)
+
+
+def _gather_rows(x, index):
+    """x (batch, heads, n, d), contiguous, at index (batch, heads, m): (batch, heads, m, d)."""
+    flat = _flat_rows(index, x.shape[1], x.shape[2])
+    return x.view(-1, x.shape[-1]).index_select(0, flat).view(*index.shape, x.shape[-1])
+
+
+def _tile_per_query_head(tile, q_heads):
+    """A K/V tile (batch, kv_heads, tile, d) with one head per query head (the heads of a
+    compacted call read different keys) and the kv head of each query head."""
+    kv_head = torch.arange(q_heads, device=tile.device) // (q_heads // tile.shape[1])
+    return tile.index_select(1, kv_head), kv_head
+
+
+def _compact_forward(piece, queries, kv, out, lse, scale, acc):
+    """A Piece with `select`: each head's rows against its keys (Piece.compact), merged into out
+    and lse at those rows (padding rows left out). queries: (q, q_far or None); kv: the tile's
+    (K, V) or (K, V, K far)."""
+    tiles = [_tile_per_query_head(t, queries[0].shape[1])[0] for t in kv]
+    for rows, keys, valid, calls in piece.compact(acc):
+        keep = valid.reshape(-1)
+        at = _flat_rows(rows, out.shape[1], out.shape[2])[keep]
+        values = _gather_rows(tiles[1], keys).to(acc)
+        for far, bias, empty in calls:
+            q_src, k_src = (queries[1], tiles[2]) if far else (queries[0], tiles[0])
+            o, l = attention_forward(_gather_rows(q_src, rows).to(acc), _gather_rows(k_src, keys).to(acc), values,
+                                     is_causal=False, scale=scale, attn_bias=bias)
+            l = l.to(acc) if empty is None else l.to(acc).masked_fill(empty, float("-inf"))
+            cur_o = out.view(-1, out.shape[-1]).index_select(0, at)
+            cur_l = lse.view(-1).index_select(0, at)
+            merge_into(cur_o, cur_l, o.to(acc).reshape(-1, o.shape[-1])[keep], l.reshape(-1)[keep])
+            out.view(-1, out.shape[-1]).index_copy_(0, at, cur_o)
+            lse.view(-1).index_copy_(0, at, cur_l)
+
+
+def _compact_backward(piece, queries, kv, out, lse, dout, dqs, mine, scale, acc):
+    """The backward of _compact_forward: dQ (dQ far) added at the rows, dK/dV (dK far) at the keys
+    of each head's kv head into `mine` (this rank's part of the tile's gradients, created if None),
+    returned. A padding key sees nothing (bias -inf); a padding row gets a zero dO, so the
+    gradients through it are zero (dS = P (dO V^T - rowsum(dO O)) = 0), with or without a mask."""
+    q_heads = queries[0].shape[1]
+    tiles = [_tile_per_query_head(t, q_heads)[0] for t in kv]
+    kv_head = _tile_per_query_head(kv[0], q_heads)[1]
+    b, hk, t, d = kv[0].shape
+    for rows, keys, valid, calls in piece.compact(acc):
+        dout_rows = _gather_rows(dout, rows).to(acc) * valid[..., None]
+        out_rows, lse_rows = _gather_rows(out, rows).to(acc), lse.gather(2, rows)
+        values = _gather_rows(tiles[1], keys).to(acc)
+        if mine is None:
+            mine = [x.new_zeros(x.shape, dtype=acc) for x in kv]
+        at = _flat_rows(rows, q_heads, dout.shape[2])
+        # key k of query head h lands on its kv head's row: (batch * hk + kv_head[h]) * t + k
+        flat = ((torch.arange(b, device=keys.device).view(b, 1, 1) * hk + kv_head.view(1, -1, 1)) * t
+                + keys).reshape(-1)
+        for far, bias, _ in calls:
+            q_src, k_src = (queries[1], tiles[2]) if far else (queries[0], tiles[0])
+            gq, gk, gv = attention_backward(dout_rows, _gather_rows(q_src, rows).to(acc),
+                                            _gather_rows(k_src, keys).to(acc), values, out_rows, lse_rows,
+                                            is_causal=False, scale=scale, attn_bias=bias)
+            dqs[1 if far else 0].view(-1, d).index_add_(0, at, gq.reshape(-1, d).to(acc))
+            mine[2 if far else 0].view(-1, d).index_add_(0, flat, gk.reshape(-1, d).to(acc))
+            mine[1].view(-1, d).index_add_(0, flat, gv.reshape(-1, d).to(acc))
+    return mine
 
 
 def ring_attention(q, k, v, *, group=None, layout: str = DEFAULT_RING_LAYOUT, scale=None, attention_mask=None,
@@ -408,5 +606,5 @@ def ring_attention(q, k, v, *, group=None, layout: str = DEFAULT_RING_LAYOUT, sc
     plan = prepare_call("ring_attention", q, k, v, attention_mask=attention_mask, position_ids=position_ids,
                           group=group, layout=layout, scale=scale, sliding_window=sliding_window,
                           build=lambda tokens: ring_plan(tokens, sliding_window))
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), Exchange(group, "ring"),
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), None, None, Exchange(group, "ring"),
                                 plan, scale)

@@ -40,7 +40,14 @@ def far_projections(module, query, key, mask, positions, local_window: int, grou
     """(q_far, k_far): query (batch, heads, q_len, d) and key (batch, kv_heads, kv_len, d) moved
     from their positions under the kernels' rule (the ones the band is measured in) to grouped ones."""
     layout = token_layout(key.shape[0], key.shape[2], key.device, mask, positions)
-    query_delta, key_delta = grouped_far_positions(layout.positions, query.shape[2], local_window, group)
+    return far_projections_at(module, query, key, layout.positions, local_window, group)
+
+
+def far_projections_at(module, query, key, positions, local_window: int, group: int):
+    """far_projections given the keys' positions (batch, kv_len) under the kernels' rule; under
+    sequence parallelism the ring kernel passes its shard's global positions (a rank cannot tell
+    them from its shard of a padding mask)."""
+    query_delta, key_delta = grouped_far_positions(positions, query.shape[2], local_window, group)
     inv_freq = rotary_frequencies(module)
     return rotate_by(query, query_delta, inv_freq), rotate_by(key, key_delta, inv_freq)
 

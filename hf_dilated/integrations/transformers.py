@@ -9,12 +9,13 @@ runs the kernels on what it returns.
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import torch
 
 from ..config import CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int
 from ..kinds import KINDS, TRANSFORMERS_NAMES
-from .far_positions import far_projections, far_projections_static
+from .far_positions import far_projections, far_projections_at, far_projections_static
 from .model_inputs import (is_static_slots, kernel_inputs, padded_last_query_as_sdpa, padding_mask,
                            read_static_slots)
 
@@ -141,9 +142,13 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     settings = settings_for(module, kind)
     extra = {}
-    if settings.get("local_window") is not None and cfg.far_group > 1 and group is None:
+    if settings.get("local_window") is not None and cfg.far_group > 1:
         # Keys beyond the band at grouped positions (docs/contract.md 4.1): rotated on from the model's RoPE.
-        extra["far"] = far_projections(module, query, key, mask, positions, cfg.local_window, cfg.far_group)
+        if group is None:
+            extra["far"] = far_projections(module, query, key, mask, positions, cfg.local_window, cfg.far_group)
+        else:  # a rank cannot tell its tokens' positions from its shard of the mask: the ring kernel can
+            extra["far"] = partial(far_projections_at, module, query, key, local_window=cfg.local_window,
+                                   group=cfg.far_group)
     with torch.autocast(device_type, enabled=False):
         out = kind.run(query, key, value, settings, is_causal=True, attention_mask=mask, position_ids=positions,
                        scale=scaling, dropout_p=dropout_p, group=group, layout=layout, sliding_window=window, **extra)

@@ -45,7 +45,7 @@ from .plan_cache import PlanCache
 from ..config import DECODE_MAX_QUERIES, DEFAULT_MODE, check_int
 from .dilated_decode import dilated_decode
 from .token_layout import TokenLayout, first_key_within, token_layout
-from .validate import check_dilated_config, check_qkv, check_scale_dropout
+from .validate import check_dilated_config, check_local_band, check_qkv, check_scale_dropout
 
 # Upper bound on the elements of one explicit bias block; larger ones are cut into row chunks.
 _BIAS_BUDGET = 1 << 24
@@ -134,7 +134,7 @@ def dilated_attention(
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if local_window is not None or q_far is not None or k_far is not None:
-        _check_local_band(q, k, mode, local_window, q_far, k_far)
+        check_local_band(q, k, mode, local_window, q_far, k_far)
     if q.shape[2] <= DECODE_MAX_QUERIES and q.shape[2] < k.shape[2] and is_causal and dropout_p == 0.0:
         out = dilated_decode(q, k, v, seg, dil, mode, scale=scale, attention_mask=attention_mask,
                              position_ids=position_ids, sliding_window=sliding_window, local_window=local_window,
@@ -159,22 +159,6 @@ def dilated_attention(
 
 
 _PLANS = PlanCache()
-
-
-def _check_local_band(q, k, mode, local_window, q_far, k_far):
-    if local_window is None:
-        raise ValueError("q_far/k_far: far projections need a local_window (the band they lie beyond)")
-    check_int("local_window", local_window)
-    if mode != "union":
-        raise ValueError(f"local_window: a local band is defined for mode 'union' only (docs/contract.md 4.1), "
-                         f"got mode {mode!r}")
-    if (q_far is None) != (k_far is None):
-        raise ValueError("q_far/k_far: pass both far projections or neither (k_far missing)" if k_far is None
-                         else "q_far/k_far: pass both far projections or neither (q_far missing)")
-    for name, far, like in (("q_far", q_far, q), ("k_far", k_far, k)):
-        if far is not None and (far.shape != like.shape or far.dtype != like.dtype or far.device != like.device):
-            raise ValueError(f"{name}: must match the shape, dtype and device of {name[0]} "
-                             f"{tuple(like.shape)} {like.dtype}, got {tuple(far.shape)} {far.dtype}")
 
 
 def head_groups(num_heads: int, num_groups: int) -> list[list[int]]:

@@ -8,7 +8,7 @@ import torch
 # of hf_dilated); this module re-exports them for the kernels.
 from ..config import DILATED_MODES, check_dilated_config, check_int
 
-__all__ = ["DILATED_MODES", "FLOAT_DTYPES", "check_dilated_config", "check_int", "check_qkv",
+__all__ = ["DILATED_MODES", "FLOAT_DTYPES", "check_dilated_config", "check_int", "check_local_band", "check_qkv",
            "check_scale_dropout"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -57,3 +57,20 @@ def check_scale_dropout(scale, dropout_p) -> None:
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+
+
+def check_local_band(q, k, mode, local_window, q_far, k_far) -> None:
+    """A local band (docs/contract.md 4.1): mode "union", and far projections shaped like q and k, both or neither."""
+    if local_window is None:
+        raise ValueError("q_far/k_far: far projections need a local_window (the band they lie beyond)")
+    check_int("local_window", local_window)
+    if mode != "union":
+        raise ValueError(f"local_window: a local band is defined for mode 'union' only (docs/contract.md 4.1), "
+                         f"got mode {mode!r}")
+    if (q_far is None) != (k_far is None):
+        raise ValueError("q_far/k_far: pass both far projections or neither (k_far missing)" if k_far is None
+                         else "q_far/k_far: pass both far projections or neither (q_far missing)")
+    for name, far, like in (("q_far", q_far, q), ("k_far", k_far, k)):
+        if far is not None and (far.shape != like.shape or far.dtype != like.dtype or far.device != like.device):
+            raise ValueError(f"{name}: must match the shape, dtype and device of {name[0]} "
+                             f"{tuple(like.shape)} {like.dtype}, got {tuple(far.shape)} {far.dtype}")
