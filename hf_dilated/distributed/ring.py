@@ -557,15 +557,19 @@ def _compact_forward(piece, queries, kv, out, lse, scale, acc):
 def _compact_backward(piece, queries, kv, out, lse, dout, dqs, mine, scale, acc):
     """The backward of _compact_forward: dQ (dQ far) added at the rows, dK/dV (dK far) at the keys
     of each head's kv head into `mine` (this rank's part of the tile's gradients, created if None),
-    returned. A padding key sees nothing (bias -inf); a padding row gets a zero dO, so the
-    gradients through it are zero (dS = P (dO V^T - rowsum(dO O)) = 0), with or without a mask."""
+    returned. A padding key sees nothing (bias -inf); a padding row gets a zero dO and the empty
+    row's lse (P = 0), so the gradients through it are zero, with or without a mask."""
     q_heads = queries[0].shape[1]
     tiles = [_tile_per_query_head(t, q_heads)[0] for t in kv]
     kv_head = _tile_per_query_head(kv[0], q_heads)[1]
     b, hk, t, d = kv[0].shape
     for rows, keys, valid, calls in piece.compact(acc):
         dout_rows = _gather_rows(dout, rows).to(acc) * valid[..., None]
-        out_rows, lse_rows = _gather_rows(out, rows).to(acc), lse.gather(2, rows)
+        # A padding row's own lse never counted these keys: with no mask, exp(s - lse) could
+        # overflow (inf * 0 = NaN); the empty-row lse makes its probabilities exactly 0.
+        lse_rows = torch.where(valid, lse.gather(2, rows), torch.full((), _EMPTY_ROW_LSE, dtype=lse.dtype,
+                                                                        device=lse.device))
+        out_rows = _gather_rows(out, rows).to(acc)
         values = _gather_rows(tiles[1], keys).to(acc)
         if mine is None:
             mine = [x.new_zeros(x.shape, dtype=acc) for x in kv]

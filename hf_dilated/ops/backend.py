@@ -54,7 +54,15 @@ def _expand_kv(q, k, v):
 def _cuda_bias(attn_bias, q, k, is_causal):
     if attn_bias is None:
         return None
-    return attn_bias.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    n, aligned = k.shape[2], -(-k.shape[2] // 16) * 16
+    if n == aligned:
+        return attn_bias.to(q.dtype).expand(shape)
+    # The memory-efficient kernel wants the bias rows 16-element aligned (sdpa pads its mask the
+    # same way before this kernel); compacted ring calls have any number of keys.
+    buf = torch.empty(shape[:3] + (aligned,), dtype=q.dtype, device=q.device)
+    buf[..., :n] = attn_bias
+    return buf[..., :n]
 
 
 def _cuda_forward(q, k, v, *, is_causal, scale, attn_bias):
