@@ -95,19 +95,21 @@ def test_eval_losses_from_chunked_head_equal_the_full_logits(exported, text_ids,
     torch.testing.assert_close(core.token_losses(model, rows), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_chat_passkey_is_retrieved_inside_the_context(exported):
-    """The instruct model finds a key in its own chat format inside its context (greedy), under sdpa
-    and under the converted default name: the retrieval task of issue 28 is one it can do."""
+def test_passkey_is_retrieved_inside_the_context(exported):
+    """The instruct model finds a key in the plain-text prompt inside its context (greedy, 2,000
+    tokens, three depths), under sdpa: the retrieval task of issue 28 is one it can do. Asked in
+    its chat template instead (the eval's format before), it answered about pass keys in general
+    at this length ("The pass key is a magical item that can be found in")."""
     import random
 
     from hf_dilated.eval import core
-    from hf_dilated.eval.passkey import chat_passkey_sample
+    from hf_dilated.eval.passkey import text_passkey_sample
 
     tokenizer = AutoTokenizer.from_pretrained(exported)
-    samples = [chat_passkey_sample(tokenizer, 600, depth, random.Random(depth)) for depth in (0.1, 0.5, 0.9)]
-    assert all(len(s["input_ids"]) <= 600 for s in samples)
+    samples = [text_passkey_sample(tokenizer, 2000, depth, random.Random(depth)) for depth in (0.1, 0.5, 0.9)]
+    assert all(1900 < len(s["input_ids"]) <= 2000 for s in samples)
     model = AutoModelForCausalLM.from_pretrained(exported, attn_implementation="sdpa", dtype=torch.float32).eval()
-    keys, digits = core.chat_passkey_scores(model, tokenizer, samples)
+    keys, digits = core.generated_passkey_scores(model, tokenizer, samples)
     assert keys == [True, True, True] and digits == [5, 5, 5]
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..measure import MemoryProbe, strict_allocator, sync
-from .passkey import CHAT_NEW_TOKENS, IGNORE_INDEX, KEY_DIGITS, chat_passkey_sample, passkey_sample
+from .passkey import IGNORE_INDEX, KEY_DIGITS, TEXT_NEW_TOKENS, passkey_sample, text_passkey_sample
 
 
 def _device(model) -> torch.device:
@@ -128,22 +128,22 @@ def windowed_losses(model, docs: list[torch.Tensor], length: int, bucket: int, w
 
 def make_passkey_samples(tokenizer, length: int, depth: float, count: int, seed: int) -> list[dict]:
     """The same samples for every checkpoint and attention (seeded by seed, length and depth): the
-    chat format (passkey.chat_passkey_sample) for a tokenizer with a chat template, else the
-    trained format."""
+    plain-text format answered by generation (passkey.text_passkey_sample) for a pretrained
+    instruct model (a tokenizer with a chat template), else the trained format."""
     rng = random.Random(f"{seed}:{length}:{depth}")
     if getattr(tokenizer, "chat_template", None):
-        return [chat_passkey_sample(tokenizer, length, depth, rng) for _ in range(count)]
+        return [text_passkey_sample(tokenizer, length, depth, rng) for _ in range(count)]
     return [passkey_sample(tokenizer, length, depth, rng) for _ in range(count)]
 
 
 @torch.no_grad()
-def chat_passkey_scores(model, tokenizer, samples: list[dict], progress=None) -> tuple[list[bool], list[int]]:
-    """For each chat sample: whether greedy generation names the key, and how many of its digits
-    appear in order at the start of the first run of digits it generates."""
+def generated_passkey_scores(model, tokenizer, samples: list[dict], progress=None) -> tuple[list[bool], list[int]]:
+    """For each plain-text sample: whether greedy generation names the key, and how many of its
+    digits appear in order at the start of the first run of digits it generates."""
     keys, digits = [], []
     for sample in samples:
         ids = sample["input_ids"][None].to(_device(model))
-        out = model.generate(ids, max_new_tokens=CHAT_NEW_TOKENS, do_sample=False,
+        out = model.generate(ids, max_new_tokens=TEXT_NEW_TOKENS, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         answer = (re.findall(r"\d+", text) or [""])[0]  # the first number it says

@@ -145,34 +145,36 @@ def multikey_sample(tokenizer, length: int, rng: random.Random, keys: int) -> di
     return {"input_ids": torch.tensor(ids), "labels": torch.tensor(labels), "key": values[0]}
 
 
-# An instruct model (a tokenizer with a chat template) is asked in its own chat format instead, and
-# answers by greedy generation: the format of the long-context literature (Mohtashami and Jaggi,
-# 2023), not one a model was trained on here.
-CHAT_INTRO = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+# A pretrained (instruct) model is asked in plain text instead and answers by greedy generation,
+# the format of the long-context literature (Mohtashami and Jaggi, 2023): the text continues "The
+# pass key is" after the question. Not its chat template: asked in a user turn, SmolLM2-135M-Instruct
+# answers about pass keys in general even at 2,000 tokens ("The pass key is a magical item ..."),
+# while it continues the plain text with the key up to its 8K context.
+TEXT_INTRO = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
               "I will quiz you about the pass key.\n")
-CHAT_KEY = " The pass key is {key}. Remember it. {key} is the pass key. "
-CHAT_QUESTION = "\nWhat is the pass key? The pass key is"
-CHAT_NEW_TOKENS = 16  # the five digits (a token each) and what a model says first ("The pass key is ...")
+TEXT_KEY = " The pass key is {key}. Remember it. {key} is the pass key. "
+TEXT_QUESTION = "\nWhat is the pass key? The pass key is"
+TEXT_NEW_TOKENS = 16  # the five digits (a token each) and what a model says after them
 
 
-def chat_passkey_sample(tokenizer, length: int, depth: float, rng: random.Random) -> dict:
-    """One chat prompt of at most `length` tokens (the most filler that fits), the key after
-    `depth` (0..1) of the filler; input_ids end with the template's generation prompt."""
+def text_passkey_sample(tokenizer, length: int, depth: float, rng: random.Random) -> dict:
+    """One plain-text prompt of at most `length` tokens (the most filler that fits, after the
+    tokenizer's bos token if it has one), the key after `depth` (0..1) of the filler."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     key = "".join(rng.choice("123456789") for _ in range(KEY_DIGITS))
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
     def prompt(repeats: int) -> list[int]:
         filler = FILLER * repeats
         boundaries = [0] + [m.end() for m in re.finditer(r"\. ", filler)]
         cut = min(boundaries, key=lambda b: abs(b - depth * len(filler)))
-        content = CHAT_INTRO + filler[:cut] + CHAT_KEY.format(key=key) + filler[cut:] + CHAT_QUESTION
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=True)["input_ids"]
+        content = TEXT_INTRO + filler[:cut] + TEXT_KEY.format(key=key) + filler[cut:] + TEXT_QUESTION
+        return bos + tokenizer(content, add_special_tokens=False)["input_ids"]
 
     empty = len(prompt(0))
     if empty > length:
-        raise ValueError(f"length must be at least {empty} tokens for a chat passkey prompt, got {length}")
+        raise ValueError(f"length must be at least {empty} tokens for a passkey prompt, got {length}")
     per_repeat = (len(prompt(16)) - empty) / 16
     repeats = int((length - empty) / per_repeat)
     ids = prompt(repeats)

@@ -203,8 +203,8 @@ def evaluate(args, runs: list[Run], progress) -> dict:
                         samples = core.make_passkey_samples(tokenizer, length, depth, args.samples, args.seed)
                         if "labels" in samples[0]:
                             keys, digits = core.passkey_scores(model, samples, args.batch_size, progress)
-                        else:  # an instruct model's chat prompt: greedy generation
-                            keys, digits = core.chat_passkey_scores(model, tokenizer, samples, progress)
+                        else:  # an instruct model's plain-text prompt: greedy generation
+                            keys, digits = core.generated_passkey_scores(model, tokenizer, samples, progress)
                         row["passkey"].append({"length": length, "depth": depth, "correct": sum(keys),
                                                "digits_correct": sum(digits), "samples": len(keys)})
             if not args.no_cost:
@@ -262,7 +262,7 @@ def markdown(result: dict) -> str:
     if pk_rows:
         depths = s["depths"]
         out += [f"### Passkey retrieval (whole keys right, {s['samples']} samples per length and depth; "
-                "digits: teacher-forced digit accuracy, or for an instruct model's chat prompt the digits its "
+                "digits: teacher-forced digit accuracy, or for an instruct model's plain-text prompt the digits its "
                 "greedy answer gets right)", "",
                 "| checkpoint | attention | length | " + " | ".join(f"depth {d:g}" for d in depths) + " | keys | digits |",
                 "|" + "---|" * (5 + len(depths))]
