@@ -138,6 +138,10 @@ class DilatedConfig:
     far_group: int = field(default=1, metadata={"help": (
         "with a local band: keys beyond it are read at Self-Extend's grouped positions, this many positions "
         "sharing one (docs/contract.md 4.1); 1: at their own positions")})
+    far_window: int | None = field(default=None, metadata={"help": (
+        "with far_group > 1: far keys sit where Self-Extend puts keys beyond a neighbour window of this many "
+        "positions, a key d back at relative position d // G + far_window - far_window // G (docs/contract.md "
+        "4.1); None: local_window, so that far distances continue the band's")})
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": (
         "block-sparse attention (docs/contract.md 5; 'block_sparse', 'block_sparse_ring'): tokens per block")})
     pattern: dict | None = field(default=None, metadata={"help": (
@@ -169,6 +173,12 @@ class DilatedConfig:
             raise ValueError(f"local_window: a local band is defined for mode 'union' only, got mode {self.mode!r}")
         if self.far_group > 1 and self.local_window is None:
             raise ValueError(f"far_group: grouped far positions ({self.far_group}) need a local_window")
+        check_int("far_window", self.far_window, optional=True)
+        if self.far_window is not None and self.far_group == 1:
+            raise ValueError(f"far_window: {self.far_window} places grouped far positions; it needs far_group > 1")
+        if self.far_window is not None and self.far_window > self.local_window:
+            raise ValueError(f"far_window: at most local_window ({self.local_window}) so that far keys sit no further "
+                             f"than the band's edge, got {self.far_window}")
         if self.pattern is None:  # dense within the first segment, like the dilated default
             self.pattern = {"type": "local", "window": max(1, (self.original_length or seg[0]) // self.block_size)}
         if not isinstance(self.pattern, dict) or not isinstance(self.pattern.get("type"), str):
@@ -219,6 +229,12 @@ class DilatedConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def grouping_window(self) -> int | None:
+        """The neighbour window the far keys' grouped positions are computed for (docs/contract.md
+        4.1): far_window, else the band's."""
+        return self.local_window if self.far_window is None else self.far_window
+
     @classmethod
     def from_model_config(cls, config) -> "DilatedConfig":
         """The entry stored in a transformers config, or the default derived from it."""
@@ -245,9 +261,14 @@ def field_defaults(*names: str) -> dict:
     return {name: table[name] for name in names}
 
 
-# The conversion default's far positions (docs/contract.md 4.1): far keys of a context extended from
-# L to T tokens sit at relative positions below L * (1 + BAND_OVERSHOOT) (hf_dilated.patches.context).
-BAND_OVERSHOOT = 1 / 16
+# The conversion default's far positions (docs/contract.md 4.1), for a context extended from L to T
+# tokens: far keys sit as Self-Extend puts keys beyond a neighbour window of L / FAR_WINDOW_DIVISOR,
+# the farthest within L * FAR_REACH of relative position. Measured on SmolLM2-135M-Instruct at 2L
+# (docs/benchmarks.md): far keys from relative position ~1,024 on (G = 8) retrieve passkeys more
+# than L back and cut the far loss below truncation's; continuing the band's distances (far keys
+# from ~8,192 on) retrieved none.
+FAR_WINDOW_DIVISOR = 8
+FAR_REACH = 1 / 2
 
 
 def default_band(original_length: int, target_length: int) -> dict:
@@ -256,21 +277,22 @@ def default_band(original_length: int, target_length: int) -> dict:
     equals sdpa there). Keys further back are all read (one level of dilation 1 covering the target:
     measured on a real checkpoint, far keys on only some heads and queries, as dilated levels give,
     lose what a pretrained model keeps at the start of its context; docs/benchmarks.md), at
-    Self-Extend's grouped positions, G = the smallest power of two that keeps the farthest key
-    (T - 1 back) within L * (1 + BAND_OVERSHOOT) of relative position:
-    (T - 1) // G + L - L // G <= L (1 + BAND_OVERSHOOT)."""
+    Self-Extend's grouped positions for a neighbour window F = L // FAR_WINDOW_DIVISOR, with G the
+    smallest power of two that keeps the farthest key (T - 1 back) within L * FAR_REACH of relative
+    position: (T - 1) // G + F - F // G <= L * FAR_REACH."""
     check_int("original_length", original_length)
     check_int("target_length", target_length)
     if target_length <= original_length:
         return {"local_window": None, "far_group": 1}
+    window = max(1, original_length // FAR_WINDOW_DIVISOR)
     group = 2
-    while (target_length - 1) // group + original_length - original_length // group > \
-            original_length * (1 + BAND_OVERSHOOT):
+    while (target_length - 1) // group + window - window // group > original_length * FAR_REACH:
         group *= 2
     segment = original_length
     while segment < target_length:
         segment *= 2
-    return {"local_window": original_length, "far_group": group, "segment_lengths": [segment], "dilation_rates": [1]}
+    return {"local_window": original_length, "far_group": group, "far_window": window, "segment_lengths": [segment],
+            "dilation_rates": [1]}
 
 
 def default_schedule(first_segment: int, length: int) -> tuple[list[int], list[int]]:

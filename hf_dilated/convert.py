@@ -72,6 +72,8 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
                         "context, when the RoPE is left unscaled)")
     p.add_argument("--far-group", type=int, default=None,
                    help=field_help("far_group") + " (default with the default band: hf_dilated.config.default_band)")
+    p.add_argument("--far-window", type=int, default=None,
+                   help=field_help("far_window") + " (default with the default band: the original context / 8)")
     p.add_argument("--copy", action="store_true", help="copy weight files instead of hard-linking them")
     p.add_argument("--force", action="store_true",
                    help="replace DST if it exists (only an empty directory or a checkpoint hf-dilated wrote)")
@@ -84,7 +86,7 @@ def _one_line(text) -> str:
 def convert_main(args) -> int:
     fields = {k: v for k, v in (("mode", args.mode), ("segment_lengths", args.segment_lengths),
                                 ("dilation_rates", args.dilation_rates), ("local_window", args.local_window),
-                                ("far_group", args.far_group)) if v is not None}
+                                ("far_group", args.far_group), ("far_window", args.far_window)) if v is not None}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConversionWarning)
         try:

@@ -67,7 +67,7 @@ def default_conversion(config, context_length: int | None, attn_implementation: 
         return rope, fields
     if attn_implementation not in BAND_NAMES:
         return "yarn", fields
-    if {"local_window", "far_group"} & set(fields):  # the caller chose the band
+    if {"local_window", "far_group", "far_window"} & set(fields):  # the caller chose the band
         return "none", fields
     return "none", {**default_band(original_length(config), context_length), **fields}
 

@@ -161,9 +161,10 @@ def _reference_attention(entry):
         n = key.shape[2]
         pos = torch.arange(n)[None]
         w, g = entry["local_window"], entry["far_group"]
+        f = entry.get("far_window") or w  # Self-Extend's neighbour window of the far positions
         cos, sin = (t[:, None].double() for t in rotary(query, pos))
         cos_k, sin_k = (t[:, None].double() for t in rotary(query, pos // g))
-        cos_q, sin_q = (t[:, None].double() for t in rotary(query, pos // g + w - w // g))
+        cos_q, sin_q = (t[:, None].double() for t in rotary(query, pos // g + f - f // g))
         q, k = query.double(), key.double()
         q_plain, k_plain = rotate(q, cos, sin, -1), rotate(k, cos, sin, -1)  # rotate back to position 0
         q_far, k_far = rotate(q_plain, cos_q, sin_q, 1), rotate(k_plain, cos_k, sin_k, 1)
@@ -174,12 +175,13 @@ def _reference_attention(entry):
     return attention
 
 
-@pytest.mark.parametrize("family", ("llama", "gpt_neox"))
-def test_model_with_grouped_far_positions_matches_reference(family, tmp_path):
+@pytest.mark.parametrize("family, far_window", (("llama", None), ("gpt_neox", None), ("llama", 2)))
+def test_model_with_grouped_far_positions_matches_reference(family, far_window, tmp_path):
+    """far_window 2: far keys as Self-Extend's beyond a neighbour window of 2, not the band's 6."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     entry = {"segment_lengths": [8, 16, 32], "dilation_rates": [1, 2, 4], "local_window": 6, "far_group": 3,
-             "original_length": 8, "target_length": 32}
+             "original_length": 8, "target_length": 32, "far_window": far_window}
     path = _tiny(family, tmp_path, entry)
     AttentionInterface.register("test_band_reference", _reference_attention(entry))
     ids = torch.randint(3, 99, (2, 30), generator=torch.Generator().manual_seed(0))
@@ -265,3 +267,16 @@ def test_gradcheck_float64(with_far, chunk):
         return run(case, *t[:3], mask, pos, 3, t[3:] if with_far else None)
 
     assert torch.autograd.gradcheck(f, leaves, atol=1e-6)
+
+
+@pytest.mark.parametrize("fields, message", (
+    ({"far_window": 4}, "far_window: 4 places grouped far positions; it needs far_group > 1"),
+    ({"far_window": 7, "far_group": 2}, "far_window: at most local_window (6)"),
+    ({"far_window": 0, "far_group": 2}, "far_window"),
+))
+def test_far_window_is_checked(fields, message):
+    from hf_dilated import DilatedConfig
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        DilatedConfig(segment_lengths=[8], dilation_rates=[1], local_window=6, **fields)
+

@@ -36,28 +36,29 @@ def rotary_frequencies(module) -> torch.Tensor:
     return inv_freq
 
 
-def far_projections(module, query, key, mask, positions, local_window: int, group: int):
+def far_projections(module, query, key, mask, positions, window: int, group: int):
     """(q_far, k_far): query (batch, heads, q_len, d) and key (batch, kv_heads, kv_len, d) moved
-    from their positions under the kernels' rule (the ones the band is measured in) to grouped ones."""
+    from their positions under the kernels' rule (the ones the band is measured in) to grouped ones,
+    for Self-Extend's neighbour window `window` (DilatedConfig.grouping_window)."""
     layout = token_layout(key.shape[0], key.shape[2], key.device, mask, positions)
-    return far_projections_at(module, query, key, layout.positions, local_window, group)
+    return far_projections_at(module, query, key, layout.positions, window, group)
 
 
-def far_projections_at(module, query, key, positions, local_window: int, group: int):
+def far_projections_at(module, query, key, positions, window: int, group: int):
     """far_projections given the keys' positions (batch, kv_len) under the kernels' rule; under
     sequence parallelism the ring kernel passes its shard's global positions (a rank cannot tell
     them from its shard of a padding mask)."""
-    query_delta, key_delta = grouped_far_positions(positions, query.shape[2], local_window, group)
+    query_delta, key_delta = grouped_far_positions(positions, query.shape[2], window, group)
     inv_freq = rotary_frequencies(module)
     return rotate_by(query, query_delta, inv_freq), rotate_by(key, key_delta, inv_freq)
 
 
-def far_projections_static(module, query, key, real, seen, local_window: int, group: int):
+def far_projections_static(module, query, key, real, seen, window: int, group: int):
     """far_projections for a compiled decode step on a static cache (ops/dilated_decode.py:
     dilated_decode_static): positions are mask ranks, computed without any Python value from data."""
     positions = (real.long().cumsum(-1) - 1).clamp(min=0)
     query_slots = seen - query.shape[2] + torch.arange(query.shape[2], device=key.device)
-    query_delta, _ = grouped_far_positions(positions.index_select(1, query_slots), query.shape[2], local_window, group)
+    query_delta, _ = grouped_far_positions(positions.index_select(1, query_slots), query.shape[2], window, group)
     key_delta = positions // group - positions
     inv_freq = rotary_frequencies(module)
     return rotate_by(query, query_delta, inv_freq), rotate_by(key, key_delta, inv_freq)

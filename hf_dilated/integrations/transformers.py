@@ -145,9 +145,9 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
     if settings.get("local_window") is not None and cfg.far_group > 1:
         # Keys beyond the band at grouped positions (docs/contract.md 4.1): rotated on from the model's RoPE.
         if group is None:
-            extra["far"] = far_projections(module, query, key, mask, positions, cfg.local_window, cfg.far_group)
+            extra["far"] = far_projections(module, query, key, mask, positions, cfg.grouping_window, cfg.far_group)
         else:  # a rank cannot tell its tokens' positions from its shard of the mask: the ring kernel can
-            extra["far"] = partial(far_projections_at, module, query, key, local_window=cfg.local_window,
+            extra["far"] = partial(far_projections_at, module, query, key, window=cfg.grouping_window,
                                    group=cfg.far_group)
     with torch.autocast(device_type, enabled=False):
         out = kind.run(query, key, value, settings, is_causal=True, attention_mask=mask, position_ids=positions,
@@ -168,7 +168,7 @@ def _compiled_static_step(kind, module, query, key, value, slots, scaling, kwarg
     settings = settings_for(module, kind)
     far = None
     if settings.get("local_window") is not None and cfg.far_group > 1:
-        far = far_projections_static(module, query, key, real, seen, cfg.local_window, cfg.far_group)
+        far = far_projections_static(module, query, key, real, seen, cfg.grouping_window, cfg.far_group)
     out = kind.static_decode(query, key, value, settings, real=real, seen=seen,
                              scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
                              sliding_window=kwargs.get("sliding_window"), far=far)

@@ -26,14 +26,15 @@ def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
     return torch.cat([x_rot * cos + rotated * sin, x_pass], -1)
 
 
-def grouped_far_positions(positions: torch.Tensor, q_len: int, local_window: int, group: int):
-    """Self-Extend's grouped positions (Jin et al., 2024) for keys beyond a local band of
-    `local_window`: a far key at position p sits at p // group, a query at p // group + local_window -
-    local_window // group, so the far relative distance continues the band's at its edge and grows
-    `group` times more slowly. Returns (query delta (batch, q_len), key delta (batch, kv_len)): how far
-    each query and key moves from its own position."""
+def grouped_far_positions(positions: torch.Tensor, q_len: int, window: int, group: int):
+    """Self-Extend's grouped positions (Jin et al., 2024) for keys beyond its neighbour window of
+    `window` positions: a far key at position p sits at p // group, a query at p // group + window -
+    window // group, so a far key d back sits at relative position about d // group + window -
+    window // group: it continues the neighbour window's distances at its edge and grows `group`
+    times more slowly. Returns (query delta (batch, q_len), key delta (batch, kv_len)): how far each
+    query and key moves from its own position."""
     p = positions.long()
     key_delta = p // group - p
     p_q = p[:, p.shape[1] - q_len:]
-    query_delta = p_q // group + local_window - local_window // group - p_q
+    query_delta = p_q // group + window - window // group - p_q
     return query_delta, key_delta
