@@ -7,7 +7,8 @@ log-sum-exp (ops/merge.py). The backward is a ring too: K/V travel again and the
 dK/dV travel with their block, arriving back at its owner after the last hop.
 
 Memory falls as 1/P: what a rank holds beyond its inputs and outputs is a small fixed fraction of
-them, whatever P. A rank's K/V does not travel as one block but as `KV_TILES` tiles, one ring of
+them, whatever P. A rank's K/V does not travel as one block but as tiles (`KV_TILES`; ring_plan's
+`kv_tiles`), one ring of
 P hops per tile, so a rank holds one tile in hand and one in flight (and, in the backward, their
 dK/dV), never a peer's whole block; and each fused call takes at most 1/`ROW_SPLITS` of the local
 queries, which bounds its output, log-sum-exp, mask and gradient temporaries. Every tile still
@@ -560,8 +561,8 @@ def _compact_backward(piece, queries, kv, out, lse, dout, dqs, mine, scale, acc)
     returned. A padding key sees nothing (bias -inf); a padding row gets a zero dO and the empty
     row's lse (P = 0), so the gradients through it are zero, with or without a mask."""
     q_heads = queries[0].shape[1]
-    tiles = [_tile_per_query_head(t, q_heads)[0] for t in kv]
-    kv_head = _tile_per_query_head(kv[0], q_heads)[1]
+    k_tile, kv_head = _tile_per_query_head(kv[0], q_heads)
+    tiles = [k_tile] + [_tile_per_query_head(x, q_heads)[0] for x in kv[1:]]
     b, hk, t, d = kv[0].shape
     for rows, keys, valid, calls in piece.compact(acc):
         dout_rows = _gather_rows(dout, rows).to(acc) * valid[..., None]
