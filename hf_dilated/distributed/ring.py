@@ -8,8 +8,7 @@ dK/dV travel with their block, arriving back at its owner after the last hop.
 
 Memory falls as 1/P: what a rank holds beyond its inputs and outputs is a small fixed fraction of
 them, whatever P. A rank's K/V does not travel as one block but as tiles (`KV_TILES`; ring_plan's
-`kv_tiles`), one ring of
-P hops per tile, so a rank holds one tile in hand and one in flight (and, in the backward, their
+`kv_tiles`), one ring of P hops per tile, so a rank holds one tile in hand and one in flight (and, in the backward, their
 dK/dV), never a peer's whole block; and each fused call takes at most 1/`ROW_SPLITS` of the local
 queries, which bounds its output, log-sum-exp, mask and gradient temporaries. Every tile still
 travels P - 1 hops, so the bytes sent are those of whole blocks.
