@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import DEFAULT_MODE, DEFAULT_RING_LAYOUT
+from ..ops.head_groups import levels_of_heads
 from ..ops.token_layout import token_layout
 from ..ops.validate import check_dilated_config, check_int, check_local_band, check_qkv, check_scale_dropout
 from .ring import _RingAttention, ring_plan, take
@@ -38,15 +39,6 @@ from .layout import check_layout
 # 2048..16384, dilation 1..8, one thread per rank): 6.0 s a step with 64 tiles, 4.1 with 32, 3.5
 # with 16, 4.3 with 8. The tile in hand and in flight are 4 / 16 of q's size (K and V).
 KV_TILES = 16
-
-
-def levels_of_heads(q_heads: int, num_levels: int, mode: str) -> list[list[int]]:
-    """For each query head, the levels it reads: all of them, or (head_groups) its group's one,
-    groups contiguous and as equal as possible, the earlier groups taking the extra heads."""
-    if mode != "head_groups":
-        return [list(range(num_levels)) for _ in range(q_heads)]
-    sizes = [q_heads // num_levels + (g < q_heads % num_levels) for g in range(num_levels)]
-    return [[g] for g, size in enumerate(sizes) for _ in range(size)]
 
 
 def dilated_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, q_heads: int, kv_heads: int,

@@ -44,6 +44,7 @@ from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
 from ..config import DECODE_MAX_QUERIES, DEFAULT_MODE, check_int
 from .dilated_decode import dilated_decode
+from .head_groups import head_groups
 from .token_layout import TokenLayout, first_key_within, token_layout
 from .validate import check_dilated_config, check_local_band, check_qkv, check_scale_dropout
 
@@ -159,17 +160,6 @@ def dilated_attention(
 
 
 _PLANS = PlanCache()
-
-
-def head_groups(num_heads: int, num_groups: int) -> list[list[int]]:
-    """Contiguous head groups, as equal as possible, the earlier groups taking the extra heads."""
-    base, extra = divmod(num_heads, num_groups)
-    groups, start = [], 0
-    for g in range(num_groups):
-        size = base + (1 if g < extra else 0)
-        groups.append(list(range(start, start + size)))
-        start += size
-    return groups
 
 
 @dataclass(frozen=True)

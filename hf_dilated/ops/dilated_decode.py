@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .head_groups import head_group_bounds
 from .merge import merge_dtype, merge_into, merge_partial
 from .token_layout import regular_rows
 
@@ -86,7 +87,7 @@ def _parts(index, first, shift, q_heads, kv_heads, seg, dil, mode, sliding_windo
         parts.append(_Part(start, 1, index - start + 1, 0, 1, q_heads, False))
         levels_end = index - local_window
     if mode == "head_groups":
-        bounds = _head_group_bounds(q_heads, len(seg))
+        bounds = head_group_bounds(q_heads, len(seg))
     for g, (w, r) in enumerate(zip(seg, dil)):
         o = (p % w) % r
         lo_h, hi_h = bounds[g] if mode == "head_groups" else (0, q_heads)
@@ -113,13 +114,6 @@ def _dense_step(q, k, v, part: _Part, scale):
     out = torch.nn.functional.scaled_dot_product_attention(
         q.reshape(batch, kv_heads, q_heads // kv_heads, dim), k[:, :, keys], v[:, :, keys], scale=scale)
     return out.view(batch, q_heads, 1, dim)
-
-
-def _head_group_bounds(q_heads, num_groups):
-    """(first, end) head of each level's group in mode "head_groups": the groups of dilated.head_groups."""
-    from .dilated import head_groups  # here: dilated.py imports this module
-
-    return [(g[0], g[-1] + 1) if g else (0, 0) for g in head_groups(q_heads, num_groups)]
 
 
 def _attend(acc, lse, q, k, v, part: _Part, scale):
@@ -181,7 +175,7 @@ def dilated_decode_static(q, k, v, seg, dil, mode, *, scale, real, seen, local_w
     acc = q.new_zeros(q.shape, dtype=merge_dtype(q.dtype))
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc.dtype, device=q.device)
     heads = torch.arange(q_heads, device=q.device)
-    bounds = _head_group_bounds(q_heads, len(seg)) if mode == "head_groups" else [(0, q_heads)] * len(seg)
+    bounds = head_group_bounds(q_heads, len(seg)) if mode == "head_groups" else [(0, q_heads)] * len(seg)
     far = (q, k) if q_far is None else (q_far, k_far)
     outs, lses = [], []
     for t in range(q_len):
