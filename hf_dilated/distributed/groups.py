@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import DEFAULT_RING_LAYOUT
+from ..ops.token_layout import mask_ranks
 from ..ops.validate import check_int
 from .layout import check_layout, padded_length, shard, unshard
 
@@ -236,7 +237,7 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
                              f"got {getattr(t, 'shape', t)}")
     if position_ids is None:
         if attention_mask is not None:
-            position_ids = attention_mask.long().cumsum(-1) - 1
+            position_ids = mask_ranks(attention_mask)
             position_ids = position_ids.masked_fill(attention_mask == 0, 1)
         else:
             position_ids = torch.arange(seq_len, device=input_ids.device).expand(batch, seq_len)

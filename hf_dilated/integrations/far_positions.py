@@ -8,7 +8,7 @@ import sys
 import torch
 
 from ..ops.rope import grouped_far_positions, rotate_by
-from ..ops.token_layout import token_layout
+from ..ops.token_layout import mask_ranks, token_layout
 
 _inv_freq: dict[int, tuple[str, torch.Tensor]] = {}
 
@@ -56,7 +56,7 @@ def far_projections_at(module, query, key, positions, window: int, group: int):
 def far_projections_static(module, query, key, real, seen, window: int, group: int):
     """far_projections for a compiled decode step on a static cache (ops/dilated_decode.py:
     dilated_decode_static): positions are mask ranks, computed without any Python value from data."""
-    positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+    positions = mask_ranks(real).clamp(min=0)
     query_slots = seen - query.shape[2] + torch.arange(query.shape[2], device=key.device)
     query_delta, _ = grouped_far_positions(positions.index_select(1, query_slots), query.shape[2], window, group)
     key_delta = positions // group - positions

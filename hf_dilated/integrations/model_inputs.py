@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.plan_cache import PlanCache
+from ..ops.token_layout import mask_ranks
 
 
 # --- the mask function ------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int
     """
     if mask is not None and mask.dtype == torch.bool:
         if mask.shape[-1] > kv_len:  # sliding-window cache: the keys are the last kv_len tokens seen
-            ranks = mask.long().cumsum(-1) - 1
+            ranks = mask_ranks(mask)
             return mask[:, -kv_len:], ranks[:, -kv_len:]
         return mask, None
     if position_ids is not None:

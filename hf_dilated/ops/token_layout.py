@@ -45,6 +45,13 @@ def documents(positions: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     return (starts.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def mask_ranks(real: torch.Tensor) -> torch.Tensor:
+    """The kernels' positions without position_ids (module docstring): each token's rank among the
+    real tokens of its row, counting from 0 (a padding slot gets the rank of the real token before
+    it, -1 before the first). The one place this rule is written."""
+    return real.long().cumsum(-1) - 1
+
+
 def token_layout(batch: int, kv_len: int, device, attention_mask=None, position_ids=None) -> TokenLayout:
     """The kernels' rule (module docstring) for rows of kv_len tokens: one call's keys, or the
     whole sequence of a ring kernel (distributed/tokens.py, on the masks and positions it gathered)."""
@@ -55,7 +62,7 @@ def token_layout(batch: int, kv_len: int, device, attention_mask=None, position_
     if position_ids is not None:
         positions = position_ids.to(device=device, dtype=torch.long).expand(batch, kv_len)
     elif attention_mask is not None:
-        positions = real.long().cumsum(-1) - 1
+        positions = mask_ranks(real)
     else:
         positions = torch.arange(kv_len, device=device).expand(batch, kv_len)
     doc = documents(positions, real)
