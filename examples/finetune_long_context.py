@@ -162,8 +162,10 @@ def load_model(args, dtype):
     import hf_dilated  # noqa: F401  (registers the attention names)
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from hf_dilated.integrations.transformers import supported_context
+
     config = AutoConfig.from_pretrained(args.model)
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = supported_context(config, args.attn)
     if limit is not None and args.seq_len > limit:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds the checkpoint's context ({limit}); extend it first: "
                          f"hf-dilated convert {args.model} NEW_DIR --context {args.seq_len}")

@@ -7,15 +7,18 @@ A model config carries it as a plain dict under the key `hf_dilated` (so it land
 `config.json` and survives `save_pretrained` / `from_pretrained`); `DilatedConfig.from_model_config`
 reads it back, or derives the documented default when a checkpoint has none.
 
-This module imports nothing of hf_dilated, torch or transformers at import time, so the kernels
-(hf_dilated.ops, hf_dilated.distributed) read their defaults and checks from it; only validating
-a block-sparse pattern imports the patterns (ops/block_patterns.py), when it runs.
+This module imports nothing of torch or transformers at import time, and of hf_dilated only the
+integer check (checks.py), so the kernels (hf_dilated.ops, hf_dilated.distributed) read their
+defaults and checks from it; only validating a block-sparse pattern imports the patterns
+(ops/block_patterns.py), when it runs.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass, field
+
+from .checks import check_int  # the one integer check, importable by the kernels without this module
 
 CONFIG_KEY = "hf_dilated"
 # The entry also records which of our attn_implementation names the model was configured with
@@ -37,18 +40,6 @@ DECODE_MAX_QUERIES = 8
 
 
 # --- the checks of single settings ---------------------------------------------------------------
-
-
-def check_int(name: str, value, *, minimum: int = 1, optional: bool = False) -> None:
-    """The one integer check (docs/contract.md 9): a TypeError naming `name` unless `value` is an
-    int (a bool is not; None passes when `optional`), a ValueError unless it is >= `minimum`."""
-    if optional and value is None:
-        return
-    rule = ("a positive int" if minimum == 1 else f"an int >= {minimum}") + (" or None" if optional else "")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be {rule}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
 def check_mode(mode) -> None:
@@ -94,6 +85,22 @@ def check_dilated_config(segment_lengths, dilation_rates, mode) -> tuple[list[in
                     f"segment_lengths={seg}, dilation_rates={dil}"
                 )
     return seg, dil
+
+
+def check_band(mode, local_window, far_group, far_window) -> None:
+    """The local band and its far keys (docs/contract.md 4.1), or the error naming the field."""
+    check_int("local_window", local_window, optional=True)
+    check_int("far_group", far_group)
+    if local_window is not None and mode != "union":
+        raise ValueError(f"local_window: a local band is defined for mode 'union' only, got mode {mode!r}")
+    if far_group > 1 and local_window is None:
+        raise ValueError(f"far_group: grouped far positions ({far_group}) need a local_window")
+    check_int("far_window", far_window, optional=True)
+    if far_window is not None and far_group == 1:
+        raise ValueError(f"far_window: {far_window} places grouped far positions; it needs far_group > 1")
+    if far_window is not None and far_window > local_window:
+        raise ValueError(f"far_window: at most local_window ({local_window}) so that far keys sit no further "
+                         f"than the band's edge, got {far_window}")
 
 
 def check_block_sparse(pattern, block_size):
@@ -144,7 +151,7 @@ class DilatedConfig:
         "4.1); None: local_window, so that far distances continue the band's")})
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": (
         "block-sparse attention (docs/contract.md 5; 'block_sparse', 'block_sparse_ring'): tokens per block")})
-    pattern: dict | None = field(default=None, metadata={"help": (
+    pattern: dict | None = field(default=None, metadata={"resolved": True, "help": (
         "the block pattern, a dict such as {'type': 'local', 'window': 4} (hf_dilated.ops.block_patterns."
         "make_pattern); None: a local window dense within the first segment (see below), resolved on "
         "construction")})
@@ -167,18 +174,7 @@ class DilatedConfig:
         seg, dil = check_dilated_config(self.segment_lengths, self.dilation_rates, self.mode)
         self.segment_lengths, self.dilation_rates = seg, dil
         check_int("block_size", self.block_size)
-        check_int("local_window", self.local_window, optional=True)
-        check_int("far_group", self.far_group)
-        if self.local_window is not None and self.mode != "union":
-            raise ValueError(f"local_window: a local band is defined for mode 'union' only, got mode {self.mode!r}")
-        if self.far_group > 1 and self.local_window is None:
-            raise ValueError(f"far_group: grouped far positions ({self.far_group}) need a local_window")
-        check_int("far_window", self.far_window, optional=True)
-        if self.far_window is not None and self.far_group == 1:
-            raise ValueError(f"far_window: {self.far_window} places grouped far positions; it needs far_group > 1")
-        if self.far_window is not None and self.far_window > self.local_window:
-            raise ValueError(f"far_window: at most local_window ({self.local_window}) so that far keys sit no further "
-                             f"than the band's edge, got {self.far_window}")
+        check_band(self.mode, self.local_window, self.far_group, self.far_window)
         if self.pattern is None:  # dense within the first segment, like the dilated default
             self.pattern = {"type": "local", "window": max(1, (self.original_length or seg[0]) // self.block_size)}
         if not isinstance(self.pattern, dict) or not isinstance(self.pattern.get("type"), str):
@@ -229,12 +225,6 @@ class DilatedConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    @property
-    def grouping_window(self) -> int | None:
-        """The neighbour window the far keys' grouped positions are computed for (docs/contract.md
-        4.1): far_window, else the band's."""
-        return self.local_window if self.far_window is None else self.far_window
-
     @classmethod
     def from_model_config(cls, config) -> "DilatedConfig":
         """The entry stored in a transformers config, or the default derived from it."""
@@ -250,40 +240,78 @@ def field_help(name: str) -> str:
     return {f.name: f.metadata["help"] for f in dataclasses.fields(DilatedConfig)}[name]
 
 
-# Fields whose default None means "off", not "required" (field_defaults gives None for both).
-OPTIONAL_FIELDS = ("local_window",)
+class _Required:
+    """The default of a field with none (`field_defaults`): distinct from None, which means "off"."""
+
+    def __repr__(self):
+        return "REQUIRED"
+
+
+REQUIRED = _Required()
 
 
 def field_defaults(*names: str) -> dict:
-    """{name: default} for DilatedConfig fields; None for a required field or one whose default is
-    resolved on construction (the pattern)."""
-    table = {f.name: None if f.default is dataclasses.MISSING else f.default for f in dataclasses.fields(DilatedConfig)}
+    """{name: default} for DilatedConfig fields outside a DilatedConfig (the kinds' settings):
+    REQUIRED for a field with no default or one a DilatedConfig resolves on construction from its
+    context (the pattern); None for one that is off by default."""
+    table = {f.name: REQUIRED if f.default is dataclasses.MISSING or f.metadata.get("resolved") else f.default
+             for f in dataclasses.fields(DilatedConfig)}
     return {name: table[name] for name in names}
 
 
-# The conversion default's far positions (docs/contract.md 4.1), for a context extended from L to T
-# tokens: far keys sit as Self-Extend puts keys beyond a neighbour window of L / FAR_WINDOW_DIVISOR,
-# the farthest within L * FAR_REACH of relative position. Measured on SmolLM2-135M-Instruct at 2L
-# (docs/benchmarks.md): far keys from relative position ~1,024 on (G = 8) retrieve passkeys more
-# than L back and cut the far loss below truncation's; continuing the band's distances (far keys
-# from ~8,192 on) retrieved none.
+def far_keys(fields) -> tuple[int, int] | None:
+    """(neighbour window, group) of the far keys' grouped positions (docs/contract.md 4.1) for a
+    mapping of DilatedConfig fields (a config's, or a kind's settings), or None when far keys sit at
+    their own positions. The window is far_window, else the band's."""
+    group = fields.get("far_group") or 1
+    if group == 1:
+        return None
+    window = fields.get("far_window")
+    return (fields["local_window"] if window is None else window), group
+
+
+# --- the default conversion ------------------------------------------------------------------
+
+# The names whose default conversion keeps the checkpoint's RoPE and reads the context beyond it
+# through a local band with far keys at grouped positions (docs/contract.md 4.1): the dilated
+# pattern's, on one process or across ranks. The other names get scaled positions instead.
+BAND_NAMES = ("dilated", "dilated_ring")
+# Far keys sit as Self-Extend puts keys beyond a neighbour window of L / FAR_WINDOW_DIVISOR, the
+# farthest within L * FAR_REACH of relative position: a pretrained model reads keys from about that
+# window on at positions it was trained on, while far keys that continue the band's own distances
+# (a window of L) leave it no room; docs/benchmarks.md has the measurements behind both.
 FAR_WINDOW_DIVISOR = 8
 FAR_REACH = 1 / 2
+# The RoPE scaling the other names get: YaRN costs a model far less inside its context than
+# position interpolation ("linear"), a recipe that needs fine-tuning.
+DEFAULT_SCALED_ROPE = "yarn"
 
 
-def default_band(original_length: int, target_length: int) -> dict:
-    """The hf_dilated fields of the default conversion (docs/contract.md 4.1). The band is the
-    original context L itself, so within L the model reads exactly as it was trained (every name
-    equals sdpa there). Keys further back are all read (one level of dilation 1 covering the target:
-    measured on a real checkpoint, far keys on only some heads and queries, as dilated levels give,
-    lose what a pretrained model keeps at the start of its context; docs/benchmarks.md), at
-    Self-Extend's grouped positions for a neighbour window F = L // FAR_WINDOW_DIVISOR, with G the
-    smallest power of two that keeps the farthest key (T - 1 back) within L * FAR_REACH of relative
-    position: (T - 1) // G + F - F // G <= L * FAR_REACH."""
+def default_conversion(original_length: int, target_length: int, attn_implementation: str) -> tuple[str, dict]:
+    """The default conversion of a checkpoint with an unscaled RoPE from `original_length` (L) to
+    `target_length` (T) tokens, the one place it is decided: (rope, hf_dilated fields).
+
+    For BAND_NAMES: the RoPE is kept ("none") and the band is the original context L itself, so
+    within L the model reads exactly as it was trained (every name equals sdpa there). Keys further
+    back are all read (one level of dilation 1 covering the target: far keys on only some heads and
+    queries, as dilated levels give, lose what a pretrained model keeps at the start of its
+    context; docs/benchmarks.md), at Self-Extend's grouped positions for a neighbour window
+    F = L // FAR_WINDOW_DIVISOR, with G the smallest power of two that keeps the farthest key
+    (T - 1 back) within L * FAR_REACH of relative position: (T - 1) // G + F - F // G <= L * FAR_REACH.
+    For the other names: DEFAULT_SCALED_ROPE and the default levels. A T within L changes nothing."""
     check_int("original_length", original_length)
     check_int("target_length", target_length)
     if target_length <= original_length:
-        return {"local_window": None, "far_group": 1}
+        return "none", {}
+    if attn_implementation not in BAND_NAMES:
+        return DEFAULT_SCALED_ROPE, {}
+    return "none", default_band(original_length, target_length)
+
+
+def default_band(original_length: int, target_length: int) -> dict:
+    """The hf_dilated fields default_conversion gives BAND_NAMES (see there), for T > L."""
+    check_int("original_length", original_length)
+    check_int("target_length", target_length, minimum=original_length + 1)
     window = max(1, original_length // FAR_WINDOW_DIVISOR)
     group = 2
     while (target_length - 1) // group + window - window // group > original_length * FAR_REACH:
@@ -291,8 +319,8 @@ def default_band(original_length: int, target_length: int) -> dict:
     segment = original_length
     while segment < target_length:
         segment *= 2
-    return {"local_window": original_length, "far_group": group, "far_window": window, "segment_lengths": [segment],
-            "dilation_rates": [1]}
+    return {"local_window": original_length, "far_group": group, "far_window": window,
+            "segment_lengths": [segment], "dilation_rates": [1]}
 
 
 def default_schedule(first_segment: int, length: int) -> tuple[list[int], list[int]]:

@@ -32,10 +32,12 @@ import sys
 import warnings
 from pathlib import Path
 
-from .config import CONFIG_KEY, DEFAULT_ATTN_IMPLEMENTATION, DILATED_MODES, DilatedConfig, field_help
-from .integrations.transformers import NAMES
+from .config import (BAND_NAMES, CONFIG_KEY, DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_SCALED_ROPE, DILATED_MODES,
+                     FAR_WINDOW_DIVISOR, DilatedConfig, far_keys, field_help)
+from .kinds import TRANSFORMERS_NAMES as NAMES, check_transformers_name
 from .patches import family_for
-from .patches.context import MAX_CONTEXT_LENGTH, ROPE_CHOICES, ConversionWarning, check_context_length
+from .patches.context import (MAX_CONTEXT_LENGTH, ROPE_CHOICES, ConversionWarning, check_context_length,
+                              converted_before)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
@@ -58,8 +60,8 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, help="a model_configs preset (e.g. llama2-7b-32k)")
     p.add_argument("--rope", choices=ROPE_CHOICES, default=None,
                    help="RoPE scaling (default: the preset's, else the one an earlier conversion chose, else for an "
-                        "unscaled checkpoint 'none' with --attn dilated or dilated_ring (far keys at grouped positions) "
-                        "and 'yarn' with the others)")
+                        f"unscaled checkpoint 'none' with --attn {' or '.join(BAND_NAMES)} (far keys at grouped "
+                        f"positions) and {DEFAULT_SCALED_ROPE!r} with the others: hf_dilated.config.default_conversion)")
     # The hf_dilated fields, with DilatedConfig's help; unset: the preset's, else the earlier
     # conversion's mode, else DilatedConfig's defaults (levels: its default schedule for --context).
     p.add_argument("--mode", choices=DILATED_MODES, default=None, help=field_help("mode"))
@@ -68,12 +70,13 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dilation-rates", type=_int_list, default=None,
                    help=field_help("dilation_rates") + ", comma-separated, e.g. 1,2,4")
     p.add_argument("--local-window", type=int, default=None,
-                   help=field_help("local_window") + " (default with --attn dilated or dilated_ring: the original "
+                   help=field_help("local_window") + f" (default with --attn {' or '.join(BAND_NAMES)}: the original "
                         "context, when the RoPE is left unscaled)")
     p.add_argument("--far-group", type=int, default=None,
-                   help=field_help("far_group") + " (default with the default band: hf_dilated.config.default_band)")
+                   help=field_help("far_group") + " (default with the default band: hf_dilated.config.default_conversion)")
     p.add_argument("--far-window", type=int, default=None,
-                   help=field_help("far_window") + " (default with the default band: the original context / 8)")
+                   help=field_help("far_window") + f" (default with the default band: the original context // "
+                                                   f"{FAR_WINDOW_DIVISOR})")
     p.add_argument("--copy", action="store_true", help="copy weight files instead of hard-linking them")
     p.add_argument("--force", action="store_true",
                    help="replace DST if it exists (only an empty directory or a checkpoint hf-dilated wrote)")
@@ -127,7 +130,7 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
     raw = json.loads((src / "config.json").read_text())
     config = AutoConfig.from_pretrained(src)  # normalised view (rope_parameters etc.)
     family = family_for(config.model_type)
-    converted_before = isinstance(raw.get(CONFIG_KEY), dict)
+    before = converted_before(config)
     if preset is not None:
         from .model_configs import check_source, load_preset
 
@@ -140,19 +143,18 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
     if context_length is not None:
         check_context_length(config, context_length)
     elif rope is not None:
-        if not converted_before:
+        if not before:
             raise ValueError("rope: --rope needs --context (the context length to scale RoPE for)")
         context_length = DilatedConfig.from_model_config(config).target_length or config.max_position_embeddings
         warnings.warn(f"context_length: no --context given: kept the earlier conversion's context of {context_length} "
                       f"tokens for --rope {rope}", ConversionWarning, stacklevel=2)
     if attn_implementation is None:
         earlier = raw.get("attn_implementation")
-        attn_implementation = earlier if converted_before and earlier in NAMES else DEFAULT_ATTN_IMPLEMENTATION
+        attn_implementation = earlier if before and earlier in NAMES else DEFAULT_ATTN_IMPLEMENTATION
         if attn_implementation != DEFAULT_ATTN_IMPLEMENTATION:
             warnings.warn(f"attn: kept the earlier conversion's attn_implementation {earlier!r} (pass "
                           "attn_implementation / --attn to change it)", ConversionWarning, stacklevel=2)
-    if attn_implementation not in NAMES:
-        raise ValueError(f"attn_implementation must be one of {NAMES}, got {attn_implementation!r}")
+    check_transformers_name(attn_implementation)
 
     updates = family.convert_config(config, context_length, rope, attn_implementation, **dilated_fields)
     longest = max(updates[CONFIG_KEY]["segment_lengths"])
@@ -392,18 +394,30 @@ def describe(directory) -> str:
     stored = CONFIG_KEY in raw
     cfg = DilatedConfig.from_model_config(config)
     rope = getattr(config, "rope_parameters", None) or {}
+    positions = getattr(config, "max_position_embeddings", None)
+    level_keys = sum(w // r for w, r in zip(cfg.segment_lengths, cfg.dilation_rates))
+    keys = level_keys if cfg.local_window is None else level_keys + cfg.local_window
+    if cfg.target_length is not None:
+        keys = min(keys, cfg.target_length)
+    far = far_keys(cfg.to_dict())
     lines = [
         f"checkpoint:           {directory}",
         f"model_type:           {config.model_type}",
         f"attn_implementation:  {raw.get('attn_implementation', '(not set: transformers default, sdpa)')}",
-        f"max_position_embeddings: {getattr(config, 'max_position_embeddings', None)}",
+        f"context:              {cfg.target_length} tokens under hf_dilated's names; {positions} under any other "
+        "attention or engine (max_position_embeddings)",
         f"rope:                 {rope.get('rope_type', 'default')}"
         + (f" (factor {rope['factor']:g})" if "factor" in rope else ""),
         f"hf_dilated entry:     {'stored in config.json' if stored else 'absent: the default derived from the config'}",
         f"  original / target:  {cfg.original_length} / {cfg.target_length} tokens",
         f"  dilated:            mode={cfg.mode} segment_lengths={cfg.segment_lengths} "
         f"dilation_rates={cfg.dilation_rates}",
-        f"  decode keys/query:  <= {sum(w // r for w, r in zip(cfg.segment_lengths, cfg.dilation_rates))}",
+        "  local band:         " + ("none" if cfg.local_window is None else
+                                    f"every key within {cfg.local_window} positions of its query (local_window)"),
+        "  far keys:           " + ("at their own positions" if far is None else
+                                    f"beyond the band, at Self-Extend's grouped positions: {far[1]} positions share "
+                                    f"one (far_group), neighbour window {far[0]} (far_window)"),
+        f"  decode keys/query:  <= {keys}",
         f"  block-sparse:       block_size={cfg.block_size} pattern={json.dumps(cfg.pattern, sort_keys=True)}",
         f"  ring layout:        {cfg.ring_layout or 'that of the active sequence-parallel group'}",
     ]

@@ -3,9 +3,12 @@ the transformers `attn_implementation` names (integrations/transformers.py). Add
 adding a row here.
 
 Each row's `run(q, k, v, settings, *, is_causal, attention_mask, position_ids, scale, dropout_p,
-group, layout, sliding_window)` takes the kernels' inputs (the layout of docs/contract.md 1;
-positions and padding by the kernels' rule of ops/token_layout.py; the window of
-docs/contract.md 3.3) and the settings named in `settings` (name -> default, None: required).
+group, layout, sliding_window, rope_frequencies)` takes the kernels' inputs (the layout of
+docs/contract.md 1; positions and padding by the kernels' rule of ops/token_layout.py; the window
+of docs/contract.md 3.3) and the settings named in `settings` (name -> default; config.REQUIRED:
+no default). `rope_frequencies` (the inv_freq of the RoPE that rotated q and k) is needed only by
+settings with far keys at grouped positions (config.far_keys): the kind rotates q and k on to
+them itself (docs/contract.md 4.1), so every entry point passes the same settings and one tensor.
 The ring kinds take this rank's shards under a sequence-parallel `group`; with no
 group (or a group of one) each equals its single-process counterpart, so that fallback is written
 once, in hf_dilated.distributed. The ring layout reaches `run` resolved (an entry point resolves
@@ -21,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import field_defaults
+from .config import far_keys, field_defaults
 from .patches import supported_model_types
 
 
@@ -31,14 +34,15 @@ class Kind:
     entry point, by `check_call` and `check_family`, one exception type per mistake)."""
 
     name: str
-    settings: dict  # setting -> default (None: required), the defaults of hf_dilated/config.py
+    settings: dict  # setting -> default (config.REQUIRED: none), the defaults of hf_dilated/config.py
     run: Callable
     sequence_parallel: bool  # shards its sequence over a process group
     dropout: bool  # implements attention dropout (docs/contract.md 8)
     causal_only: bool  # computes causal attention only (docs/contract.md 6)
     families: tuple = ()  # the model types it serves as a transformers attn_implementation; () : none
     # A decode step against a static cache under torch.compile (no Python value from tensor data):
-    # static_decode(q, k, v, settings, *, real, seen, scale, sliding_window, far); None: not supported.
+    # static_decode(q, k, v, settings, *, real, seen, scale, sliding_window, rope_frequencies); None:
+    # not supported.
     static_decode: Callable | None = None
 
     def check_call(self, *, is_causal, dropout_p, entry: str, causal_only: bool = False) -> None:
@@ -59,8 +63,19 @@ class Kind:
                              f"{', '.join(self.families) or 'none (not a transformers attn_implementation)'}")
 
 
+def _far_keys(s, rope_frequencies):
+    """(window, group, inv_freq) of the settings' far keys (docs/contract.md 4.1), or None."""
+    far = far_keys(s)
+    if far is None:
+        return None
+    if rope_frequencies is None:
+        raise ValueError(f"rope_frequencies: far_group={far[1]} reads far keys at grouped positions, which needs the "
+                         "inv_freq of the RoPE that rotated q and k")
+    return (*far, rope_frequencies)
+
+
 def _dense(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-           sliding_window=None):
+           sliding_window=None, rope_frequencies=None):
     from .ops.dense import dense_attention
 
     return dense_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
@@ -68,19 +83,25 @@ def _dense(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropou
 
 
 def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-           sliding_window=None, far=None):
+             sliding_window=None, rope_frequencies=None):
     from .ops.dilated import dilated_attention
+    from .ops.rope import far_projections
+    from .ops.token_layout import token_layout
 
-    q_far, k_far = far or (None, None)
+    q_far = k_far = None
+    far = _far_keys(s, rope_frequencies)
+    if far is not None:
+        positions = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids).positions
+        q_far, k_far = far_projections(q, k, positions, *far)
     return dilated_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"],
                              is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                              attention_mask=attention_mask, position_ids=position_ids,
-                             sliding_window=sliding_window, local_window=s.get("local_window"),
+                             sliding_window=sliding_window, local_window=s["local_window"],
                              q_far=q_far, k_far=k_far)
 
 
 def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-           sliding_window=None):
+                  sliding_window=None, rope_frequencies=None):
     from .ops.block_sparse import block_sparse_attention
 
     return block_sparse_attention(q, k, v, s["pattern"], block_size=s["block_size"], is_causal=is_causal,
@@ -89,7 +110,7 @@ def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
 
 
 def _ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-           sliding_window=None):
+          sliding_window=None, rope_frequencies=None):
     from .distributed import ring_attention
 
     return ring_attention(q, k, v, group=group, layout=layout, scale=scale,
@@ -98,20 +119,22 @@ def _ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout
 
 
 def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-           sliding_window=None, far=None):
+                  sliding_window=None, rope_frequencies=None):
     from .distributed import dilated_ring_attention
+    from .ops.rope import far_projections
 
-    # far: (q_far, k_far), or under sequence parallelism a function of the shard's global positions
-    q_far, k_far = (None, None) if far is None or callable(far) else far
+    far = _far_keys(s, rope_frequencies)
+    # A rank cannot tell its tokens' positions from its shard of a padding mask: the ring kernel
+    # finds them and asks for the far projections at them.
+    far_at = None if far is None else (lambda positions: far_projections(q, k, positions, *far))
     return dilated_ring_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"], group=group,
                                   layout=layout, scale=scale, attention_mask=attention_mask,
                                   position_ids=position_ids, dropout_p=dropout_p, sliding_window=sliding_window,
-                                  local_window=s.get("local_window"), q_far=q_far, k_far=k_far,
-                                  far_at=far if callable(far) else None)
+                                  local_window=s["local_window"], far_at=far_at)
 
 
 def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-           sliding_window=None):
+                       sliding_window=None, rope_frequencies=None):
     from .distributed import block_sparse_ring_attention
 
     return block_sparse_ring_attention(q, k, v, s["pattern"], block_size=s["block_size"], group=group,
@@ -119,16 +142,20 @@ def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, s
                                        position_ids=position_ids, sliding_window=sliding_window)
 
 
-def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, far=None):
+def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None):
     from .ops.dilated_decode import dilated_decode_static
+    from .ops.rope import far_projections_static
 
-    q_far, k_far = far or (None, None)
+    q_far = k_far = None
+    far = _far_keys(s, rope_frequencies)
+    if far is not None:
+        q_far, k_far = far_projections_static(q, k, real, seen, *far)
     return dilated_decode_static(q, k, v, s["segment_lengths"], s["dilation_rates"], s["mode"], scale=scale, real=real,
-                                 seen=seen, local_window=s.get("local_window"), q_far=q_far, k_far=k_far,
+                                 seen=seen, local_window=s["local_window"], q_far=q_far, k_far=k_far,
                                  sliding_window=sliding_window)
 
 
-def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, far=None):
+def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None):
     from .ops.dilated_decode import dilated_decode_static
 
     # dense causal attention is one level of dilation 1 whose segment holds the whole cache
@@ -136,14 +163,14 @@ def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, far=Non
                                  sliding_window=sliding_window)
 
 
-def _block_sparse_static(q, k, v, s, *, real, seen, scale, sliding_window=None, far=None):
+def _block_sparse_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None):
     from .ops.block_sparse_decode import block_sparse_decode_static
 
     return block_sparse_decode_static(q, k, v, s["pattern"], block_size=s["block_size"], scale=scale, real=real,
                                       seen=seen, sliding_window=sliding_window)
 
 
-_DILATED = field_defaults("segment_lengths", "dilation_rates", "mode", "local_window")
+_DILATED = field_defaults("segment_lengths", "dilation_rates", "mode", "local_window", "far_group", "far_window")
 _BLOCK_SPARSE = field_defaults("pattern", "block_size")
 # Every kind but "dense" (transformers' own "sdpa" is that) serves the families of hf_dilated.patches.
 _FAMILIES = tuple(supported_model_types())
@@ -167,3 +194,9 @@ KINDS = {
 
 # The transformers attn_implementation names: the kinds that serve some family.
 TRANSFORMERS_NAMES = tuple(name for name, kind in KINDS.items() if kind.families)
+
+
+def check_transformers_name(attn_implementation) -> None:
+    """A ValueError unless `attn_implementation` is one of TRANSFORMERS_NAMES."""
+    if attn_implementation not in TRANSFORMERS_NAMES:
+        raise ValueError(f"attn_implementation must be one of {TRANSFORMERS_NAMES}, got {attn_implementation!r}")

@@ -8,16 +8,10 @@
   arguments, same parameter names, so its state_dict loads) that computes the attention with any
   of those variants.
 
-Kinds and their configuration (anything else is a TypeError naming the key):
+Kinds and their configuration (anything else is a TypeError naming the key; REQUIRED: no default),
+read from the kinds' table (kinds.py) when this module is imported:
 
-    "dense"              exact attention (sdpa when there is no mask to honour)
-    "dilated"            segment_lengths, dilation_rates, mode="union"
-    "block_sparse"       pattern, block_size=64
-    "ring"               group=None, layout=None
-    "dilated_ring"       segment_lengths, dilation_rates, mode="union", group=None, layout=None
-    "block_sparse_ring"  pattern, block_size=64, group=None, layout=None
-    "auto"               segment_lengths=None, dilation_rates=None, mode="union",
-                         dense_max_len=None, group=None, layout=None
+{kinds_table}
 
 For the ring kinds, q/k/v are this rank's shards of the sequence; `group=None` means the
 sequence-parallel group set by `hf_dilated.distributed.setup_sequence_parallel` (a single process
@@ -29,14 +23,15 @@ table (kinds.py) reads; the checks of the settings are config's too, and what ea
 """
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import (OPTIONAL_FIELDS, check_block_sparse, check_dilated_config, check_int, check_mode,
-                     check_ring_layout, default_schedule, field_defaults)
+from .config import (REQUIRED, check_band, check_block_sparse, check_dilated_config, check_int, check_mode, check_ring_layout,
+                     default_schedule, field_defaults)
 from .kinds import KINDS as _KINDS
 
 KINDS = (*_KINDS, "auto")
@@ -46,7 +41,7 @@ KINDS = (*_KINDS, "auto")
 # than it still get exact dense attention). See create_attention for the figures behind them.
 AUTO_DENSE_MAX_LEN = {"cpu": 4096, "cuda": 16384}
 _SHARDING = {"group": None, "layout": None}
-_AUTO = {**field_defaults("segment_lengths", "dilation_rates", "mode"), "dense_max_len": None, **_SHARDING}
+_AUTO = {"segment_lengths": None, "dilation_rates": None, **field_defaults("mode"), "dense_max_len": None, **_SHARDING}
 
 
 def _settings(kind: str) -> dict:
@@ -57,6 +52,18 @@ def _settings(kind: str) -> dict:
     return {**row.settings, **(_SHARDING if row.sequence_parallel else {})}
 
 
+def _kinds_table() -> str:
+    def setting(name, default):
+        return name if default is REQUIRED else f"{name}={default!r}"
+
+    return "\n".join(textwrap.fill(", ".join(setting(*item) for item in _settings(kind).items()) or "(none)", 100,
+                                   initial_indent=f"    {kind!r:20} ", subsequent_indent=" " * 25)
+                     for kind in KINDS)
+
+
+__doc__ = __doc__.format(kinds_table=_kinds_table())
+
+
 @dataclass(frozen=True)
 class Attention:
     """One configured attention variant; call it like a kernel. Build it with `create_attention`."""
@@ -65,7 +72,7 @@ class Attention:
     config: dict = field(default_factory=dict)
 
     def __call__(self, q, k, v, *, is_causal: bool = True, attention_mask=None, position_ids=None, scale=None,
-                 dropout_p: float = 0.0, sliding_window: int | None = None):
+                 dropout_p: float = 0.0, sliding_window: int | None = None, rope_frequencies=None):
         kind, config = self.kind, self.config
         if kind == "auto":
             kind, config = self.choose(k.shape[2], k.device, position_ids=position_ids)
@@ -75,7 +82,8 @@ class Attention:
         if row.sequence_parallel:
             group, layout = _group_layout(config["group"], config["layout"])
         return row.run(q, k, v, config, is_causal=is_causal, attention_mask=attention_mask, position_ids=position_ids,
-                       scale=scale, dropout_p=dropout_p, group=group, layout=layout, sliding_window=sliding_window)
+                       scale=scale, dropout_p=dropout_p, group=group, layout=layout, sliding_window=sliding_window,
+                       rope_frequencies=rope_frequencies)
 
     def choose(self, kv_len: int, device, *, position_ids=None) -> tuple[str, dict]:
         """What "auto" runs for a call with `kv_len` keys (this rank's shard under sequence
@@ -100,11 +108,11 @@ class Attention:
         if world > 1:
             if dense:
                 return "ring", {"group": group, "layout": layout}
-            return "dilated_ring", {"segment_lengths": seg, "dilation_rates": dil, "mode": cfg["mode"],
-                                    "group": group, "layout": layout}
+            return "dilated_ring", {**_settings("dilated_ring"), "segment_lengths": seg, "dilation_rates": dil,
+                                    "mode": cfg["mode"], "group": group, "layout": layout}
         if dense:
             return "dense", {}
-        return "dilated", {"segment_lengths": seg, "dilation_rates": dil, "mode": cfg["mode"]}
+        return "dilated", {**_settings("dilated"), "segment_lengths": seg, "dilation_rates": dil, "mode": cfg["mode"]}
 
 
 def create_attention(kind: str, **config) -> Attention:
@@ -138,9 +146,7 @@ def create_attention(kind: str, **config) -> Attention:
     unknown = sorted(set(config) - set(allowed))
     if unknown:
         raise TypeError(f"create_attention({kind!r}) got unknown config {unknown}; it takes {sorted(allowed) or 'none'}")
-    missing = [key for key, default in allowed.items()
-               if kind != "auto" and default is None and key not in _SHARDING and key not in OPTIONAL_FIELDS
-               and config.get(key) is None]
+    missing = [key for key, default in allowed.items() if default is REQUIRED and config.get(key) is None]
     if missing:
         raise TypeError(f"create_attention({kind!r}) needs {missing}")
     cfg = {**allowed, **config}
@@ -152,6 +158,8 @@ def create_attention(kind: str, **config) -> Attention:
             cfg["segment_lengths"], cfg["dilation_rates"] = seg, dil
         else:
             check_mode(cfg["mode"])
+    if "far_group" in cfg:
+        check_band(cfg["mode"], cfg["local_window"], cfg["far_group"], cfg["far_window"])
     if "pattern" in cfg:
         cfg["pattern"] = check_block_sparse(cfg["pattern"], cfg["block_size"])
     if kind == "auto":

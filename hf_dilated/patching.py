@@ -4,13 +4,9 @@ long-context fine-tuning (`lora_config`)."""
 from __future__ import annotations
 
 from .config import DEFAULT_ATTN_IMPLEMENTATION
-from .integrations.transformers import FAMILY_DEFAULTS, NAMES
+from .integrations.transformers import FAMILY_DEFAULTS
+from .kinds import check_transformers_name
 from .patches import family_for
-
-
-def _check_name(attn_implementation):
-    if attn_implementation not in NAMES:
-        raise ValueError(f"attn_implementation must be one of {NAMES}, got {attn_implementation!r}")
 
 
 def patch(model, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION, *, context_length: int | None = None,
@@ -23,7 +19,7 @@ def patch(model, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION, *, cont
     dilated_fields: DilatedConfig fields (segment_lengths, dilation_rates, mode, block_size,
         pattern, ring_layout) overriding the default derived from the model config.
     """
-    _check_name(attn_implementation)
+    check_transformers_name(attn_implementation)
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"model: hf_dilated.patch takes a transformers model (a PreTrainedModel), got "
@@ -61,7 +57,7 @@ def patch_family(model_type: str, attn_implementation: str = DEFAULT_ATTN_IMPLEM
 
     Records the family's default, which the one load-time hook (integrations/transformers.py)
     reads; nothing of transformers is wrapped here."""
-    _check_name(attn_implementation)
+    check_transformers_name(attn_implementation)
     family_for(model_type)  # a ValueError listing the supported families
     FAMILY_DEFAULTS[model_type] = (attn_implementation, dict(dilated_fields))
 

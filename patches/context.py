@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import warnings
 
-from hf_dilated.config import CONFIG_KEY, DilatedConfig, check_int, context_lengths, default_band
+from hf_dilated.config import (CONFIG_KEY, DilatedConfig, check_int, context_lengths, default_band,
+                               default_conversion)
 
 ROPE_CHOICES = ("linear", "dynamic", "yarn", "none")
 _OURS = ("linear", "dynamic", "yarn")
@@ -21,12 +22,32 @@ class ConversionWarning(UserWarning):
     """A valid but unusual conversion request: the message says what was kept instead."""
 
 
+def converted_before(config) -> bool:
+    """Whether `config` carries an hf_dilated entry (an earlier conversion wrote it)."""
+    return isinstance(getattr(config, CONFIG_KEY, None), dict)
+
+
 def original_length(config) -> int:
     """The pretraining context length: recorded by an earlier conversion, else from the config."""
     block = getattr(config, CONFIG_KEY, None)
     if isinstance(block, dict) and isinstance(block.get("original_length"), int):
         return block["original_length"]
     return context_lengths(config)[0]
+
+
+def _earlier_target(config) -> int | None:
+    block = getattr(config, CONFIG_KEY, None)
+    return block.get("target_length") if isinstance(block, dict) else None
+
+
+def convert_config(config, context_length=None, rope=None, attn_implementation=None, **dilated_fields) -> dict:
+    """The top-level config fields that configure `config` for hf_dilated at `context_length`, for
+    `attn_implementation` (what an unset RoPE and band default to: `with_defaults`), shared by the
+    families (a family adds what its own layers need)."""
+    rope, dilated_fields = with_defaults(config, context_length, attn_implementation, rope, dilated_fields)
+    updates = rope_updates(config, context_length, rope) if context_length is not None else {}
+    updates[CONFIG_KEY] = dilated_entry(config, context_length, **dilated_fields)
+    return updates
 
 
 def check_context_length(config, context_length) -> int:
@@ -44,32 +65,21 @@ def check_context_length(config, context_length) -> int:
     return context_length
 
 
-# The names the default conversion gives a local band (docs/contract.md 4.1): the dilated pattern's,
-# on one process or across ranks.
-BAND_NAMES = ("dilated", "dilated_ring")
-
-
-def default_conversion(config, context_length: int | None, attn_implementation: str | None, rope: str | None,
-                       fields: dict) -> tuple[str | None, dict]:
-    """The default conversion, written once: (rope, hf_dilated fields) for what the caller left unset.
-
-    A first conversion that lengthens an unscaled checkpoint, with no RoPE scaling asked for, keeps
-    the checkpoint's RoPE ("none") and, for "dilated" and "dilated_ring", unites the levels with the
-    default band (config.default_band: the original context read as trained, far keys at grouped
-    positions): a pretrained model survives it without fine-tuning, and within its original context
-    it is unchanged. For the other names the far keys need scaled positions: YaRN, which costs a
-    model far less inside its context than position interpolation ("linear"), a recipe that needs
-    fine-tuning. Anything the caller set, and any earlier conversion's choice, is kept."""
+def with_defaults(config, context_length: int | None, attn_implementation: str | None, rope: str | None,
+                  fields: dict) -> tuple[str | None, dict]:
+    """(rope, hf_dilated fields) with what the caller left unset taken from the default conversion
+    (config.default_conversion, where it is decided), when it applies: a first conversion that
+    lengthens a checkpoint with an unscaled RoPE, with no RoPE scaling asked for. A band the caller
+    chose is kept whole (the RoPE is then kept too); anything else the caller set, and any earlier
+    conversion's choice, is kept."""
     params = dict(getattr(config, "rope_parameters", None) or {})
-    first = not isinstance(getattr(config, CONFIG_KEY, None), dict)
-    if (context_length is None or rope is not None or not first or params.get("rope_type", "default") != "default"
-            or context_length <= original_length(config)):
+    if (context_length is None or rope is not None or converted_before(config)
+            or params.get("rope_type", "default") != "default" or context_length <= original_length(config)):
         return rope, fields
-    if attn_implementation not in BAND_NAMES:
-        return "yarn", fields
-    if {"local_window", "far_group", "far_window"} & set(fields):  # the caller chose the band
-        return "none", fields
-    return "none", {**default_band(original_length(config), context_length), **fields}
+    rope, band = default_conversion(original_length(config), context_length, attn_implementation)
+    if band and {"local_window", "far_group", "far_window"} & set(fields):  # the caller chose the band
+        return rope, fields
+    return rope, {**band, **fields}
 
 
 def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
@@ -77,7 +87,8 @@ def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
 
     rope: "linear" (position interpolation, factor = context / original), "dynamic" (dynamic NTK:
     max_position_embeddings stays the original length, frequencies stretch beyond it), "yarn",
-    or "none" (keep the checkpoint's RoPE). None keeps the scheme of an earlier hf_dilated conversion,
+    or "none" (keep the checkpoint's RoPE, and with it the context it supports: see below). None
+    keeps the scheme of an earlier hf_dilated conversion,
     else picks "linear" for an unscaled checkpoint and "none" for one whose RoPE is already scaled.
     `context_length` must lie between the original context and MAX_CONTEXT_LENGTH. Choices that
     keep something other than asked for are told with a ConversionWarning.
@@ -90,13 +101,13 @@ def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
         raise ValueError(f"{type(config).__name__} has no rope_parameters: cannot rescale its positions")
     original = original_length(config)
     current = params.get("rope_type", "default")
-    converted_before = isinstance(getattr(config, CONFIG_KEY, None), dict)
-    if rope is None and converted_before and current in _OURS:
+    before = converted_before(config)
+    if rope is None and before and current in _OURS:
         rope = current  # re-converting: keep the scheme the earlier conversion chose
         if rope != "linear":  # what a first conversion would pick: say so when it differs
             warnings.warn(f"rope: kept the earlier conversion's {rope!r} RoPE scaling, now for {context_length} "
                           "tokens (pass rope / --rope to change it)", ConversionWarning, stacklevel=3)
-    elif rope is None and converted_before and current == "default" and config.max_position_embeddings > original:
+    elif rope is None and before and current == "default" and (_earlier_target(config) or 0) > original:
         # An earlier conversion lengthened the context with rope='none': it wanted positions unscaled.
         rope = "none"
         warnings.warn(f"rope: kept the earlier conversion's unscaled RoPE (rope='none') for {context_length} tokens "
@@ -104,17 +115,15 @@ def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
     elif rope is None:  # default_conversion chose already for a first conversion; keep a scaled RoPE as it is
         rope = "linear" if current == "default" else "none"
     if rope == "none":
-        if current == "dynamic":  # dynamic NTK reads max_position_embeddings as the original length
-            return {}
-        # What the checkpoint covers by itself: its max_position_embeddings, unless an earlier
-        # conversion set that (then the original length it recorded).
-        own = original if converted_before else config.max_position_embeddings
-        if context_length < own:
-            warnings.warn(f"max_position_embeddings: kept max_position_embeddings = {own} (the checkpoint's own RoPE "
-                          f"covers more than the {context_length} tokens asked for; only the hf_dilated levels use "
-                          "the new length)", ConversionWarning, stacklevel=3)
-        return {"max_position_embeddings": max(context_length, own)}
-    if current != "default" and not (converted_before and current in _OURS):
+        # The RoPE is kept, and so is the context it supports: max_position_embeddings, which every
+        # engine that ignores the hf_dilated entry reads, stays what the checkpoint covers by
+        # itself, so that none of them reads positions the model never saw; the extended context
+        # is the entry's target_length, which hf_dilated's attention reads (README, "Converting").
+        # (An earlier conversion by an older hf_dilated may have raised it: put back.)
+        if before and current == "default" and config.max_position_embeddings != original:
+            return {"max_position_embeddings": original}
+        return {}
+    if current != "default" and not (before and current in _OURS):
         raise ValueError(
             f"the checkpoint's RoPE is already scaled (rope_type={current!r}); converting it to {rope!r} would "
             "discard that scaling: pass rope='none' (--rope none) to keep it"
@@ -152,8 +161,10 @@ def dilated_entry(config, context_length: int | None = None, **fields) -> dict:
         base = {k: existing[k] for k in _KEPT_ON_RECONVERT if k in existing}
         target = context_length
         chosen = {k: existing[k] for k in ("segment_lengths", "dilation_rates") if k in existing}
-        default_band_before = existing.get("local_window") == original and existing.get("far_group", 1) > 1
-        if default_band_before:  # an earlier default conversion: the default band of the new length
+        earlier_target = existing.get("target_length") or original
+        earlier = default_band(original, earlier_target) if earlier_target > original else None
+        if earlier is not None and all(existing.get(k) == v for k, v in earlier.items()):
+            # an earlier default conversion: the default band of the new length
             band = default_band(original, max(target, original + 1))
             base.update({k: v for k, v in band.items() if k not in fields})
         elif chosen and not {"segment_lengths", "dilation_rates"} & set(fields):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import warnings
 
-from .context import ConversionWarning, default_conversion, dilated_entry, original_length, rope_updates
+from . import context
+from .context import ConversionWarning, original_length
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -19,12 +20,10 @@ EXTRA_TRAINABLE_MODULES = ["embed_tokens", "input_layernorm", "post_attention_la
 
 
 def convert_config(config, context_length=None, rope=None, attn_implementation=None, **dilated_fields) -> dict:
-    """Top-level config fields that configure `config` for hf_dilated at `context_length`, for
-    `attn_implementation` (what the unset RoPE and band default to: context.default_conversion)."""
-    rope, dilated_fields = default_conversion(config, context_length, attn_implementation, rope, dilated_fields)
+    """context.convert_config, with a sliding window removed when the context grows (it would hide
+    the added context)."""
     extending = context_length is not None and context_length > original_length(config)
-    updates = rope_updates(config, context_length, rope) if context_length is not None else {}
-    updates["hf_dilated"] = dilated_entry(config, context_length, **dilated_fields)
+    updates = context.convert_config(config, context_length, rope, attn_implementation, **dilated_fields)
     if extending:
         updates.update(_without_window(config, context_length))
     return updates

@@ -50,7 +50,9 @@ def test_convert_writes_a_patched_copy_and_never_touches_src(source, tmp_path):
     assert (dst / "extra" / "notes.txt").read_text() == "kept as is\n"
     config = json.loads((dst / "config.json").read_text())
     assert config["attn_implementation"] == "dilated"
-    assert config["max_position_embeddings"] == 128
+    # The RoPE is kept (the default conversion): so is the context any other engine may read
+    # (max_position_embeddings); the extended one is the hf_dilated entry's (issue 33, item 11).
+    assert config["max_position_embeddings"] == 32 and config["hf_dilated"]["target_length"] == 128
     # The default conversion (issue 28): the checkpoint's own RoPE, the original context as a local
     # band, far keys at grouped positions within half the original context of relative position.
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
@@ -368,9 +370,9 @@ def test_a_run_killed_while_replacing_dst_loses_nothing(source, tmp_path):
     with pytest.raises(ValueError, match="assumes max_position_embeddings = 4096"):
         convert_checkpoint(source, dst, preset="llama2-7b-32k", force=True)
     assert sorted(os.listdir(tmp_path)) == ["long"]
-    assert json.loads((dst / "config.json").read_text())["max_position_embeddings"] == 64
+    assert json.loads((dst / "config.json").read_text())["hf_dilated"]["target_length"] == 64
     convert_checkpoint(source, dst, context_length=128, force=True)  # ... and a good one replaces it
-    assert json.loads((dst / "config.json").read_text())["max_position_embeddings"] == 128
+    assert json.loads((dst / "config.json").read_text())["hf_dilated"]["target_length"] == 128
     assert sorted(os.listdir(tmp_path)) == ["long"]
 
 
@@ -389,7 +391,7 @@ def test_a_concurrent_run_keeps_its_temporary_directory(source, tmp_path):
     finally:
         os.kill(child.pid, signal.SIGCONT)
     assert child.wait(timeout=120) == 0  # the other run completes: it replaced ours
-    assert json.loads((dst / "config.json").read_text())["max_position_embeddings"] == 128
+    assert json.loads((dst / "config.json").read_text())["hf_dilated"]["target_length"] == 128
     assert sorted(os.listdir(tmp_path)) == ["long"]
 
 
@@ -459,7 +461,8 @@ def test_reconverting_keeps_the_rope_and_attention_it_had(source, tmp_path):
     with pytest.warns(UserWarning, match="unscaled RoPE"):
         again = convert_checkpoint(unscaled, tmp_path / "e", context_length=128)
     config = json.loads((again / "config.json").read_text())
-    assert config["rope_parameters"]["rope_type"] == "default" and config["max_position_embeddings"] == 128
+    assert config["rope_parameters"]["rope_type"] == "default" and config["max_position_embeddings"] == 32
+    assert config["hf_dilated"]["target_length"] == 128
 
 
 def test_bad_context_lengths_are_clear_errors(source, tmp_path, capsys):
@@ -535,3 +538,53 @@ def test_reconverting_a_default_conversion_gives_the_default_band_of_the_new_len
     assert (a.local_window, a.far_group, a.far_window, a.segment_lengths, a.dilation_rates) == (32, 8, 4, [64], [1])
     assert (b.local_window, b.far_group, b.far_window, b.segment_lengths, b.dilation_rates) == (32, 32, 4, [256], [1])
     assert json.loads((second / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
+
+
+def test_a_default_conversion_read_without_our_attention_declares_only_what_its_rope_supports(source, tmp_path):
+    """Issue 33, item 11: the default conversion keeps the RoPE, so past the original context only
+    hf_dilated's far keys at grouped positions are right. Engines that ignore the hf_dilated entry
+    read max_position_embeddings: it stays the original context; the extended one is the entry's.
+    Loaded under sdpa with hf_dilated imported, the model says so once; under our names it reads all."""
+    import logging
+
+    from transformers.utils.logging import get_logger
+
+    from hf_dilated.integrations.transformers import supported_context
+
+    dst = convert_checkpoint(source, tmp_path / "long", context_length=128)
+    raw = json.loads((dst / "config.json").read_text())
+    assert raw["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert raw["max_position_embeddings"] == 32 and raw["hf_dilated"]["target_length"] == 128
+    config = AutoConfig.from_pretrained(dst)
+    assert supported_context(config, "sdpa") == supported_context(config, "eager") == 32
+    assert supported_context(config, "dilated") == supported_context(config, "dilated_ring") == 128
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    root = get_logger("transformers")
+    root.addHandler(handler)
+    get_logger("transformers.hf_dilated").warning_once.cache_clear()
+    try:
+        AutoModelForCausalLM.from_pretrained(dst, attn_implementation="dilated")
+        assert not any("converted for" in line for line in lines), lines
+        AutoModelForCausalLM.from_pretrained(dst, attn_implementation="sdpa")
+    finally:
+        root.removeHandler(handler)
+    assert any("converted for 128 tokens" in line and "'sdpa' it reads 32" in line for line in lines), lines
+    # An unconverted checkpoint, or one whose RoPE was scaled for the new context, says nothing.
+    yarn = convert_checkpoint(source, tmp_path / "yarn", context_length=128, rope="yarn")
+    assert json.loads((yarn / "config.json").read_text())["max_position_embeddings"] == 128
+    assert supported_context(AutoConfig.from_pretrained(yarn), "sdpa") == 128
+
+
+def test_an_older_conversion_that_raised_max_position_embeddings_is_put_back_on_reconversion(source, tmp_path):
+    """Conversions before issue 33 declared the extended context in max_position_embeddings with
+    the RoPE unscaled; re-converting one declares what its RoPE supports again."""
+    dst = convert_checkpoint(source, tmp_path / "long", context_length=128)
+    raw = json.loads((dst / "config.json").read_text())
+    raw["max_position_embeddings"] = 128  # what an older hf_dilated wrote
+    old = _copy_of(dst, tmp_path / "old")
+    (old / "config.json").write_text(json.dumps(raw))
+    again = convert_checkpoint(old, tmp_path / "again", context_length=256)
+    config = json.loads((again / "config.json").read_text())
+    assert config["max_position_embeddings"] == 32 and config["hf_dilated"]["target_length"] == 256

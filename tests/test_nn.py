@@ -292,3 +292,45 @@ def test_empty_heads_or_head_dim_are_clear_errors():
                 create_attention(kind, **config)(q, q, q)
         with pytest.raises(ValueError, match="head_dim >= 1"):
             dilated_attention(q, q, q, [4], [1])
+
+
+def test_the_kinds_and_their_settings_are_documented_from_the_table():
+    """nn.py's docstring and docs/api.md list each kind's configuration as the kinds' table has it
+    (issue 33, item 4: a hand copy had drifted and omitted local_window)."""
+    from pathlib import Path
+
+    import hf_dilated.nn as nn_module
+    from hf_dilated.kinds import KINDS as TABLE
+
+    table = nn_module._kinds_table()
+    for kind, row in TABLE.items():
+        line = next(line for line in table.splitlines() if line.strip().startswith(repr(kind)))
+        for setting in row.settings:
+            assert setting in table, (kind, setting)
+        assert line.strip().startswith(repr(kind))
+    assert "local_window=None" in table and "far_group=1" in table and "far_window=None" in table
+    assert table in nn_module.__doc__
+    assert table in (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+
+
+def test_far_keys_through_the_table_need_the_rope_frequencies_and_match_the_kernel():
+    """Issue 33, item 1: far_group / far_window reach the kernels as settings like every other field;
+    the call brings the RoPE's frequencies, and the result is the kernel's with the far projections
+    it would be given (each checked against the float64 reference in test_local_band.py)."""
+    from hf_dilated.ops import dilated_attention
+    from hf_dilated.ops.rope import far_projections
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 48, 8), torch.randn(1, 2, 48, 8), torch.randn(1, 2, 48, 8)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    attn = create_attention("dilated", segment_lengths=[16, 48], dilation_rates=[1, 3], local_window=8, far_group=4,
+                            far_window=4)
+    with pytest.raises(ValueError, match="rope_frequencies"):
+        attn(q, k, v)
+    q_far, k_far = far_projections(q, k, torch.arange(48)[None], 4, 4, inv_freq)
+    expected = dilated_attention(q, k, v, [16, 48], [1, 3], local_window=8, q_far=q_far, k_far=k_far)
+    torch.testing.assert_close(attn(q, k, v, rope_frequencies=inv_freq), expected, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="far_group"):
+        create_attention("dilated", segment_lengths=[16], dilation_rates=[1], far_group=4)
+    with pytest.raises(ValueError, match="far_window"):
+        create_attention("dilated", segment_lengths=[16], dilation_rates=[1], local_window=4, far_group=2, far_window=8)

@@ -11,7 +11,8 @@ the attention which of transformers' cases it is in, and `from_model_inputs` rea
   mask ranks, and `position_ids` only feed RoPE. A mask longer than the keys means a
   sliding-window cache kept only the last keys: they take the mask's last entries and continue
   its ranks; a mask shorter than the keys means a static cache's empty slots, which are dropped;
-- an int64 (batch, q_len) tensor of document ids when transformers detected packed sequences from
+- an int64 (batch, q_len) tensor, 1 at each document's first token, when transformers detected
+  packed sequences from
   `position_ids` (it only does so without a mask and without a KV cache: then its own mask
   function separates the documents, which is how we read its decision); the kernels then read the
   documents off those `position_ids`;
@@ -64,9 +65,9 @@ def padding_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attenti
         return attention_mask.to(torch.bool)
     q_offset, q_length = int(q_offset or 0), int(q_length)
     if q_offset == 0 and q_length > 1 and mask_function is not None:
-        doc = _packed_documents(mask_function, batch_size, q_length, device)
-        if doc is not None:
-            return doc
+        starts = _document_starts(mask_function, batch_size, q_length, device)
+        if starts is not None:
+            return starts
     seen = q_offset + q_length
     # One document per row: None, unless a static cache holds empty slots beyond the tokens seen
     # or a sliding-window cache dropped the first ones.
@@ -95,16 +96,16 @@ def read_static_slots(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return states == 1, (states[0] >= 0).sum()
 
 
-def _packed_documents(mask_function, batch, n, device):
-    """Document ids (batch, n) when transformers' mask function separates neighbouring tokens
-    (its packed-sequence overlay), else None. Evaluates it on the n - 1 neighbouring pairs only."""
+def _document_starts(mask_function, batch, n, device):
+    """int64 (batch, n), 1 at each document's first token, when transformers' mask function
+    separates neighbouring tokens (its packed-sequence overlay), else None. Evaluates it on the
+    n - 1 neighbouring pairs only."""
     b = torch.arange(batch, device=device)[:, None]
     i = torch.arange(1, n, device=device)[None, :]
     sees_previous = torch.as_tensor(mask_function(b, torch.zeros((), dtype=torch.long, device=device), i, i - 1))
     if bool(sees_previous.all()):
         return None
-    starts = torch.nn.functional.pad(~sees_previous.expand(batch, n - 1), (1, 0), value=False)
-    return starts.long().cumsum(-1)
+    return torch.nn.functional.pad(~sees_previous.expand(batch, n - 1), (1, 0), value=True).long()
 
 
 # --- reading it in the attention ----------------------------------------------------------
@@ -158,8 +159,9 @@ def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int
     mask: what hf_dilated's mask function (`padding_mask`, above) returned: a bool
         (batch, seen) mask when the model was given an attention mask or transformers saw no
         packing (the row is one document; seen > kv_len when a sliding-window cache dropped the
-        first seen - kv_len keys), an int64 tensor of document ids when transformers detected
-        packed sequences, or None (no mask, no packing).
+        first seen - kv_len keys), an int64 tensor when transformers detected packed sequences
+        (only its presence is read: the documents come from position_ids), or None (no mask, no
+        packing).
     position_ids: (batch or 1, q_len) or None, the queries' positions (only read without a mask).
     cu_seq_lens: flash-attention style sequence boundaries (1-D, cumulative), for packed batches
         that carry no position_ids.

@@ -8,14 +8,14 @@ runs the kernels on what it returns.
 """
 from __future__ import annotations
 
-import json
-from functools import partial
+import copy
+from dataclasses import dataclass, field
 
 import torch
 
-from ..config import CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int
+from ..config import CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int, far_keys
 from ..kinds import KINDS, TRANSFORMERS_NAMES
-from .far_positions import far_projections, far_projections_at, far_projections_static
+from .rotary import rotary_frequencies
 from .model_inputs import (is_static_slots, kernel_inputs, padded_last_query_as_sdpa, padding_mask,
                            read_static_slots)
 
@@ -32,49 +32,73 @@ _UNSUPPORTED_KWARGS = {
 
 # --- configuration lookup ---------------------------------------------------------------------
 
-# id(model config) -> (the entry as parsed from, its DilatedConfig, {kind name: the kind's settings})
-_config_cache: dict[int, tuple[str, DilatedConfig, dict]] = {}
+@dataclass
+class _ModelEntry:
+    """What the attention reads of one model config, parsed once per configuration: its
+    DilatedConfig, each kind's settings, and the rotary frequencies of its far keys."""
+
+    source: tuple  # deep copies of what it was parsed from (the entry, the context, the RoPE)
+    config: DilatedConfig
+    settings: dict = field(default_factory=dict)  # kind name -> the kind's settings
+    rope_frequencies: torch.Tensor | None = None
 
 
-def _parsed(module) -> tuple[DilatedConfig, dict]:
+# id(model config) -> its _ModelEntry
+_entries: dict[int, _ModelEntry] = {}
+
+
+def _source(config) -> tuple:
+    return (getattr(config, CONFIG_KEY, None), getattr(config, "max_position_embeddings", None),
+            getattr(config, "rope_parameters", None))
+
+
+def _entry(module) -> _ModelEntry:
     config = getattr(module, "config", None)
     if config is None:
         raise ValueError(
             f"{type(module).__name__} has no `config`; hf_dilated attention reads its settings from the model config"
         )
-    cached = _config_cache.get(id(config))
+    entry = _entries.get(id(config))
     if torch.compiler.is_compiling():
-        # json cannot be traced: a compiled step reads the entry the eager prefill parsed (a config
-        # edited between compiled steps is not seen; recompile after such an edit)
-        if cached is not None:
-            return cached[1], cached[2]
-        return DilatedConfig.from_model_config(config), {}
-    key = json.dumps([getattr(config, CONFIG_KEY, None), getattr(config, "max_position_embeddings", None),
-                      getattr(config, "rope_parameters", None)], sort_keys=True, default=str)
-    if cached is None or cached[0] != key:
-        cached = (key, DilatedConfig.from_model_config(config), {})
-        _config_cache[id(config)] = cached
-    return cached[1], cached[2]
+        # A compiled step reads the entry the eager prefill parsed (comparing configs cannot be
+        # traced; a config edited between compiled steps is not seen: recompile after such an edit)
+        return entry if entry is not None else _ModelEntry((), DilatedConfig.from_model_config(config))
+    source = _source(config)
+    if entry is None or entry.source != source:  # a comparison, not a serialisation, on every layer call
+        entry = _ModelEntry(copy.deepcopy(source), DilatedConfig.from_model_config(config))
+        _entries[id(config)] = entry
+    return entry
 
 
 def config_for(module) -> DilatedConfig:
     """The DilatedConfig of the model an attention module belongs to. Parsed again whenever the
     entry (or the context it is derived from) changes, even by an in-place edit of the dict."""
-    return _parsed(module)[0]
+    return _entry(module).config
 
 
 def settings_for(module, kind) -> dict:
     """The settings `kind` runs with for this module's model: its fields of the DilatedConfig, the
     block-sparse pattern built into its object. Built once per configuration (with config_for's
     parse), not on every layer call."""
-    cfg, per_kind = _parsed(module)
-    settings = per_kind.get(kind.name)
+    entry = _entry(module)
+    settings = entry.settings.get(kind.name)
     if settings is None:
-        settings = {name: getattr(cfg, name) for name in kind.settings}
+        settings = {name: getattr(entry.config, name) for name in kind.settings}
         if "pattern" in settings:
             settings["pattern"] = check_block_sparse(settings["pattern"], settings["block_size"])
-        per_kind[kind.name] = settings
+        entry.settings[kind.name] = settings
     return settings
+
+
+def rope_frequencies_for(module, settings) -> torch.Tensor | None:
+    """The inv_freq the kind needs for far keys at grouped positions (config.far_keys), from the
+    model's own rotary class (rotary.rotary_frequencies); None when the settings have none."""
+    if far_keys(settings) is None:
+        return None
+    entry = _entry(module)
+    if entry.rope_frequencies is None:
+        entry.rope_frequencies = rotary_frequencies(module)
+    return entry.rope_frequencies
 
 
 # --- the one shared adapter -------------------------------------------------------------------
@@ -124,7 +148,7 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
                 f"active sequence-parallel group shards sequences as {layout!r}"
             )
     if is_static_slots(attention_mask) and torch.compiler.is_compiling():
-        return _compiled_static_step(kind, module, query, key, value, attention_mask, scaling, kwargs, cfg, group)
+        return _compiled_static_step(kind, module, query, key, value, attention_mask, scaling, kwargs, group)
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None and \
             not torch.equal(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]):
         raise ValueError(f"attn_implementation={name!r}: cu_seq_lens_q and cu_seq_lens_k differ; only causal "
@@ -141,24 +165,18 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     settings = settings_for(module, kind)
-    extra = {}
-    if settings.get("local_window") is not None and cfg.far_group > 1:
-        # Keys beyond the band at grouped positions (docs/contract.md 4.1): rotated on from the model's RoPE.
-        if group is None:
-            extra["far"] = far_projections(module, query, key, mask, positions, cfg.grouping_window, cfg.far_group)
-        else:  # a rank cannot tell its tokens' positions from its shard of the mask: the ring kernel can
-            extra["far"] = partial(far_projections_at, module, query, key, window=cfg.grouping_window,
-                                   group=cfg.far_group)
+    rope_frequencies = rope_frequencies_for(module, settings)
     with torch.autocast(device_type, enabled=False):
         out = kind.run(query, key, value, settings, is_causal=True, attention_mask=mask, position_ids=positions,
-                       scale=scaling, dropout_p=dropout_p, group=group, layout=layout, sliding_window=window, **extra)
+                       scale=scaling, dropout_p=dropout_p, group=group, layout=layout, sliding_window=window,
+                       rope_frequencies=rope_frequencies)
         if group is None and mask is not None:
             out = padded_last_query_as_sdpa(out, query, key, value, mask, scaling, window)
     # (batch, heads, q_len, head_dim) -> (batch, q_len, heads, head_dim), as sdpa_attention_forward
     return out.transpose(1, 2).contiguous(), None
 
 
-def _compiled_static_step(kind, module, query, key, value, slots, scaling, kwargs, cfg, group):
+def _compiled_static_step(kind, module, query, key, value, slots, scaling, kwargs, group):
     """A step on a static cache under torch.compile: the kind's static decode (kinds.py), whose
     shapes and Python values depend on the cache alone, so that each step reuses one graph."""
     if kind.static_decode is None or group is not None:
@@ -166,12 +184,10 @@ def _compiled_static_step(kind, module, query, key, value, slots, scaling, kwarg
                                   + ("under sequence parallelism" if group is not None else "") + " is not supported")
     real, seen = read_static_slots(slots)
     settings = settings_for(module, kind)
-    far = None
-    if settings.get("local_window") is not None and cfg.far_group > 1:
-        far = far_projections_static(module, query, key, real, seen, cfg.grouping_window, cfg.far_group)
     out = kind.static_decode(query, key, value, settings, real=real, seen=seen,
                              scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
-                             sliding_window=kwargs.get("sliding_window"), far=far)
+                             sliding_window=kwargs.get("sliding_window"),
+                             rope_frequencies=rope_frequencies_for(module, settings))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -251,10 +267,32 @@ def _hook_attention_choice() -> None:
                 entry[RECORDED_NAME] = chosen
             else:
                 entry.pop(RECORDED_NAME, None)
+                _warn_beyond_positions(self.config, chosen)
         return chosen
 
     _check_and_adjust_attn_implementation._hf_dilated = True
     PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
+
+
+def supported_context(config, attn_implementation: str) -> int | None:
+    """The tokens a model of `config` reads as configured under `attn_implementation`: the
+    hf_dilated entry's target under our names; max_position_embeddings, what its RoPE supports,
+    under any other (a conversion that keeps the RoPE leaves it there; patches/context.py)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if attn_implementation in NAMES:
+        return DilatedConfig.from_model_config(config).target_length or positions
+    return positions
+
+
+def _warn_beyond_positions(config, chosen: str) -> None:
+    """A converted checkpoint loaded under another attention reads only the context its RoPE
+    supports: say so once, naming the names that read the rest."""
+    ours, theirs = supported_context(config, NAMES[0]), supported_context(config, chosen)
+    if ours is not None and theirs is not None and ours > theirs:
+        _logger().warning_once(
+            f"this checkpoint was converted for {ours} tokens of context with hf_dilated's attention; under "
+            f"attn_implementation={chosen!r} it reads {theirs} (max_position_embeddings, what its RoPE supports): "
+            f"load it with attn_implementation in {NAMES} for the rest")
 
 
 def check_model_supported(config, name: str) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from .validate import check_int
+from ..checks import check_int
 
 
 def _offsets(q_blocks: torch.Tensor, num_key_blocks: int):

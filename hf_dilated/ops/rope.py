@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .token_layout import mask_ranks
+
 
 def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """x (batch, heads, n, head_dim) moved by `delta` (batch, n) positions; dims beyond the rotary
@@ -38,3 +40,25 @@ def grouped_far_positions(positions: torch.Tensor, q_len: int, window: int, grou
     p_q = p[:, p.shape[1] - q_len:]
     query_delta = p_q // group + window - window // group - p_q
     return query_delta, key_delta
+
+
+def far_projections(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, window: int, group: int,
+                    inv_freq: torch.Tensor):
+    """(q_far, k_far) of a local band (docs/contract.md 4.1): query (batch, heads, q_len, d) and key
+    (batch, kv_heads, kv_len, d), already rotated at their positions `positions` (batch, kv_len;
+    the kernels' rule, ops/token_layout.py), moved on to Self-Extend's grouped positions for the
+    neighbour window `window` (config.far_keys)."""
+    query_delta, key_delta = grouped_far_positions(positions, query.shape[2], window, group)
+    return rotate_by(query, query_delta, inv_freq), rotate_by(key, key_delta, inv_freq)
+
+
+def far_projections_static(query: torch.Tensor, key: torch.Tensor, real: torch.Tensor, seen: torch.Tensor,
+                           window: int, group: int, inv_freq: torch.Tensor):
+    """far_projections for a compiled decode step on a static cache (ops/dilated_decode.py:
+    dilated_decode_static): the positions are mask ranks of the written slots `real`, found without
+    any Python value from tensor data (`seen` is a 0-d tensor)."""
+    positions = mask_ranks(real).clamp(min=0)
+    query_slots = seen - query.shape[2] + torch.arange(query.shape[2], device=key.device)
+    query_delta, _ = grouped_far_positions(positions.index_select(1, query_slots), query.shape[2], window, group)
+    key_delta = positions // group - positions
+    return rotate_by(query, query_delta, inv_freq), rotate_by(key, key_delta, inv_freq)
