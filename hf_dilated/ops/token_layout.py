@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .plan_cache import PlanCache
+
 
 @dataclass
 class TokenLayout:
@@ -52,9 +54,28 @@ def mask_ranks(real: torch.Tensor) -> torch.Tensor:
     return real.long().cumsum(-1) - 1
 
 
+# Layouts by the identity of the mask and position tensors (plan_cache.py): every layer of a model,
+# and every part of one call (the far projections, the band, the levels), reads the same ones, and
+# building one reads values back to the host (`plain`).
+_LAYOUTS = PlanCache(size=8)
+
+
 def token_layout(batch: int, kv_len: int, device, attention_mask=None, position_ids=None) -> TokenLayout:
     """The kernels' rule (module docstring) for rows of kv_len tokens: one call's keys, or the
     whole sequence of a ring kernel (distributed/tokens.py, on the masks and positions it gathered)."""
+    if attention_mask is None and position_ids is None:  # one document per row at its indices
+        index = torch.arange(kv_len, device=device).expand(batch, kv_len)
+        return TokenLayout(positions=index, real=torch.ones(batch, kv_len, dtype=torch.bool, device=device),
+                           doc=torch.zeros(batch, kv_len, dtype=torch.long, device=device), plain=True)
+    key = (batch, kv_len, str(device))
+    layout = _LAYOUTS.get(key, attention_mask, position_ids)
+    if layout is None:
+        layout = _token_layout(batch, kv_len, device, attention_mask, position_ids)
+        _LAYOUTS.put(key, attention_mask, position_ids, layout)
+    return layout
+
+
+def _token_layout(batch, kv_len, device, attention_mask, position_ids) -> TokenLayout:
     if attention_mask is not None:
         real = attention_mask.to(device=device, dtype=torch.bool).expand(batch, kv_len)
     else:
