@@ -8,18 +8,19 @@ tile, and only the keys of blocks some rank further along the ring may read trav
 head when the layout has a head axis). Static patterns (local, dilated, global_local,
 hierarchical, custom) are supported; the adaptive pattern is not: its top-k choice pools the
 queries and keys of whole blocks, which may straddle ranks, so it cannot be decided per rank
-without another exchange.
+without another exchange. The layout is a `BlockSparsePattern`, the ring.RingPattern the ring runs.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from ..config import DEFAULT_RING_LAYOUT
 from ..ops.block_patterns import AdaptivePattern, CustomPattern, make_pattern
 from ..ops.validate import check_int, check_qkv, check_scale_dropout
-from .ring import _RingAttention, ring_plan
+from .ring import RingPattern, ring_plan, run_ring
 from .tokens import GlobalTokens, prepare_call
-from .utils import Exchange
 from .groups import group_size_rank
 from .layout import check_layout
 
@@ -86,6 +87,26 @@ def block_sparse_visible(block, allowed, q_index, k_index) -> torch.Tensor:
     return allowed[:, bq[:, :, None], bk[:, None, :]].transpose(0, 1)
 
 
+@dataclass(eq=False)
+class BlockSparsePattern(RingPattern):
+    """The ring pattern of block_sparse_ring_attention: a static block layout (docs/contract.md 5)."""
+    block_pattern: object  # a static pattern of ops/block_patterns.py
+    block_size: int
+    q_heads: int
+    kv_heads: int
+    sparse = True
+
+    def __post_init__(self):
+        self.block, self.allowed = _blocks(self.tokens, self.block_pattern, self.block_size, self.q_heads)
+
+    def needed_keys(self, query_index):
+        return block_sparse_needed_keys(self.tokens, query_index, self.block_pattern, self.block_size, self.q_heads,
+                                        self.kv_heads)
+
+    def weight(self, q_index, k_index):
+        return block_sparse_visible(self.block, self.allowed, q_index, k_index)
+
+
 def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, layout: str = DEFAULT_RING_LAYOUT,
                                 scale=None, attention_mask=None, position_ids=None, sliding_window: int | None = None):
     """Block-sparse attention over a sequence sharded across `group` (docs/contract.md 6).
@@ -118,14 +139,10 @@ def block_sparse_ring_attention(q, k, v, pattern, *, block_size, group=None, lay
     def build(tokens):
         if tokens.real.any() and bool((tokens.positions[tokens.real] < 0).any()):
             raise ValueError("position_ids: real (unmasked) tokens must have non-negative positions")
-        block, allowed = _blocks(tokens, pattern, block_size, q_heads)
-        return ring_plan(tokens, sliding_window, pattern=lambda qi, kj: block_sparse_visible(block, allowed, qi, kj),
-                         needed_keys=lambda qi: block_sparse_needed_keys(tokens, qi, pattern, block_size, q_heads,
-                                                                         kv_heads))
+        return ring_plan(BlockSparsePattern(tokens, sliding_window, block_pattern=pattern, block_size=block_size,
+                                            q_heads=q_heads, kv_heads=kv_heads))
 
     plan = prepare_call("block_sparse_ring_attention", q, k, v, attention_mask=attention_mask,
                         position_ids=position_ids, group=group, layout=layout, build=build, scale=scale,
                         pattern=pattern.to_dict(), block_size=block_size, sliding_window=sliding_window)
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), None, None,
-                                Exchange(group, "block_sparse_ring"),
-                                plan, scale)
+    return run_ring(q, k, v, plan, group=group, label="block_sparse_ring", scale=scale)

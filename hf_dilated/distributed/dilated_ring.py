@@ -16,6 +16,9 @@ Which entries are needed is decided from positions, documents and padding alone,
 rules the kernel applies (docs/contract.md 4). A call runs compacted (ring.Piece.compact): per
 head only the rows and keys in some pair of the pattern (`dilated_select`), so its work falls with
 the pattern's density, and calls where no query needs a key of the tile are skipped.
+
+All of it is one `DilatedPattern`, the ring.RingPattern of the dilated levels (with a local band
+and its far keys when asked): the ring itself knows nothing of levels or bands.
 """
 from __future__ import annotations
 
@@ -25,69 +28,20 @@ import torch
 
 from ..config import DEFAULT_MODE, DEFAULT_RING_LAYOUT
 from ..ops.head_groups import levels_of_heads
+from ..ops.local_band import take
 from ..ops.token_layout import token_layout
 from ..ops.validate import check_dilated_config, check_int, check_local_band, check_qkv, check_scale_dropout
-from .ring import _RingAttention, ring_plan, take
+from .ring import RingPattern, ring_plan, run_ring
 from .tokens import GlobalTokens, prepare_call
-from .utils import Exchange
+from .utils import as_bias
 from .groups import group_size_rank
 from .layout import check_layout
 
 
-# Tiles per rank (ring.py's KV_TILES is 64): a compacted call reads about 1/r of a tile per head,
-# and calls of a few keys cost more than their work. Measured at 16K tokens over 2 ranks (levels
-# 2048..16384, dilation 1..8, one thread per rank): 6.0 s a step with 64 tiles, 4.1 with 32, 3.5
-# with 16, 4.3 with 8. The tile in hand and in flight are 4 / 16 of q's size (K and V).
+# Tiles per rank, fewer than ring.py's KV_TILES: a compacted call reads about 1/r of a tile per head,
+# and calls of a few keys cost more than their work, while larger tiles hold more (the tile in hand
+# and in flight are 4 / KV_TILES of q's size). Measurements: docs/benchmarks.md, Distributed.
 KV_TILES = 16
-
-
-def dilated_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, q_heads: int, kv_heads: int,
-                        segment_lengths, dilation_rates, mode: str, memo: dict | None = None) -> torch.Tensor:
-    """bool (batch, kv_heads, seq_len): key j is needed for kv head hk when, for some query head h
-    of hk, some level g it reads, and some query i of `query_index`, j is in V_g(h, i): both
-    selected for h at g, same level-g segment, same document, j real and not after i."""
-    p, real, doc = tokens.positions, tokens.real, tokens.doc
-    batch, seq_len = p.shape
-    device = p.device
-    index = torch.arange(seq_len, device=device).expand(batch, seq_len)
-    is_query = torch.zeros(seq_len, dtype=torch.bool, device=device)
-    is_query[query_index] = True
-    need = torch.zeros(batch, kv_heads, seq_len, dtype=torch.bool, device=device)
-    per_kv = q_heads // kv_heads
-    levels = levels_of_heads(q_heads, len(segment_lengths), mode)
-    for g, (w, r) in enumerate(zip(segment_lengths, dilation_rates)):
-        heads = [h for h in range(q_heads) if g in levels[h]]
-        if not heads:
-            continue
-        if memo is not None and g in memo:  # independent of the queries: computed once per call
-            offset, group = memo[g]
-        else:
-            offset = (p % w) % r
-            # One id per (batch row, document, level-g segment). Within a document positions rise by
-            # one per token, so each such group is a run of consecutive tokens: number the runs.
-            segment = torch.div(p, w, rounding_mode="floor")
-            starts = torch.ones(batch, seq_len, dtype=torch.bool, device=device)
-            starts[:, 1:] = (doc[:, 1:] != doc[:, :-1]) | (segment[:, 1:] != segment[:, :-1])
-            group = starts.flatten().long().cumsum(0).view(batch, seq_len) - 1
-            if memo is not None:
-                memo[g] = (offset, group)
-        # The last query of each (group, offset class); a key needs only its own class's entry.
-        cell = group * r + offset
-        last_query = torch.full((int(cell.max()) + 1,), -1, dtype=torch.long, device=device)
-        queries = is_query.expand(batch, seq_len)
-        last_query.scatter_reduce_(0, cell[queries], index[queries], reduce="amax")
-        need_g = real & (last_query[cell] >= index)
-        for hk in range(kv_heads):  # kv head hk reads the classes of its query heads at this level
-            classes = {h % r for h in heads if h // per_kv == hk}
-            if not classes:
-                continue
-            if len(classes) == r:
-                need[:, hk] |= need_g
-            else:
-                wanted = torch.zeros(r, dtype=torch.bool, device=device)
-                wanted[sorted(classes)] = True
-                need[:, hk] |= need_g & wanted[offset]
-    return need
 
 
 @dataclass
@@ -115,6 +69,49 @@ def level_codes(tokens: GlobalTokens, q_heads: int, segment_lengths, dilation_ra
             out.append(LevelCodes(g, torch.div(p, w, rounding_mode="floor") * r + cls + row_code, cls, heads % r,
                                   reads))
     return out
+
+
+def dilated_needed_keys(tokens: GlobalTokens, levels: list[LevelCodes], query_index: torch.Tensor, kv_heads: int,
+                        memo: dict | None = None) -> torch.Tensor:
+    """bool (batch, kv_heads, seq_len): key j is needed for kv head hk when, for some query head h
+    of hk, some level g it reads, and some query i of `query_index`, j is in V_g(h, i): same code
+    at g (LevelCodes), both of h's class, same document, j real and not after i."""
+    real = tokens.real
+    batch, seq_len = real.shape
+    index = torch.arange(seq_len, device=real.device).expand(batch, seq_len)
+    is_query = torch.zeros(seq_len, dtype=torch.bool, device=real.device)
+    is_query[query_index] = True
+    queries = is_query.expand(batch, seq_len)
+    need = torch.zeros(batch, kv_heads, seq_len, dtype=torch.bool, device=real.device)
+    for level in levels:
+        if memo is not None and level.bit in memo:  # independent of the queries: computed once per plan
+            cell, selected = memo[level.bit]
+        else:
+            cell, selected = _level_cells(tokens, level, kv_heads)
+            if memo is not None:
+                memo[level.bit] = cell, selected
+        # The last query of each cell; a key needs only its own cell's.
+        last_query = torch.full((int(cell.max()) + 1,), -1, dtype=torch.long, device=real.device)
+        last_query.scatter_reduce_(0, cell[queries], index[queries], reduce="amax")
+        need |= (real & (last_query[cell] >= index))[:, None] & selected
+    return need
+
+
+def _level_cells(tokens: GlobalTokens, level: LevelCodes, kv_heads: int):
+    """For dilated_needed_keys: one id per (code, document) of the level, (batch, seq_len), and
+    bool (batch, kv_heads, seq_len): the tokens of the class of some query head of each kv head
+    that reads the level."""
+    doc = tokens.doc
+    batch, seq_len = doc.shape
+    # A code less its class is a batch row's level-g segment. Within a document positions rise by
+    # one per token, so each (segment, document) is a run of consecutive tokens: number the runs.
+    segment = level.code - level.cls
+    starts = torch.ones(batch, seq_len, dtype=torch.bool, device=doc.device)
+    starts[:, 1:] = (doc[:, 1:] != doc[:, :-1]) | (segment[:, 1:] != segment[:, :-1])
+    run = starts.flatten().long().cumsum(0).view(batch, seq_len) - 1
+    cell = run * (int(level.cls.max()) + 1) + level.cls
+    selected = (level.cls[:, None] == level.head_class[None, :, None]) & level.reads[None, :, None]
+    return cell, selected.unflatten(1, (kv_heads, -1)).any(2)
 
 
 def band_needed_keys(count: torch.Tensor, real: torch.Tensor, query_index: torch.Tensor, band: int) -> torch.Tensor:
@@ -213,28 +210,75 @@ def dilated_pattern_full(levels: list[LevelCodes], q_index, k_index, q_valid, k_
     return bool(full.all())
 
 
+@dataclass(eq=False)
+class DilatedPattern(RingPattern):
+    """The ring pattern of dilated_ring_attention: the dilated `levels` (docs/contract.md 4) and,
+    with a local `band` of that many positions (docs/contract.md 4.1, mode "union"), every key
+    within it on every head, the keys beyond it read with the far projections if `far`."""
+    levels: list[LevelCodes]
+    mode: str
+    kv_heads: int
+    band: int | None = None
+    far: bool = False
+    sparse = True
+    compacted = True
+
+    def __post_init__(self):
+        self._cells = {}  # dilated_needed_keys' per-level ids, the same for every query set
+        # real tokens up to each index: how dilated_select and band_needed_keys bound the band
+        self._count = None if self.band is None else self.tokens.real.long().cumsum(-1)
+
+    def needed_keys(self, query_index):
+        need = dilated_needed_keys(self.tokens, self.levels, query_index, self.kv_heads, self._cells)
+        if self.band is not None:
+            need |= band_needed_keys(self._count, self.tokens.real, query_index, self.band)[:, None]
+        return need
+
+    def weight(self, q_index, k_index):
+        return dilated_visible(self.levels, q_index, k_index, self.mode)
+
+    def select(self, q_index, k_index):
+        return dilated_select(self.levels, self.tokens, q_index, k_index, self.band, self._count)
+
+    def full(self, q_index, k_index, q_valid, k_valid):
+        return dilated_pattern_full(self.levels, q_index, k_index, q_valid, k_valid, self.mode)
+
+    def calls(self, q_index, k_index, q_valid, k_valid, dtype):
+        """RingPattern.calls with the band: a grid wholly within it runs dense with (q, k); one
+        wholly beyond it, the levels letting every pair through, runs with no mask, with the far
+        projections if `far`; any other grid runs masked, with `far` as two calls: the band with
+        (q, k), the levels beyond it with (q_far, k_far)."""
+        if self.band is None:
+            return super().calls(q_index, k_index, q_valid, k_valid, dtype)
+        qi, kj = q_index, k_index
+        if self.all_visible(qi, kj, q_valid, k_valid):  # plain tokens: positions are the global indices
+            no_index = 2**62  # beyond every index: a padding row's, out of the min and max
+            first_row = torch.where(q_valid, qi, no_index).amin(-1)
+            last_row = torch.where(q_valid, qi, -no_index).amax(-1)
+            if bool((last_row - kj.amin(-1) < self.band).all()):
+                return [(False, None, None)]  # every pair in the band
+            if bool((first_row - kj.amax(-1) >= self.band).all()) and self.full(qi, kj, q_valid, k_valid):
+                return [(self.far, None, None)]  # every pair visible, none in the band
+        visible = self.visible(qi, kj) & q_valid[..., None] & k_valid[..., None, :]
+        pq, pk = take(self.tokens.positions, qi), take(self.tokens.positions, kj)
+        in_band = (pq[..., :, None] - pk[..., None, :]).abs() < self.band
+        levels = self.weight(qi, kj)
+        if not self.far:
+            return [(False, *as_bias(visible & (in_band | levels), dtype))]
+        parts = ((False, visible & in_band), (True, visible & levels & ~in_band))
+        return [(far, *as_bias(part, dtype)) for far, part in parts if bool(part.any())]
+
+
 def dilated_ring_plan(tokens: GlobalTokens, q_heads: int, kv_heads: int, segment_lengths, dilation_rates,
                       mode: str, sliding_window: int | None = None, local_window: int | None = None,
                       far: bool = False):
     """The ring plan of dilated_ring_attention: the dilated pattern (with a local band of
     `local_window` positions, its far keys read with far projections if `far`) as each call's
     compacted mask and as the entries that travel."""
-    memo = {}
     levels = level_codes(tokens, q_heads, segment_lengths, dilation_rates, mode)
-    count = None if local_window is None else tokens.real.long().cumsum(-1)
-
-    def needed(qi):
-        need = dilated_needed_keys(tokens, qi, q_heads, kv_heads, segment_lengths, dilation_rates, mode, memo)
-        if local_window is not None:
-            need |= band_needed_keys(count, tokens.real, qi, local_window)[:, None]
-        return need
-
-    return ring_plan(tokens, sliding_window,
-                     pattern=lambda qi, kj: dilated_visible(levels, qi, kj, mode),
-                     needed_keys=needed,
-                     select=lambda qi, kj: dilated_select(levels, tokens, qi, kj, local_window, count),
-                     pattern_full=lambda qi, kj, q_ok, k_ok: dilated_pattern_full(levels, qi, kj, q_ok, k_ok, mode),
-                     band=local_window, far=far, kv_tiles=KV_TILES)
+    pattern = DilatedPattern(tokens, sliding_window, levels=levels, mode=mode, kv_heads=kv_heads, band=local_window,
+                             far=far)
+    return ring_plan(pattern, kv_tiles=KV_TILES)
 
 
 def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: str = DEFAULT_MODE, group=None,
@@ -284,6 +328,4 @@ def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: st
     if far_at is not None:
         q_far, k_far = far_at(plan.tokens.positions[:, plan.tokens.local_index])
         check_local_band(q, k, mode, local_window, q_far, k_far)
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(),
-                                q_far.contiguous() if far else None, k_far.contiguous() if far else None,
-                                Exchange(group, "dilated_ring"), plan, scale)
+    return run_ring(q, k, v, plan, group=group, label="dilated_ring", scale=scale, q_far=q_far, k_far=k_far)

@@ -8,18 +8,20 @@ dK/dV travel with their block, arriving back at its owner after the last hop.
 
 Memory falls as 1/P: what a rank holds beyond its inputs and outputs is a small fixed fraction of
 them, whatever P. A rank's K/V does not travel as one block but as tiles (`KV_TILES`; ring_plan's
-`kv_tiles`), one ring of P hops per tile, so a rank holds one tile in hand and one in flight (and, in the backward, their
-dK/dV), never a peer's whole block; and each fused call takes at most 1/`ROW_SPLITS` of the local
-queries, which bounds its output, log-sum-exp, mask and gradient temporaries. Every tile still
-travels P - 1 hops, so the bytes sent are those of whole blocks.
+`kv_tiles`), one ring of P hops per tile, so a rank holds one tile in hand and one in flight (and,
+in the backward, their dK/dV), never a peer's whole block; and each fused call takes at most
+1/`ROW_SPLITS` of the local queries, which bounds its output, log-sum-exp, mask and gradient
+temporaries. Every tile still travels P - 1 hops, so the bytes sent are those of whole blocks.
 
-dilated_ring and block_sparse_ring run on this ring too (ring_plan's `pattern` and `needed_keys`):
-each call gets the sparse pattern between its global tokens as a mask, a call where no query needs
-a key of the tile is skipped, and a tile travels on with only the entries some rank further along
-the ring needs, zero elsewhere (its dK/dV come back with only the entries that were used), so those
-kernels send at most what this one does. dilated_ring's calls are also compacted (`select`,
-Piece.compact): per head, only the rows and keys of its pattern, so its work falls with the
-pattern's density instead of being that of dense attention under a mask.
+What a call attends is a `RingPattern`: the pairs of global tokens it lets through, and the hooks
+ring_plan and the fused calls read. The base class is dense causal attention, what ring_attention
+runs; dilated_ring and block_sparse_ring run on this ring with a sparse pattern of their own:
+each call gets the pattern between its global tokens as a mask, a call where no query needs a key
+of the tile is skipped, and a tile travels on with only the entries some rank further along the
+ring needs, zero elsewhere (its dK/dV come back with only the entries that were used), so those
+kernels send at most what this one does. A compacted pattern's calls take, per head, only the rows
+and keys of its pairs (Piece.compact), so their work falls with the pattern's density instead of
+being that of dense attention under a mask.
 
 Visibility (docs/contract.md 6: dense causal with padding and documents) is a function of
 global token indices and the gathered metadata (tokens.global_tokens), so padding and packed
@@ -35,10 +37,11 @@ import torch
 
 from ..config import DEFAULT_RING_LAYOUT
 from ..ops.backend import attention_backward, attention_forward
+from ..ops.local_band import visible_pairs
 from ..ops.merge import merge_dtype, merge_into
 from ..ops.validate import check_int, check_qkv, check_scale_dropout
 from .tokens import GlobalTokens, prepare_call
-from .utils import Exchange, wait_all
+from .utils import Exchange, wait_all, weighted_bias
 from .groups import group_size_rank
 from .layout import check_layout, chunks_per_rank
 
@@ -46,10 +49,10 @@ from .layout import check_layout, chunks_per_rank
 # recomputed probabilities exp(s - lse) are 0 rather than NaN.
 _EMPTY_ROW_LSE = 1e30
 
-# Tiles per rank: a K/V tile in hand plus one in flight are 4 / KV_TILES of q's size (K and V, with
-# as many kv heads as query heads), against the output's 1 that one process holds too. Measured at
-# 16K tokens over 2 ranks (forward, float32): 32 tiles left 0.7 of q's size above the output, 64
-# tiles 0.3, 128 tiles 0.23 for twice the steps; 64 keeps the forward within 1.25 / P of one process.
+# Tiles per rank. A K/V tile in hand plus one in flight are 4 / KV_TILES of q's size (K and V, with
+# as many kv heads as query heads), against the output's 1 that one process holds too: more tiles
+# hold less, but each is one more ring of P hops, and past a point the fixed costs of a call and a
+# message outweigh the memory they save (measurements: docs/benchmarks.md, Distributed).
 KV_TILES = 64
 # Query rows per fused call: at most 1/ROW_SPLITS of the local queries, which bounds the call's
 # output and log-sum-exp (forward), dQ (backward) and mask.
@@ -60,60 +63,125 @@ ROW_SPLITS = 32
 MIN_TILE, MIN_ROWS = 16, 64
 
 
+def _max_rows(n_local: int) -> int:
+    return max(MIN_ROWS, n_local // ROW_SPLITS)
+
+
+def _max_pairs(n_local: int) -> int:
+    """(query row, key) pairs per head of a compacted call: twice those of a dense call on the
+    default tiling, whatever the tiles. Its bias and gathered rows grow with it, and many small
+    calls cost more than their work (measurements: docs/benchmarks.md, Distributed)."""
+    return 2 * _max_rows(n_local) * max(MIN_TILE, n_local // KV_TILES)
+
+
+_NO_INDEX = 2**62  # beyond every global index: what a masked-out entry is given before a min or max
+
+
+@dataclass(eq=False)
+class RingPattern:
+    """The (query, key) pairs a ring kernel attends, as the hooks ring_plan and the fused calls
+    read. q_index and k_index are global token indices, (n,), or per head (batch, heads, n) in a
+    compacted call.
+
+    This class is dense causal attention under the kernels' base rule (`visible`), what
+    ring_attention runs. A sparse kernel subclasses it, sets `sparse` and gives `needed_keys` and
+    `weight`; one whose calls are to be compacted also sets `compacted` and gives `select` and
+    `full` (and `calls`, when a call needs more than the base rule and `weight`)."""
+    tokens: GlobalTokens
+    window: int | None  # sliding window (docs/contract.md 3.3)
+    sparse = False  # needed_keys and weight narrow the base rule
+    compacted = False  # calls run on, per head, only the rows and keys of the pattern's pairs
+
+    def visible(self, q_index, k_index) -> torch.Tensor:
+        """bool (batch, 1 or heads, rows, keys): the base rule (docs/contract.md 3: real keys, same
+        document, causal, the sliding window)."""
+        return visible_pairs(self.tokens, q_index, k_index, sliding_window=self.window)
+
+    def weight(self, q_index, k_index) -> torch.Tensor | None:
+        """How a sparse pattern takes each pair on top of the base rule, (batch or 1, heads or 1,
+        rows, keys): bool (lets it through) or a count c (the key is read c times: it weighs
+        exp(s + log c)). None: every pair."""
+        return None
+
+    def needed_keys(self, query_index) -> torch.Tensor:
+        """Sparse patterns: bool (batch, kv_heads, seq_len), a superset of the keys `weight` lets some
+        query of `query_index` see. From it every rank knows, for each tile and hop, which calls it
+        skips, which entries some rank further along the ring still needs (only those travel on)
+        and which entries earlier ranks used (only their gradients travel back), with no message
+        about it."""
+        raise NotImplementedError
+
+    def select(self, q_index, k_index):
+        """Compacted patterns, for a (rows, key tile) call: bool (batch, heads, rows) and (batch,
+        heads, keys), for each head a superset of the rows and keys in some pair it lets through;
+        and (rows,) ints or None: rows of one value relate alike to the tile (compacted apart)."""
+        raise NotImplementedError
+
+    def full(self, q_index, k_index, q_valid, k_valid) -> bool:
+        """Compacted patterns: whether `weight` lets every pair of valid entries through (per head
+        indices, bool q_valid / k_valid of their shapes)."""
+        raise NotImplementedError
+
+    def mask(self, q_index, k_index, dtype):
+        """(additive bias (batch, 1 or heads, rows, keys), bool rows with no visible key) of a call."""
+        return weighted_bias(self.visible(q_index, k_index), self.weight(q_index, k_index), dtype)
+
+    def calls(self, q_index, k_index, q_valid, k_valid, dtype) -> list:
+        """The fused calls on one compacted grid (per head indices; q_valid / k_valid: the selected
+        entries, the others pad): [(far, bias, empty)], far: whether the call reads the second pair
+        of projections of run_ring (q_far, k_far) instead of (q, k); bias and empty as in mask,
+        None when every pair is visible."""
+        if self.all_visible(q_index, k_index, q_valid, k_valid) and self.full(q_index, k_index, q_valid, k_valid):
+            return [(False, None, None)]
+        visible = self.visible(q_index, k_index) & q_valid[..., None] & k_valid[..., None, :]
+        return [(False, *weighted_bias(visible, self.weight(q_index, k_index), dtype))]
+
+    def all_visible(self, q_index, k_index, q_valid, k_valid) -> bool:
+        """Whether the base rule lets every pair of valid entries of a grid through, told without
+        building it: plain tokens (positions are the global indices), no window, every key valid
+        and before every valid row."""
+        if not (self.tokens.plain and self.window is None and bool(k_valid.all())):
+            return False
+        first_row = torch.where(q_valid, q_index, _NO_INDEX).amin(-1)
+        return bool((k_index.amax(-1) < first_row).all())
+
+
 @dataclass
 class Piece:
     """One fused call of a ring step: local query rows x the whole key tile in hand."""
-    rows: slice
-    is_causal: bool
-    # Padding / documents / window / a sparse pattern: the global indices of the rows and keys, to
-    # build the mask when the call runs (built per call, never stored: it is (batch, heads, rows, tile)).
+    rows: slice | torch.Tensor  # local query rows (a tensor of them for a compacted call)
+    is_causal: bool = False
+    # A masked call: the global indices of the rows and keys, and the pattern to build the mask from
+    # when the call runs (built per call, never stored: it is (batch, heads, rows, tile)).
     q_index: torch.Tensor | None = None
     k_index: torch.Tensor | None = None
-    tokens: GlobalTokens | None = None
-    window: int | None = None  # sliding window (docs/contract.md 3.3)
-    # pattern(q_index, k_index) -> (batch or 1, heads or 1, rows, tile): bool (the pattern lets the
-    # pair through) or a count (how many times the key is in K(h, i): "longnet"); None: dense.
-    # The indices are 1-D, or (batch, heads, n) for a compacted call.
-    pattern: object = None
-    # select(q_index, k_index) -> bool (batch, heads, rows), (batch, heads, tile): for each head, a
-    # superset of the rows and keys in some pair the pattern lets through; and (rows,) ints or None:
-    # rows of one value relate alike to the tile (compacted apart). Given, `rows` is a tensor
-    # of local row indices and the call runs compacted (see compact), in calls of at most
-    # `max_pairs` (query row, key) pairs per head.
-    select: object = None
-    max_pairs: int = 0
-    # pattern_full(q_index, k_index, q_valid, k_valid) -> bool: whether the pattern lets every pair
-    # of valid entries through (per head indices, as in compact); then a call of plain tokens whose
-    # keys all precede its rows needs no mask at all.
-    pattern_full: object = None
-    # A local band (docs/contract.md 4.1; compacted calls only): keys within `band` positions of a
-    # query are visible whatever the pattern (which then holds the levels, bool). With `far`, keys
-    # beyond the band are read with the far projections (q_far, k_far) in a call of their own.
-    band: int | None = None
-    far: bool = False
+    pattern: RingPattern | None = None
+
+    @property
+    def compacted(self) -> bool:
+        return self.pattern is not None and self.pattern.compacted
 
     def mask(self, dtype):
         """(additive bias (batch, 1 or heads, nq, nk) or None, bool rows with no visible key or None)."""
         if self.q_index is None:
             return None, None
-        return _bias(self.tokens, self.q_index, self.k_index, self.window, self.pattern, dtype)
+        return self.pattern.mask(self.q_index, self.k_index, dtype)
 
     def compact(self, dtype):
         """The compacted grids: (rows, keys, valid, calls) for each. rows (batch, heads, n_rows):
         local row indices; keys (batch, heads, n_keys): indices in the tile; valid: which entries of
         rows are selected (the others pad each head to the longest, and see no key); calls: the
-        fused calls on that grid, (far, bias, empty): whether it reads the far projections, and
-        bias and empty as in mask (None: every pair visible). A sparse pattern's work then falls
-        with its density: a head reading one key in r of a tile at one query in r runs 1/r^2 of
-        the dense call."""
-        row_sel, key_sel, group = self.select(self.q_index, self.k_index)
+        fused calls on that grid (RingPattern.calls). A sparse pattern's work then falls with its
+        density: a head reading one key in r of a tile at one query in r runs 1/r^2 of the dense
+        call."""
+        row_sel, key_sel, group = self.pattern.select(self.q_index, self.k_index)
         if group is None:
             yield from self._compact_grids(self.rows, self.q_index, row_sel, key_sel, dtype)
             return
         for value in torch.unique(group):  # rows that relate alike to the tile: selected again, apart
             part = group == value
             rows, q_index = self.rows[part], self.q_index[part]
-            row_sel, key_sel, _ = self.select(q_index, self.k_index)
+            row_sel, key_sel, _ = self.pattern.select(q_index, self.k_index)
             yield from self._compact_grids(rows, q_index, row_sel, key_sel, dtype)
 
     def _compact_grids(self, local_rows, q_index, row_sel, key_sel, dtype):
@@ -125,55 +193,10 @@ class Piece:
         keys = torch.sort((~key_sel).to(torch.uint8), dim=-1, stable=True).indices[..., :n_keys]
         valid, key_valid = row_sel.gather(-1, rows), key_sel.gather(-1, keys)
         k_index = self.k_index[keys]
-        step = max(MIN_ROWS, self.max_pairs // n_keys)
-        # Plain tokens, no padding key: a grid whose keys all precede its rows may need no mask.
-        unmasked = bool(key_valid.all()) and self.tokens.plain and self.window is None
+        step = max(MIN_ROWS, _max_pairs(self.pattern.tokens.local_index.numel()) // n_keys)
         for start in range(0, n_rows, step):
             part, ok = rows[..., start:start + step], valid[..., start:start + step]
-            yield local_rows[part], keys, ok, self._calls(q_index[part], k_index, ok, key_valid, unmasked, dtype)
-
-    def _calls(self, qi, kj, ok, key_valid, unmasked, dtype):
-        far_one = 2**62
-        if unmasked:  # plain tokens: positions are the global indices
-            first_row, last_row = torch.where(ok, qi, far_one).amin(-1), torch.where(ok, qi, -far_one).amax(-1)
-            unmasked = bool((kj.amax(-1) < first_row).all())
-        if unmasked and self.band is not None and bool((last_row - kj.amin(-1) < self.band).all()):
-            return [(False, None, None)]  # every pair in the band
-        beyond = self.band is None or (unmasked and bool((first_row - kj.amax(-1) >= self.band).all()))
-        if unmasked and beyond and self.pattern_full(qi, kj, ok, key_valid):
-            return [(self.far, None, None)]  # every pair visible, none in the band
-        visible = _visible(self.tokens, qi, kj, self.window) & ok[..., None] & key_valid[..., None, :]
-        if self.band is None:
-            return [(False, *_pattern_bias(visible, self.pattern, qi, kj, dtype))]
-        pq, pk = take(self.tokens.positions, qi), take(self.tokens.positions, kj)
-        in_band = (pq[..., :, None] - pk[..., None, :]).abs() < self.band
-        levels = self.pattern(qi, kj)
-        if not self.far:
-            return [(False, *_as_bias(visible & (in_band | levels), dtype))]
-        parts = ((False, visible & in_band), (True, visible & levels & ~in_band))
-        return [(far, *_as_bias(part, dtype)) for far, part in parts if bool(part.any())]
-
-
-def _bias(tokens, q_index, k_index, window, pattern, dtype):
-    """(additive bias, bool rows with no visible key) of a call between the global tokens q_index
-    and k_index, under causality, padding, documents, the window and the pattern."""
-    return _pattern_bias(_visible(tokens, q_index, k_index, window), pattern, q_index, k_index, dtype)
-
-
-def _pattern_bias(visible, pattern, q_index, k_index, dtype):
-    if pattern is not None:
-        weight = pattern(q_index, k_index)
-        if weight.dtype != torch.bool:  # a key counted c times weighs exp(s + log c)
-            weight = weight.to(dtype) * visible
-            return torch.log(weight), (weight == 0).all(-1)
-        visible = visible & weight
-    return _as_bias(visible, dtype)
-
-
-def _as_bias(visible, dtype):
-    bias = torch.where(visible, torch.zeros((), dtype=dtype, device=visible.device),
-                       torch.full((), float("-inf"), dtype=dtype, device=visible.device))
-    return bias, ~visible.any(-1)
+            yield local_rows[part], keys, ok, self.pattern.calls(q_index[part], k_index, ok, key_valid, dtype)
 
 
 @dataclass
@@ -188,26 +211,6 @@ class RingPlan:
     kv_in: list | None = None
     grad_out: list | None = None
     grad_in: list | None = None
-
-
-def take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """values (batch, seq_len) at the global indices `index`, (n,) or (batch, heads, n):
-    (batch, 1 or heads, n)."""
-    if index.dim() == 1:
-        return values[:, None, index]
-    b, h, n = values.shape[0], index.shape[1], index.shape[2]
-    return values[:, None].expand(b, h, values.shape[1]).gather(2, index.expand(b, h, n))
-
-
-def _visible(tokens: GlobalTokens, qi, kj, window=None):
-    """bool (batch, 1 or heads, len(qi), len(kj)): causal, real key, same document, in the window;
-    qi, kj global indices, (n,) or (batch, heads, n)."""
-    q3 = qi if qi.dim() == 3 else qi[None, None]
-    k3 = kj if kj.dim() == 3 else kj[None, None]
-    visible = (k3[..., None, :] <= q3[..., :, None]) & take(tokens.real, kj)[..., None, :]
-    if window is not None:
-        visible = visible & (k3[..., None, :] > q3[..., :, None] - window)
-    return visible & (take(tokens.doc, qi)[..., :, None] == take(tokens.doc, kj)[..., None, :])
 
 
 def ring_tiles(n_local: int, layout: str, kv_tiles: int = KV_TILES) -> list[tuple[int, int]]:
@@ -238,34 +241,21 @@ def _runs(tiles, kinds, max_rows):
     return runs
 
 
-def ring_plan(tokens: GlobalTokens, window: int | None = None, pattern=None, needed_keys=None,
-              select=None, pattern_full=None, band: int | None = None, far: bool = False,
-              kv_tiles: int = KV_TILES) -> RingPlan:
+def ring_plan(pattern: RingPattern, kv_tiles: int = KV_TILES) -> RingPlan:
     """For each tile j and hop t (tile j of rank (rank - t) mod P), the Pieces to compute; a piece
-    is left out when a sliding `window`, padding, documents or the pattern hide all its pairs.
-
-    Sparse patterns (dilated_ring, block_sparse_ring) give `pattern` (see Piece) and
-    `needed_keys(query_index)` -> bool (batch, kv_heads, seq_len): every key the pattern lets some
-    query of `query_index` (global indices) see, a superset of what `pattern` lets through. From it
-    every rank knows, for each tile and hop, which entries some rank further along the ring still
-    needs (only those travel on) and which entries earlier ranks used (only their gradients travel
-    back), without any message about it. `select` and `pattern_full` (see Piece), when given, run the
-    calls compacted, with a local `band` and `far` projections if given. kv_tiles: tiles per rank."""
+    is left out when the pattern (its sliding window, padding, documents, sparse pairs) hides all
+    its pairs. A sparse pattern's needed_keys also decides which entries of each tile travel on and
+    which of its gradients travel back (RingPlan.kv_out ..). kv_tiles: tiles per rank."""
+    tokens, window = pattern.tokens, pattern.window
     world, rank = tokens.world, tokens.rank
     n_local = tokens.local_index.numel()
     tiles = ring_tiles(n_local, tokens.layout, kv_tiles)
-    max_rows = max(MIN_ROWS, n_local // ROW_SPLITS)
-    # A compacted call: at most twice the (rows, key) pairs per head of a dense call on the default
-    # tiling, whatever the tiles (its bias and gathered rows bound its memory). dilated_ring at 16K
-    # tokens over 2 ranks (16 tiles): 3.5 s a step and 48 MiB forward with no bound but the tile's
-    # (4x), 4.1 s with 2x, 4.7 s with 1x.
-    max_pairs = 2 * max_rows * max(MIN_TILE, n_local // KV_TILES)
+    max_rows = _max_rows(n_local)
     q_first = [int(tokens.local_index[a]) for a, _ in tiles]
     src_index = [tokens.rank_index(r) for r in range(world)]  # the pieces keep views of these
-    sparse = needed_keys is not None
-    if sparse:
-        need = _needs(tokens, src_index, needed_keys, window)
-        used = _used_tiles(tokens, tiles, src_index, needed_keys, window)
+    if pattern.sparse:
+        need = _needs(pattern, src_index)
+        used = _used_tiles(pattern, tiles, src_index)
     steps = []
     for j, (a, b) in enumerate(tiles):
         hops = []
@@ -276,7 +266,7 @@ def ring_plan(tokens: GlobalTokens, window: int | None = None, pattern=None, nee
             # Query tiles and key tiles lie on one grid: a query tile is after the key tile (full),
             # is it (causal) or is before it (nothing visible).
             kinds = ["full" if k1 <= q0 else "causal" if q0 == k0 else None for q0 in q_first]
-            if sparse:  # and a query tile that needs no key of this tile skips it
+            if pattern.sparse:  # and a query tile that needs no key of this tile skips it
                 kinds = [kind if used[i][src][j] else None for i, kind in enumerate(kinds)]
             pieces = []
             for run in _runs(tiles, kinds, max_rows):
@@ -286,24 +276,23 @@ def ring_plan(tokens: GlobalTokens, window: int | None = None, pattern=None, nee
                 if window is not None and int(qi[0]) - k1 + 1 >= window:
                     continue  # the window hides every pair
                 cut = window is not None and int(qi[-1]) - k0 >= window  # the window hides some pair
-                if select is not None:  # joined below into one compacted call
+                if pattern.compacted:  # joined below into one compacted call
                     pieces.append(torch.arange(rows.start, rows.stop, device=qi.device))
-                elif sparse:
-                    pieces.append(Piece(rows, False, qi, kj, tokens, window, pattern))
+                elif pattern.sparse:
+                    pieces.append(Piece(rows, q_index=qi, k_index=kj, pattern=pattern))
                 elif tokens.plain and not cut:
                     pieces.append(Piece(rows, is_causal=causal))
-                elif bool(_visible(tokens, qi, kj, window).any()):
-                    pieces.append(Piece(rows, False, qi, kj, tokens, window))
-            if select is not None and pieces:
+                elif bool(pattern.visible(qi, kj).any()):
+                    pieces.append(Piece(rows, q_index=qi, k_index=kj, pattern=pattern))
+            if pattern.compacted and pieces:
                 # One call per (tile, hop) for all the rows that may read it: compacted, it is as
                 # small as the pattern's pairs, and many small calls cost more than their work.
                 rows = torch.cat(pieces)
-                pieces = [Piece(rows, False, tokens.local_index[rows], kj, tokens, window, pattern, select,
-                                max_pairs, pattern_full, band, far)]
+                pieces = [Piece(rows, q_index=tokens.local_index[rows], k_index=kj, pattern=pattern)]
             hops.append(pieces)
         steps.append(hops)
     plan = RingPlan(tiles, steps, tokens)
-    if sparse:
+    if pattern.sparse:
         # Tile j of rank s at hop t is held by rank s + t. Onwards go the entries that a rank after
         # it needs; back (dK/dV, hop t >= 1) the entries that ranks s + 1 .. s + t used (the owner
         # keeps its own part).
@@ -328,33 +317,33 @@ def ring_plan(tokens: GlobalTokens, window: int | None = None, pattern=None, nee
     return plan
 
 
-def _trimmed(tokens, needed_keys, qi, window):
-    """needed_keys(qi), cut to the keys causality (and a sliding window) leave to those queries."""
-    index = torch.arange(tokens.positions.shape[1], device=qi.device)
+def _trimmed(pattern: RingPattern, qi):
+    """pattern.needed_keys(qi), cut to the keys causality (and a sliding window) leave to those queries."""
+    index = torch.arange(pattern.tokens.positions.shape[1], device=qi.device)
     keep = index <= qi.max()
-    if window is not None:
-        keep &= index > qi.min() - window
-    return needed_keys(qi) & keep
+    if pattern.window is not None:
+        keep &= index > qi.min() - pattern.window
+    return pattern.needed_keys(qi) & keep
 
 
-def _needs(tokens, src_index, needed_keys, window):
+def _needs(pattern: RingPattern, src_index):
     """need[d]: bool (batch, kv_heads, seq_len), the keys rank d's queries need."""
-    from .layout import chunks_per_rank
-
+    tokens = pattern.tokens
     n = tokens.local_index.numel()
     c = n // chunks_per_rank(tokens.layout)
     out = []
     for d in range(tokens.world):
         mask = None
         for start in range(0, n, c):  # per chunk: its own causal / window cut
-            m = _trimmed(tokens, needed_keys, src_index[d][start:start + c], window)
+            m = _trimmed(pattern, src_index[d][start:start + c])
             mask = m if mask is None else mask | m
         out.append(mask)
     return out
 
 
-def _used_tiles(tokens, tiles, src_index, needed_keys, window):
+def _used_tiles(pattern: RingPattern, tiles, src_index):
     """used[i][s][j]: whether local query tile i needs any key of tile j of rank s."""
+    tokens = pattern.tokens
     n = tokens.local_index.numel()
     device = tokens.local_index.device
     tile_of = torch.empty(n, dtype=torch.long, device=device)
@@ -362,7 +351,7 @@ def _used_tiles(tokens, tiles, src_index, needed_keys, window):
         tile_of[a:b] = j
     used = []
     for a, b in tiles:
-        m = _trimmed(tokens, needed_keys, tokens.local_index[a:b], window).any(0).any(0)  # (seq_len,)
+        m = _trimmed(pattern, tokens.local_index[a:b]).any(0).any(0)  # (seq_len,)
         per_src = []
         for s in range(tokens.world):
             hit = torch.zeros(len(tiles), dtype=torch.long, device=device).index_add_(0, tile_of,
@@ -414,8 +403,8 @@ def _at(masks, j, t):
 # and a key's dK/dV are sums over many calls, and rounding each call's part to bfloat16 would add
 # one rounding per call. The copies are of one call's rows and one tile, a few percent of q.
 class _RingAttention(torch.autograd.Function):
-    """q_far, k_far: None, or the far projections of a local band (docs/contract.md 4.1): k_far
-    travels with K and V, and compacted calls read (q_far, k_far) for the keys beyond the band."""
+    """q_far, k_far: None, or a second pair of projections (run_ring): k_far travels with K and V,
+    and the compacted calls that say so (RingPattern.calls) read (q_far, k_far) instead of (q, k)."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_far, k_far, exchange: Exchange, plan: RingPlan, scale):
@@ -431,7 +420,7 @@ class _RingAttention(torch.autograd.Function):
                 if t + 1 < world:  # post the next hop before computing on the tile in hand
                     posted = _post(exchange, kv, _at(plan.kv_out, j, t), _at(plan.kv_in, j, t), tag=0)
                 for piece in pieces:
-                    if piece.select is not None:
+                    if piece.compacted:
                         _compact_forward(piece, (q, q_far), kv, out, lse, scale, acc)
                         continue
                     bias, empty_rows = piece.mask(acc)
@@ -473,7 +462,7 @@ class _RingAttention(torch.autograd.Function):
                     posted = _post(exchange, kv, _at(plan.kv_out, j, t), _at(plan.kv_in, j, t), tag=0)
                 mine = None  # this rank's part of the dK/dV of the tile in hand
                 for piece in pieces:
-                    if piece.select is not None:
+                    if piece.compacted:
                         mine = _compact_backward(piece, (q, q_far), kv, out, lse, dout, (dq, dq_far), mine, scale,
                                                  acc)
                         continue
@@ -534,7 +523,7 @@ def _tile_per_query_head(tile, q_heads):
 
 
 def _compact_forward(piece, queries, kv, out, lse, scale, acc):
-    """A Piece with `select`: each head's rows against its keys (Piece.compact), merged into out
+    """A compacted Piece: each head's rows against its keys (Piece.compact), merged into out
     and lse at those rows (padding rows left out). queries: (q, q_far or None); kv: the tile's
     (K, V) or (K, V, K far)."""
     tiles = [_tile_per_query_head(t, queries[0].shape[1])[0] for t in kv]
@@ -614,6 +603,17 @@ def ring_attention(q, k, v, *, group=None, layout: str = DEFAULT_RING_LAYOUT, sc
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     plan = prepare_call("ring_attention", q, k, v, attention_mask=attention_mask, position_ids=position_ids,
                           group=group, layout=layout, scale=scale, sliding_window=sliding_window,
-                          build=lambda tokens: ring_plan(tokens, sliding_window))
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), None, None, Exchange(group, "ring"),
-                                plan, scale)
+                          build=lambda tokens: ring_plan(RingPattern(tokens, sliding_window)))
+    return run_ring(q, k, v, plan, group=group, label="ring", scale=scale)
+
+
+def run_ring(q, k, v, plan: RingPlan, *, group, label: str, scale: float, q_far=None, k_far=None):
+    """This rank's shard of the attention output by `plan` (ring_plan), differentiable in q, k, v
+    (and q_far, k_far). The ring kernels' common entry: q, k, v are this rank's shards as in
+    ring_attention, `label` names the kernel in bytes_sent(); q_far, k_far (shaped like q and k, or
+    None): a second pair of projections, read by the calls whose pattern says so (RingPattern.calls)."""
+    def contiguous(t):
+        return None if t is None else t.contiguous()
+
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), contiguous(q_far), contiguous(k_far),
+                                Exchange(group, label), plan, scale)

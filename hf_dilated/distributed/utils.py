@@ -1,4 +1,5 @@
-"""Point-to-point messaging shared by the ring kernels, with a byte count per kernel.
+"""What the ring kernels share: point-to-point messaging, with a byte count per kernel, and the
+additive masks of their fused calls.
 
 Every send of the package goes through `Exchange.start`, which posts isend/irecv pairs with
 `torch.distributed.batch_isend_irecv` and adds the bytes it sends to `bytes_sent()[label]`
@@ -58,3 +59,21 @@ class Exchange:
 def wait_all(works) -> None:
     for w in works:
         w.wait()
+
+
+def as_bias(visible: torch.Tensor, dtype):
+    """(additive bias: 0 where `visible`, -inf elsewhere; bool rows with no visible key)."""
+    bias = torch.where(visible, torch.zeros((), dtype=dtype, device=visible.device),
+                       torch.full((), float("-inf"), dtype=dtype, device=visible.device))
+    return bias, ~visible.any(-1)
+
+
+def weighted_bias(visible: torch.Tensor, weight, dtype):
+    """as_bias of `visible` narrowed by a pattern's `weight`: None (dense), bool (the pairs it lets
+    through) or a count c (the key weighs exp(s + log c), c = 0 hides it)."""
+    if weight is None:
+        return as_bias(visible, dtype)
+    if weight.dtype == torch.bool:
+        return as_bias(visible & weight, dtype)
+    weight = weight.to(dtype) * visible
+    return torch.log(weight), (weight == 0).all(-1)

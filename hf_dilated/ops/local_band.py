@@ -84,23 +84,46 @@ def _plan(layout, q_len, seg, dil, window, is_causal, sliding_window) -> _Plan:
     return _Plan(layout, seg, dil, window, is_causal, sliding_window, first, calls)
 
 
+def take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values (batch, n) at the indices `index`, (m,) or per head (batch, heads, m): (batch, 1 or heads, m)."""
+    if index.dim() == 1:
+        return values[:, None, index]
+    b, h, m = values.shape[0], index.shape[1], index.shape[2]
+    return values[:, None].expand(b, h, values.shape[1]).gather(2, index.expand(b, h, m))
+
+
+def visible_pairs(layout: TokenLayout, q_index, k_index, *, causal: bool = True,
+                  sliding_window: int | None = None) -> torch.Tensor:
+    """The kernels' base rule (docs/contract.md 3), which every pattern narrows: bool (batch, 1 or
+    heads, len(q_index), len(k_index)), whether query q_index[i] may see key k_index[j]: the key
+    is real, in the query's document, not after it (`causal`) and, with a `sliding_window` W,
+    fewer than W indices before it. Indices into the layout's (batch, n) tensors: (m,), or per head
+    (batch, heads, m). The single-process band below and the ring kernels (distributed/) build
+    their masks on it."""
+    q3 = q_index if q_index.dim() == 3 else q_index[None, None]
+    k3 = k_index if k_index.dim() == 3 else k_index[None, None]
+    visible = take(layout.real, k_index)[..., None, :] & (take(layout.doc, q_index)[..., :, None]
+                                                           == take(layout.doc, k_index)[..., None, :])
+    if causal:
+        visible = visible & (k3[..., None, :] <= q3[..., :, None])
+    if sliding_window is not None:
+        visible = visible & (k3[..., None, :] > q3[..., :, None] - sliding_window)
+    return visible
+
+
 def _visible(plan: _Plan, call: _Call, n_heads: int) -> torch.Tensor:
     """bool (batch, heads or 1, queries, keys) of one call: base-visible keys in the band (near) or
     beyond it and held by some union level for the head (far)."""
-    pos, doc, real = plan.layout.positions, plan.layout.doc, plan.layout.real
+    pos = plan.layout.positions
     device = pos.device
     i = torch.arange(plan.first + call.queries.start, plan.first + call.queries.stop, device=device)
     j = torch.arange(call.keys.start, call.keys.stop, device=device)
     p_i, p_j = pos[:, i], pos[:, j]
-    visible = real[:, None, j] & (doc[:, i, None] == doc[:, None, j])
-    if plan.is_causal:
-        visible = visible & (j[None, None, :] <= i[None, :, None])
-    if plan.sliding_window is not None:
-        visible = visible & (j[None, None, :] > i[None, :, None] - plan.sliding_window)
-    in_band = (p_i[:, :, None] - p_j[:, None, :]).abs() < plan.window
+    visible = visible_pairs(plan.layout, i, j, causal=plan.is_causal, sliding_window=plan.sliding_window)
+    in_band = ((p_i[:, :, None] - p_j[:, None, :]).abs() < plan.window)[:, None]
     if not call.far:
-        return (visible & in_band)[:, None]
-    visible = (visible & ~in_band)[:, None]
+        return visible & in_band
+    visible = visible & ~in_band
     heads = torch.arange(n_heads, device=device)
     levels = torch.zeros((), dtype=torch.bool, device=device)
     for w, r in zip(plan.segment_lengths, plan.dilation_rates):
