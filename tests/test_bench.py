@@ -472,3 +472,34 @@ def test_cli_bench_window_rejects_a_bad_window(capsys):
 
     assert main(["bench", "window", "--window", "0"]) == 2
     assert "--window must be positive" in capsys.readouterr().err
+
+
+def test_operation_counts_per_pass():
+    """`hf-dilated bench kernels` counts the aten ops of a forward, a backward and a decode step
+    (bench/ops.py); a dilated forward is a handful of fused calls and merges, not per-token work."""
+    from hf_dilated.bench.ops import kernel_op_counts, markdown_ops
+    from hf_dilated.ops import dilated_attention
+
+    q, k, v = (torch.randn(1, 4, 256, 16) for _ in range(3))
+    counts = kernel_op_counts(lambda q, k, v: dilated_attention(q, k, v, [64, 128, 256], [1, 2, 4]), q, k, v)
+    assert set(counts) == {"forward", "backward", "decode"}
+    for c in counts.values():
+        assert 0 < c["launches"] <= c["ops"] < 400
+    text = "\n".join(markdown_ops([{"variant": "union", "n": 256, "dtype": "float32", "ops": counts},
+                                   {"variant": "flex", "n": 256, "dtype": "float32", "ops": {"error": "E"}}]))
+    assert "## Operations per call" in text
+    f, b, d = (counts[p] for p in ("forward", "backward", "decode"))
+    assert f"| float32 | 256 | union | {f['ops']} / {f['launches']} | {b['ops']} / {b['launches']} | " \
+           f"{d['ops']} / {d['launches']} |" in text
+    assert "| flex | E |" in text
+
+
+@pytest.mark.slow
+def test_cli_bench_kernels_reports_operation_counts(tmp_path):
+    report, md = _run_bench(tmp_path, "kernels", "--variants", "union", "--lengths", "128", "--no-search")
+    ops = {r["variant"]: r["ops"] for r in report["kernels"]["ops"]}
+    assert set(ops) == {"sdpa", "union"}
+    assert all(ops["union"][p]["ops"] > 0 for p in ("forward", "backward", "decode"))
+    assert "## Operations per call" in md
+    report, md = _run_bench(tmp_path, "kernels", "--variants", "union", "--lengths", "128", "--no-search", "--no-ops")
+    assert not report["kernels"]["ops"] and "## Operations per call" not in md

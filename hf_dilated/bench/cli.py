@@ -51,7 +51,7 @@ DEFAULTS = dict(out="bench-results", device=None, threads=None, batch=1, heads=8
                 block_size=256, block_pattern=None, variants=None, million=False, e2e=True, e2e_impls=None,
                 distributed_length=None, distributed_kernels=None, window=None, gen_new=64, gen_layers=2,
                 gen_intermediate=1024, gen_vocab=32000, gen_caches=["dynamic", "static", "reserved"],
-                fsdp=True, fsdp_processes=4, fsdp_sp=2, fsdp_length=2048)
+                fsdp=True, fsdp_processes=4, fsdp_sp=2, fsdp_length=2048, ops=True)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -111,6 +111,8 @@ def _kernels(p):
     p.add_argument("--search-max", type=int)
     p.add_argument("--search-timeout", type=float, help="seconds per attempt of the length search")
     p.add_argument("--bisect-steps", type=int)
+    p.add_argument("--ops", action=argparse.BooleanOptionalAction,
+                   help="count the aten operations of a forward, backward and decode step per kernel (default: on)")
     p.add_argument("--million", action="store_true",
                    help="also run issue 2's memory check: a float32 forward at 1,048,576 tokens per dilated mode")
 

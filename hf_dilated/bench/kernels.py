@@ -17,6 +17,7 @@ import statistics
 import torch
 
 from .. import measure
+from .ops import kernel_op_counts, markdown_ops
 from .report import PASS_LABEL, case_summary, mib, say
 from ..ops.validate import DILATED_MODES
 from .variants import BUILDERS, Unavailable
@@ -108,6 +109,11 @@ def run_kernel_case(spec: dict, own_process: bool = False) -> dict:
             result["passes"][pass_name] = {"error": measure.error_text(e)}
         gc.collect()
     measure.measure_memory(steps, result["passes"], device, own_process)
+    if spec.get("ops"):  # after the timed and measured calls, which it cannot disturb
+        try:
+            result["ops"] = kernel_op_counts(fn, q, k, v, backward=not no_backward)
+        except measure.CALL_ERRORS as e:
+            result["ops"] = {"error": measure.error_text(e)}
     return result
 
 
@@ -120,7 +126,7 @@ def kernel_spec(s, variant, n, dtype, passes, **extra) -> dict:
                 heads=s["heads"], kv_heads=s["kv_heads"], head_dim=s["head_dim"],
                 segment_lengths=s["segment_lengths"], dilation_rates=s["dilation_rates"],
                 block_size=s["block_size"], block_pattern=s["block_pattern"], passes=passes,
-                warmup=s["warmup"], repeats=s["repeats"], threads=s["threads"])
+                warmup=s["warmup"], repeats=s["repeats"], threads=s["threads"], ops=s.get("ops", False))
     spec.update(extra)
     return spec
 
@@ -141,8 +147,10 @@ def run_section(s, runner, report) -> dict:
                 say(f"  {variant:>12} {dtype:>8} N={n:<7} {case_summary(r)}")
                 results.append(r)
     rows = kernel_rows(results)
+    ops = [{"variant": r["spec"]["variant"], "n": r["spec"]["n"], "dtype": r["spec"]["dtype"], "ops": r["ops"]}
+           for r in results if r.get("ops")]
     return {"results": results, "rows": rows, "unavailable": unavailable, "targets": targets(s, rows),
-            "exponents": fit_exponents(rows)}
+            "exponents": fit_exponents(rows), "ops": ops}
 
 
 def kernel_rows(results) -> list[dict]:
@@ -300,7 +308,7 @@ def markdown_section(section, s) -> list[str]:
              "`hf_dilated.create_attention(\"auto\")` with its defaults (what `DilatedMultiheadAttention` uses): "
              f"dense sdpa up to the device's first segment ({AUTO_DENSE_MAX_LEN.get(s['device'], 4096)} tokens "
              "here), dilated beyond it.\n")
-    return L + _targets_and_growth(section)
+    return L + markdown_ops(section.get("ops", [])) + _targets_and_growth(section)
 
 
 def markdown_million(rows, s) -> list[str]:

@@ -43,6 +43,8 @@ from ..config import DECODE_MAX_QUERIES
 from .block_sparse_decode import block_sparse_decode
 from .block_patterns import AdaptivePattern, CustomPattern, make_pattern
 from .merge import merge_dtype, merge_into
+from .plan_cache import PlanCache
+from .strided import as_strided_within
 from .token_layout import token_layout
 from .validate import check_int, check_qkv, check_scale_dropout
 
@@ -95,11 +97,50 @@ def block_sparse_attention(q, k, v, pattern, *, block_size, is_causal=True, scal
         if out is not None:
             return out
 
-    st = _structure(q.shape[0], q.shape[2], k.shape[2], block_size, q.device, attention_mask, position_ids)
-    layout, rows = _layout(pattern, q, k, st)
-    plan = _plan(st, rows, is_causal, q.shape[1], k.shape[1], q.shape[3], sliding_window)
+    key = _plan_key(pattern, q, k, block_size, is_causal, sliding_window)
+    cached = None if key is None else _PLANS.get(key, attention_mask, position_ids)
+    if cached is None:
+        st = _structure(q.shape[0], q.shape[2], k.shape[2], block_size, q.device, attention_mask, position_ids)
+        layout, rows = _layout(pattern, q, k, st)
+        plan = _plan(st, rows, is_causal, q.shape[1], k.shape[1], q.shape[3], sliding_window)
+        plan.calls = [_on_device(call, q.device) for call in plan.calls]
+        if key is not None:
+            _PLANS.put(key, attention_mask, position_ids, (st, layout, plan))
+    else:
+        st, layout, plan = cached
+        layout = layout.clone() if return_layout else layout  # the caller may write into it
     out = _BlockSparseAttention.apply(q, k, v, st, plan, scale)
     return (out, layout) if return_layout else out
+
+
+# Plans of recent calls: every layer of a model passes the same mask and positions, so the layers
+# after the first (and every later step of the same shape) reuse the first one's structure, layout
+# and calls, without reading a tensor on the host (no device synchronisation in a steady state).
+_PLANS = PlanCache()
+
+
+def _plan_key(pattern, q, k, block_size, is_causal, sliding_window):
+    """The cache key of a call's plan, from shapes and settings only (no tensor data); None when
+    the plan depends on the inputs' values (adaptive patterns select blocks by content)."""
+    if isinstance(pattern, AdaptivePattern):
+        return None
+    if isinstance(pattern, CustomPattern):
+        if pattern.layout.is_inference():  # no version counter: an in-place change would go unseen
+            return None
+        # the pattern object itself (compared by identity, and kept alive by the key) and the
+        # version of its layout: a layout written in place gives a new plan
+        pattern_key = (pattern, pattern.layout._version)
+    else:
+        pattern_key = pattern  # frozen dataclass: compared by value
+    return (tuple(q.shape), tuple(k.shape), str(q.device), pattern_key, block_size, is_causal, sliding_window,
+            _GATHER_BUDGET, _VIEW_CHUNK, _STRIP_ROWS)  # the budgets shape the calls too
+
+
+def _on_device(call: "_Call", device) -> "_Call":
+    """The call with its bias and empty-row mask on `device` (moved once, at planning)."""
+    moved = {name: t.to(device) for name in ("bias", "empty")
+             if (t := getattr(call, name)) is not None and t.device != device}
+    return replace(call, **moved) if moved else call
 
 
 # ----------------------------------------------------------------------------------------------
@@ -546,9 +587,11 @@ class _PlainStorage:
         heads, _, _, dim = kb.shape
         if call.kind == "window":
             n, start = call.u1 - call.u0, call.u0 - call.off - call.m + 1
+            if start < 0 or start + n - 1 + call.m > self.R:  # blocks start .. u1 - 1 - off of this row
+                raise IndexError(f"window call reads blocks {start}..{call.u1 - 1 - call.off} of {self.R}")
             size, stride = (n, heads, call.m * bs, dim), (bs * dim, kb.stride(0), dim, 1)
-            kx = kb.as_strided(size, stride, kb.storage_offset() + start * bs * dim)
-            vx = vb.as_strided(size, stride, vb.storage_offset() + start * bs * dim)
+            kx = as_strided_within(kb, size, stride, kb.storage_offset() + start * bs * dim)
+            vx = as_strided_within(vb, size, stride, vb.storage_offset() + start * bs * dim)
             return [x[call.b][:, call.u0:call.u1].transpose(0, 1) for x in sources], kx, vx
         if call.kind == "strip":
             kx, vx = (x[:, call.u0:call.u1, :call.r1].transpose(0, 1) for x in (kb, vb))

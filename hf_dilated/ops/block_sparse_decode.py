@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from .block_patterns import AdaptivePattern, CustomPattern
+from .block_patterns import (AdaptivePattern, CustomPattern, DilatedPattern, GlobalLocalPattern, HierarchicalPattern,
+                             LocalPattern)
 from .merge import merge_dtype
+from .plan_cache import PlanCache
 from .token_layout import regular_rows
 
 COUNTS = {"gathered": 0, "fallback": 0}
@@ -45,10 +47,12 @@ def block_sparse_decode(q, k, v, pattern, *, block_size, scale, attention_mask=N
     for b in range(batch):
         for t in range(q_len):
             index = kv_len - q_len + t
-            keys = _visible_keys(pattern, index, first[b], shift[b], block_size, num_blocks, sliding_window, q.device)
-            if keys.numel() == 0:
+            runs = _visible_runs(pattern, index, first[b], shift[b], block_size, sliding_window)
+            if not runs:
                 continue  # no allowed key: output 0 (docs/contract.md 5)
-            kb, vb = k[b].index_select(1, keys), v[b].index_select(1, keys)  # (kv_heads, n, d)
+            # (kv_heads, n, d): a view for one run of keys, else the runs joined in order
+            kb, vb = (x[b, :, runs[0][0]:runs[0][1]] if len(runs) == 1
+                      else torch.cat([x[b, :, lo:hi] for lo, hi in runs], 1) for x in (k, v))
             qb = q[b, :, t].unflatten(0, (k.shape[1], group))  # (kv_heads, group, d)
             scores = torch.matmul(qb, kb.transpose(-1, -2)).to(out.dtype) * scale
             probs = torch.softmax(scores, -1).to(vb.dtype)
@@ -56,19 +60,56 @@ def block_sparse_decode(q, k, v, pattern, *, block_size, scale, attention_mask=N
     return out.to(q.dtype)
 
 
-def _visible_keys(pattern, index, first, shift, block_size, num_blocks, sliding_window, device):
-    """Cache indices of the keys the query at `index` reads, in order."""
+def _visible_runs(pattern, index, first, shift, block_size, sliding_window):
+    """Runs [lo, hi) of the cache indices the query at `index` reads, in order, as Python ints:
+    planned from the query's position alone (no tensor is read, so no device synchronisation)."""
     p = index + shift
-    bq = p // block_size
-    if isinstance(pattern, CustomPattern):
-        row = pattern.layout[0, bq, : bq + 1].to(device)
-    else:
-        row = pattern.block_layout(torch.tensor([bq], device=device), num_blocks)[0, 0, 0, : bq + 1]
     lowest = max(first, 0 if sliding_window is None else index - sliding_window + 1)
-    starts = row.nonzero().squeeze(1) * block_size - shift  # cache index of each allowed block's first key
-    offsets = torch.arange(block_size, device=device)
-    keys = (starts[:, None] + offsets).reshape(-1)
-    return keys[(keys >= lowest) & (keys <= index)]
+    runs = []
+    for bk in allowed_blocks(pattern, p // block_size):
+        lo, hi = max(bk * block_size - shift, lowest), min((bk + 1) * block_size - shift, index + 1)
+        if lo >= hi:
+            continue
+        if runs and runs[-1][1] == lo:
+            runs[-1][1] = hi
+        else:
+            runs.append([lo, hi])
+    return runs
+
+
+def allowed_blocks(pattern, bq: int) -> list[int]:
+    """The key blocks bk <= bq that `pattern` allows for query block bq, ascending, as Python ints
+    (block_patterns.py's rules, evaluated on integers; a custom layout is read once per version)."""
+    if isinstance(pattern, CustomPattern):
+        return [bk for bk, ok in enumerate(_custom_rows(pattern)[bq][: bq + 1]) if ok]
+    rule = _RULES.get(type(pattern))
+    if rule is None:  # a pattern type without an integer rule: its tensor rule, on the host
+        row = pattern.block_layout(torch.tensor([bq]), bq + 1)[0, 0, 0]
+        return [bk for bk, ok in enumerate(row.tolist()) if ok]
+    return [bk for bk in range(bq + 1) if rule(pattern, bq - bk, bk)]
+
+
+def _dilated_rule(pattern, d, bk):
+    return d < pattern.window or d % pattern.stride == 0
+
+
+_RULES = {  # whether key block bk at distance d = bq - bk >= 0 is allowed (block_patterns.py)
+    LocalPattern: lambda pattern, d, bk: d < pattern.window,
+    DilatedPattern: _dilated_rule,
+    GlobalLocalPattern: lambda pattern, d, bk: bk < pattern.global_blocks or d < pattern.window,
+    HierarchicalPattern: lambda pattern, d, bk: any(_dilated_rule(level, d, bk) for level in pattern.levels),
+}
+
+_CUSTOM_ROWS = PlanCache()
+
+
+def _custom_rows(pattern: CustomPattern) -> list:
+    """pattern.layout[0] as nested Python lists, read from the device once per layout version."""
+    rows = _CUSTOM_ROWS.get(id(pattern), pattern.layout, None)
+    if rows is None:
+        rows = pattern.layout[0].tolist()
+        _CUSTOM_ROWS.put(id(pattern), pattern.layout, None, rows)
+    return rows
 
 
 def block_sparse_decode_static(q, k, v, pattern, *, block_size, scale, real, seen, sliding_window=None):

@@ -45,6 +45,7 @@ from .plan_cache import PlanCache
 from ..config import DECODE_MAX_QUERIES, DEFAULT_MODE, check_int
 from .dilated_decode import dilated_decode
 from .head_groups import head_groups
+from .strided import as_strided_within
 from .token_layout import TokenLayout, first_key_within, token_layout
 from .validate import check_dilated_config, check_local_band, check_qkv, check_scale_dropout
 
@@ -97,6 +98,8 @@ class _Level:
     window: int | None = None
     q_index: torch.Tensor | None = None  # (R, Hc, Lq) key-sequence index of each query slot
     k_index: torch.Tensor | None = None  # (R, P, L) key-sequence index of each key slot (-1: empty)
+    order: list = field(default_factory=list)  # `heads` as Python ints (read without a device sync)
+    query_groups: dict = field(default_factory=dict)  # _query_groups' result per head count, once built
 
 
 def dilated_attention(
@@ -378,7 +381,7 @@ def _plan_level(layout: TokenLayout, shape: _Shape, w: int, r: int, prev_w: int 
         tq=_per_head(queries.tq[..., q0:], hs), k_real=k_real,
         q_rows=q_rows, q_dump=q_rows.masked_fill(~q_real, shape.batch * shape.q_heads * shape.q_len),
         k_rows=k_rows, k_dump=k_rows.masked_fill(~k_real, shape.batch * shape.kv_heads * shape.kv_len), calls=calls,
-        unique_pairs=len(set(hs.pairs)) == len(hs.pairs), q0=q0, pairs=hs.pairs,
+        unique_pairs=len(set(hs.pairs)) == len(hs.pairs), q0=q0, pairs=hs.pairs, order=hs.order,
     )
     if window is not None:  # banded calls: none of the fast paths of whole segments applies
         level.window, level.q_index, level.k_index = window, q_index, k_table
@@ -521,7 +524,7 @@ def _row_view(t: torch.Tensor):
     if not dense:
         t = t.contiguous()
         strides = t.stride()
-    base = torch.as_strided(t, (t.numel() // d, d), (d, 1), t.storage_offset())
+    base = as_strided_within(t, (t.numel() // d, d), (d, 1), t.storage_offset())
     return base, tuple(s // d for s in strides[:3])
 
 
@@ -576,19 +579,32 @@ def _unsegment(x: torch.Tensor, batch: int) -> torch.Tensor:
 
 def _strided_slots(x, head0, head_step, n_heads, class0, class_step, t0, n_slots, w, r):
     """A view of x (batch, heads, n[, d]) shaped (batch, n / w, n_heads, n_slots[, d]): element
-    (b, s, i, t) is x[b, head0 + i * head_step, s * w + c + (t0 + t) * r], c = class0 + i * class_step."""
+    (b, s, i, t) is x[b, head0 + i * head_step, s * w + c + (t0 + t) * r], c = class0 + i * class_step.
+    Raises if some element would lie outside x (another head, the next segment, past the storage)."""
+    last_class = class0 + (n_heads - 1) * class_step
+    if n_heads and n_slots and not (
+            x.shape[2] % w == 0 and head0 >= 0 and head0 + (n_heads - 1) * head_step < x.shape[1]
+            and class0 >= 0 and last_class + (t0 + n_slots - 1) * r < w and t0 >= 0):
+        raise IndexError(f"strided slots outside x {tuple(x.shape)}: heads {head0}+{head_step}k (x{n_heads}), "
+                         f"class {class0}..{last_class}, slots {t0}..{t0 + n_slots - 1} of segment {w} / {r}")
     sb, sh, sn = x.stride()[:3]
     sizes = (x.shape[0], x.shape[2] // w, n_heads, n_slots) + tuple(x.shape[3:])
     strides = (sb, w * sn, head_step * sh + class_step * sn, r * sn) + tuple(x.stride()[3:])
-    return x.as_strided(sizes, strides, x.storage_offset() + head0 * sh + (class0 + t0 * r) * sn)
+    return as_strided_within(x, sizes, strides, x.storage_offset() + head0 * sh + (class0 + t0 * r) * sn)
 
 
 def _query_groups(level: _Level, n_heads: int):
     """The query heads of a plain level in groups whose slots form one strided view: yields
     (pick: their places in the call's head order, view arguments of _strided_slots). Head h reads
     class h mod r: for r < heads the heads of class c are c, c + r, ...; for r >= heads head h is
-    class h."""
-    r, order = level.r, level.heads.tolist()
+    class h. Built once per plan (from Python ints: no device sync, no host-to-device copy after it)."""
+    if n_heads not in level.query_groups:
+        level.query_groups[n_heads] = list(_build_query_groups(level, n_heads))
+    return level.query_groups[n_heads]
+
+
+def _build_query_groups(level: _Level, n_heads: int):
+    r, order = level.r, level.order or level.heads.tolist()
     if r >= n_heads:
         groups = [(list(range(n_heads)), (0, 1, n_heads, 0, 1))]
     else:
@@ -614,12 +630,36 @@ def _plain_query_parts(level: _Level, call: _Call, targets, parts):
 
 
 def _plain_key_parts(level: _Level, call: _Call, target, part):
-    """The key-side twin of _plain_query_parts, one gathered (kv head, class) pair at a time."""
+    """The key-side twin of _plain_query_parts: runs of gathered (kv head, class) pairs whose slots
+    form one strided view (_key_groups), one view per run."""
     batch = target.shape[0]
     t0, n_k = call.k_slots.start or 0, part.shape[2]
     part = part.unflatten(0, (batch, part.shape[0] // batch))
-    for p, (kvh, c) in enumerate(level.pairs):
-        yield _strided_slots(target, kvh, 1, 1, c, 0, t0, n_k, level.w, level.r), part[:, :, p:p + 1]
+    for p0, n, (kvh, head_step, c, class_step) in _key_groups(level):
+        yield (_strided_slots(target, kvh, head_step, n, c, class_step, t0, n_k, level.w, level.r),
+               part[:, :, p0:p0 + n])
+
+
+def _key_groups(level: _Level):
+    """level.pairs cut into runs of consecutive pairs that advance by one constant (kv head, class)
+    step: (first pair, pairs, (kv head, head step, class, class step)). Distinct pairs hold disjoint
+    key slots, so one strided view per run adds exactly what one view per pair would. Built once."""
+    if "keys" not in level.query_groups:
+        pairs, runs, p = level.pairs, [], 0
+        while p < len(pairs):
+            n, step = 1, None
+            if p + 1 < len(pairs):
+                step = (pairs[p + 1][0] - pairs[p][0], pairs[p + 1][1] - pairs[p][1])
+                if min(step) < 0 or step == (0, 0):
+                    step = None
+            while step and p + n < len(pairs) and (pairs[p + n][0] - pairs[p + n - 1][0],
+                                                    pairs[p + n][1] - pairs[p + n - 1][1]) == step:
+                n += 1
+            head_step, class_step = step or (1, 0)
+            runs.append((p, n, (pairs[p][0], head_step, pairs[p][1], class_step)))
+            p += n
+        level.query_groups["keys"] = runs
+    return level.query_groups["keys"]
 
 
 def _forward_plain(q, k, v, levels: list[_Level], scale):

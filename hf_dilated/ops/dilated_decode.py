@@ -113,7 +113,9 @@ def _dense_step(q, k, v, part: _Part, scale):
     keys = slice(part.start, part.start + part.count)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.reshape(batch, kv_heads, q_heads // kv_heads, dim), k[:, :, keys], v[:, :, keys], scale=scale)
-    return out.view(batch, q_heads, 1, dim)
+    # Not .view: the CUDA kernels return (batch, kv_heads, group, dim) laid out sequence-major,
+    # (batch, group, kv_heads, dim) in memory, whose heads do not flatten into one dimension.
+    return out.reshape(batch, q_heads, 1, dim)
 
 
 def _attend(acc, lse, q, k, v, part: _Part, scale):
