@@ -21,6 +21,7 @@ import torch
 
 from .backend import attention_backward, attention_forward
 from .merge import merge_dtype, merge_into
+from .plan_cache import PlanCache
 from .token_layout import TokenLayout, first_key_within, token_layout
 
 _CHUNK = 512  # queries per call: a (heads x chunk x keys) mask stays a few hundred MB at 16K keys
@@ -43,6 +44,9 @@ class _Plan:
     sliding_window: int | None
     first: int  # key index of the first query
     calls: list
+    # Whether each call has any visible pair, found by the first forward on this plan (a read back
+    # to the host); every later layer and the backward skip the empty calls without one.
+    nonempty: list | None = None
 
 
 def local_band_attention(q, k, v, segment_lengths, dilation_rates, *, local_window: int, q_far=None, k_far=None,
@@ -57,9 +61,19 @@ def local_band_attention(q, k, v, segment_lengths, dilation_rates, *, local_wind
         q_far, k_far = q, k
     if plain_forward_applies(layout, q, k, segment_lengths, is_causal, sliding_window):
         return plain_forward(q, k, v, q_far, k_far, list(segment_lengths), list(dilation_rates), local_window, scale)
-    plan = _plan(layout, q.shape[2], list(segment_lengths), list(dilation_rates), local_window, is_causal,
-                 sliding_window)
+    key = (k.shape[0], k.shape[2], q.shape[2], str(k.device), tuple(segment_lengths), tuple(dilation_rates),
+           local_window, is_causal, sliding_window)
+    plan = _PLANS.get(key, attention_mask, position_ids)
+    if plan is None:
+        plan = _plan(layout, q.shape[2], list(segment_lengths), list(dilation_rates), local_window, is_causal,
+                     sliding_window)
+        _PLANS.put(key, attention_mask, position_ids, plan)
     return _LocalBand.apply(q, k, v, q_far, k_far, plan, scale)
+
+
+# Plans by the identity of the mask and position tensors (plan_cache.py): every layer reuses the
+# first one's, with the calls' emptiness it found.
+_PLANS = PlanCache()
 
 
 def _plan(layout, q_len, seg, dil, window, is_causal, sliding_window) -> _Plan:
@@ -152,10 +166,17 @@ def _forward(q, k, v, q_far, k_far, plan: _Plan, scale):
     acc_dtype = merge_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
-    for call in plan.calls:
-        visible = _visible(plan, call, q.shape[1])
-        if not bool(visible.any()):
+    first_use = plan.nonempty is None
+    if first_use:
+        plan.nonempty = []
+    for index, call in enumerate(plan.calls):
+        if not first_use and not plan.nonempty[index]:
             continue
+        visible = _visible(plan, call, q.shape[1])
+        if first_use:
+            plan.nonempty.append(bool(visible.any()))
+            if not plan.nonempty[-1]:
+                continue
         qs, ks, vs = _inputs(call, q, k, v, q_far, k_far)
         o, part_lse = attention_forward(qs, ks, vs, is_causal=False, scale=scale, attn_bias=_bias(visible, q.dtype))
         part_lse = part_lse.masked_fill(~visible.any(-1).expand(part_lse.shape), float("-inf"))  # no key: -inf
@@ -180,10 +201,10 @@ class _LocalBand(torch.autograd.Function):
                  for name, t in (("q", q), ("k", k), ("v", v), ("q_far", q_far), ("k_far", k_far))}
         lse_b = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows with no key: probability 0
         dout = dout.to(q.dtype)
-        for call in plan.calls:
-            visible = _visible(plan, call, q.shape[1])
-            if not bool(visible.any()):
+        for call, nonempty in zip(plan.calls, plan.nonempty):  # the forward found which are empty
+            if not nonempty:
                 continue
+            visible = _visible(plan, call, q.shape[1])
             qs, ks, vs = _inputs(call, q, k, v, q_far, k_far)
             rows = call.queries
             g_q, g_k, g_v = attention_backward(
