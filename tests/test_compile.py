@@ -85,3 +85,130 @@ def test_static_cache_compiled_fullgraph_other_family_and_band(checkpoints, case
 
 def test_static_cache_compiled_with_inductor(checkpoints):
     _compiled_matches_eager(checkpoints["tiny-llama"], "dilated", backend="inductor")
+
+
+# --- transformers' own two compile tests, as its test suite runs them with a forced name -------
+# (tests/generation/test_utils.py `test_generate_compile_model_forward_fullgraph` and
+# `test_static_cache_no_recompile_with_smaller_length`): the model tester's tiny config (2 layers,
+# hidden 32, 7-token prompts whose attention masks are torch.tril of ones, so right-padded rows),
+# the model built from it and, here, saved and reloaded as safetensors; compile_config
+# CompileConfig(fullgraph=True, dynamic=False) with the default backend (inductor).
+
+import logging
+
+from transformers import GPTNeoXConfig, LlamaConfig, MistralConfig
+from transformers.testing_utils import CaptureLogger
+
+_TESTER = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+               intermediate_size=37, hidden_act="gelu", max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+               eos_token_id=None)
+_FAMILIES = {"llama": LlamaConfig, "gpt_neox": GPTNeoXConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+
+
+@pytest.fixture(scope="module")
+def tester_checkpoints(tmp_path_factory):
+    out = {}
+    for family, config_class in _FAMILIES.items():
+        root = tmp_path_factory.mktemp(f"tester-{family}")
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config_class(**_TESTER)).save_pretrained(root)
+        out[family] = root
+    return out
+
+
+def _tester_inputs(batch=4, length=7):
+    ids = torch.randint(0, 99, (batch, length), generator=torch.Generator().manual_seed(0))
+    return ids, torch.tril(torch.ones_like(ids))
+
+
+def _compile_config():
+    config = CompileConfig(fullgraph=True, dynamic=False)  # errors out on dynamic shapes
+    config._compile_all_devices = True  # compile on CPU too
+    return config
+
+
+def _load(path, name):
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=name, dtype=torch.float32).eval()
+
+
+def _generate_compile_model_forward_fullgraph(path, name):
+    """transformers' test: two input sets of one shape (the halves of a batch of 4), eager generation
+    with the dynamic cache, then compiled generation with the static cache; any recompilation in
+    the compiled runs (dynamo's recompile log) fails, except on a model with sliding-window layers,
+    where transformers' own static sliding layer recompiles per step with dynamic=False."""
+    model = _load(path, name)
+    ids, mask = _tester_inputs()
+    sets = [dict(input_ids=ids[:2], attention_mask=mask[:2]), dict(input_ids=ids[2:4], attention_mask=mask[2:4])]
+    torch.compiler.reset()
+    kwargs = dict(use_cache=True, do_sample=False, max_new_tokens=5, return_dict_in_generate=True, output_scores=True,
+                  compile_config=_compile_config())
+    with torch.compiler.set_stance("force_eager"):
+        dynamic = [model.generate(**inputs, **kwargs) for inputs in sets]
+    assert not hasattr(model, "_compiled_call")
+    kwargs["cache_implementation"] = "static"
+    compiled = []
+    try:
+        torch._logging.set_logs(recompiles_verbose=True)
+        with CaptureLogger(logging.getLogger("torch._dynamo.guards")) as cl:
+            for inputs in sets:
+                out = model.generate(**inputs, **kwargs)
+                assert out.past_key_values.is_compileable
+                assert hasattr(model, "_compiled_call")
+                compiled.append(out)
+    finally:
+        torch._logging.set_logs()
+    recompiled = "Recompiling" in cl.out or ("guard" in cl.out and "failure" in cl.out)
+    if not any(out.past_key_values.is_sliding):
+        assert not recompiled, cl.out
+    for eager, comp in zip(dynamic, compiled):
+        assert torch.equal(eager.sequences, comp.sequences)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_transformers_generate_compile_model_forward_fullgraph(tester_checkpoints, name):
+    _generate_compile_model_forward_fullgraph(tester_checkpoints["llama"], name)
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "qwen2", "mistral"])
+def test_transformers_generate_compile_model_forward_fullgraph_families(tester_checkpoints, family):
+    """Mistral's layers are all sliding-window ones (a window of 4096 over a 12-slot static cache):
+    their steps trace in full too, with the window kept by the static decode."""
+    _generate_compile_model_forward_fullgraph(tester_checkpoints[family], "dilated")
+
+
+def _static_cache_no_recompile_with_smaller_length(path, name):
+    """A compiled static-cache generation, then one from a shorter prompt into a cache of the same
+    size (max_length) under "fail_on_recompile"; both give eager generation's tokens."""
+    model = _load(path, name)
+    ids, mask = _tester_inputs(batch=2)
+    kwargs = dict(do_sample=False, max_length=20, min_length=20, compile_config=_compile_config())
+    torch.compiler.reset()
+    for run, length in enumerate((7, 4)):
+        inputs = dict(input_ids=ids[:, :length], attention_mask=mask[:, :length])
+        with torch.compiler.set_stance("force_eager"):
+            eager = model.generate(**inputs, **kwargs)
+        with torch.compiler.set_stance("fail_on_recompile" if run else "default"):
+            compiled = model.generate(**inputs, cache_implementation="static", **kwargs)
+        assert torch.equal(compiled, eager), (name, length)
+    assert hasattr(model, "_compiled_call")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_transformers_static_cache_no_recompile_with_smaller_length(tester_checkpoints, name):
+    _static_cache_no_recompile_with_smaller_length(tester_checkpoints["llama"], name)
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "qwen2"])
+def test_transformers_static_cache_no_recompile_with_smaller_length_families(tester_checkpoints, family):
+    _static_cache_no_recompile_with_smaller_length(tester_checkpoints[family], "dilated")
+
+
+def test_compiled_call_off_a_static_cache_names_the_limitation(tester_checkpoints):
+    """A fullgraph-compiled forward that is not a static cache's step (here a prefill without a
+    cache) fails with the limitation named, not on the first untraceable line of the eager path."""
+    model = _load(tester_checkpoints["llama"], "dilated")
+    ids, mask = _tester_inputs(batch=2)
+    torch.compiler.reset()
+    forward = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad(), pytest.raises(Exception, match="only decode steps on a static cache"):
+        forward(input_ids=ids, attention_mask=mask, use_cache=False)

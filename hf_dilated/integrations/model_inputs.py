@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import DECODE_MAX_QUERIES
 from ..ops.plan_cache import PlanCache
 from ..ops.token_layout import mask_ranks
 
@@ -54,7 +55,7 @@ def padding_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attenti
             "bidirectional image-token masks); only causal attention with padding and packed documents"
         )
     kv_offset = int(kv_offset or 0)
-    if isinstance(q_offset, torch.Tensor) and kv_offset == 0:
+    if kv_offset == 0 and _static_layer(q_offset, q_length, kv_length):
         if attention_mask is not None and attention_mask.shape[-1] > kv_length:
             raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} tokens but the keys hold {kv_length}")
         return static_slots(attention_mask, batch_size, kv_length, q_offset + int(q_length), device)
@@ -72,6 +73,22 @@ def padding_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attenti
     # One document per row: None, unless a static cache holds empty slots beyond the tokens seen
     # or a sliding-window cache dropped the first ones.
     return None if seen == kv_length else torch.ones(batch_size, seen, dtype=torch.bool, device=device)
+
+
+def _static_layer(q_offset, q_length, kv_length) -> bool:
+    """Whether a call with kv_offset 0 gets slot states (`static_slots`). A static cache's
+    full-attention layers hand a tensor `q_offset`; a static sliding-window layer whose window has
+    not filled hands an int one and its cache size as `kv_length` (only a static layer has slots
+    beyond the tokens seen), so generate() builds the states outside the compiled step. Inside a
+    compiled step a few queries always get them (the step that fills such a layer's last slot
+    arrives here with a 2-D mask): the compiled attention runs on slot states only."""
+    if isinstance(q_offset, torch.Tensor):
+        return True
+    if q_offset is None or q_length is None:
+        return False
+    seen = int(q_offset) + int(q_length)
+    return seen < kv_length or (torch.compiler.is_compiling() and seen == kv_length
+                                and int(q_length) <= DECODE_MAX_QUERIES)
 
 
 def static_slots(attention_mask, batch: int, kv_length: int, seen, device) -> torch.Tensor:

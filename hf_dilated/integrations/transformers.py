@@ -139,6 +139,15 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
 
     kind = KINDS[name]
     dropout_p = _check_call(kind, module, dropout, kwargs)
+    if torch.compiler.is_compiling() and not is_static_slots(attention_mask):
+        # Only a static cache's steps have static shapes; anything else (a prefill, a dynamic cache, a
+        # sliding-window layer whose window has filled) reads Python values off the mask and the config:
+        # say so here, rather than fail on the first of them (with fullgraph=True this is the error;
+        # without it, a graph break, and the call runs eagerly).
+        torch._dynamo.graph_break(
+            f"attn_implementation={name!r}: under torch.compile only decode steps on a static cache are "
+            "traced (transformers' StaticCache, through its mask function); compiled steps on other caches, "
+            "and on sliding-window layers whose window has filled, are not supported yet")
     cfg = config_for(module)
     group, layout = resolve_group_layout() if kind.sequence_parallel else (None, None)
     if group is not None:
@@ -147,7 +156,7 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
                 f"attn_implementation={name!r}: the model config asks for ring_layout={cfg.ring_layout!r} but the "
                 f"active sequence-parallel group shards sequences as {layout!r}"
             )
-    if is_static_slots(attention_mask) and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and is_static_slots(attention_mask):
         return _compiled_static_step(kind, module, query, key, value, attention_mask, scaling, kwargs, group)
     if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None and \
             not torch.equal(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]):
