@@ -162,10 +162,12 @@ def load_model(args, dtype):
     import hf_dilated  # noqa: F401  (registers the attention names)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_dilated.integrations.transformers import supported_context
+    from hf_dilated.integrations.transformers import converted_context
 
     config = AutoConfig.from_pretrained(args.model)
-    limit = supported_context(config, args.attn)
+    # The context the checkpoint was converted to, whatever the attention fine-tunes it: under sdpa
+    # too, training at it teaches the positions beyond what the RoPE covered.
+    limit = converted_context(config)
     if limit is not None and args.seq_len > limit:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds the checkpoint's context ({limit}); extend it first: "
                          f"hf-dilated convert {args.model} NEW_DIR --context {args.seq_len}")

@@ -287,10 +287,18 @@ def supported_context(config, attn_implementation: str) -> int | None:
     """The tokens a model of `config` reads as configured under `attn_implementation`: the
     hf_dilated entry's target under our names; max_position_embeddings, what its RoPE supports,
     under any other (a conversion that keeps the RoPE leaves it there; patches/context.py)."""
-    positions = getattr(config, "max_position_embeddings", None)
     if attn_implementation in NAMES:
-        return DilatedConfig.from_model_config(config).target_length or positions
-    return positions
+        return converted_context(config)
+    return getattr(config, "max_position_embeddings", None)
+
+
+def converted_context(config) -> int | None:
+    """The context `config` was configured for: its hf_dilated entry's target length (what
+    `hf-dilated convert --context` set), else max_position_embeddings."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if getattr(config, CONFIG_KEY, None) is None:
+        return positions
+    return DilatedConfig.from_model_config(config).target_length or positions
 
 
 def _warn_beyond_positions(config, chosen: str) -> None:
