@@ -10,7 +10,7 @@ from hf_dilated.distributed.dilated_ring import DilatedPattern, level_codes
 from hf_dilated.distributed.layout import shard_indices
 from hf_dilated.distributed.ring import RingPattern, ring_plan
 from hf_dilated.distributed.tokens import GlobalTokens
-from hf_dilated.ops.local_band import visible_pairs
+from hf_dilated.ops.token_layout import visible_pairs
 from hf_dilated.ops.token_layout import TokenLayout, token_layout
 
 N = 256

@@ -28,8 +28,7 @@ import torch
 
 from ..config import DEFAULT_MODE, DEFAULT_RING_LAYOUT
 from ..ops.head_groups import levels_of_heads
-from ..ops.local_band import take
-from ..ops.token_layout import token_layout
+from ..ops.token_layout import take, token_layout
 from ..ops.validate import check_dilated_config, check_int, check_local_band, check_qkv, check_scale_dropout
 from .ring import RingPattern, ring_plan, run_ring
 from .tokens import GlobalTokens, prepare_call

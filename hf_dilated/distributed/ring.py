@@ -37,7 +37,7 @@ import torch
 
 from ..config import DEFAULT_RING_LAYOUT
 from ..ops.backend import attention_backward, attention_forward
-from ..ops.local_band import visible_pairs
+from ..ops.token_layout import visible_pairs
 from ..ops.merge import merge_dtype, merge_into
 from ..ops.validate import check_int, check_qkv, check_scale_dropout
 from .tokens import GlobalTokens, prepare_call

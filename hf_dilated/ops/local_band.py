@@ -22,7 +22,7 @@ import torch
 from .backend import attention_backward, attention_forward
 from .merge import merge_dtype, merge_into
 from .plan_cache import PlanCache
-from .token_layout import TokenLayout, first_key_within, token_layout
+from .token_layout import TokenLayout, first_key_within, token_layout, visible_pairs
 
 _CHUNK = 512  # queries per call: a (heads x chunk x keys) mask stays a few hundred MB at 16K keys
 
@@ -96,33 +96,6 @@ def _plan(layout, q_len, seg, dil, window, is_causal, sliding_window) -> _Plan:
         if far_stop > far_lo:
             calls.append(_Call(slice(s, e), slice(far_lo, far_stop), True))
     return _Plan(layout, seg, dil, window, is_causal, sliding_window, first, calls)
-
-
-def take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """values (batch, n) at the indices `index`, (m,) or per head (batch, heads, m): (batch, 1 or heads, m)."""
-    if index.dim() == 1:
-        return values[:, None, index]
-    b, h, m = values.shape[0], index.shape[1], index.shape[2]
-    return values[:, None].expand(b, h, values.shape[1]).gather(2, index.expand(b, h, m))
-
-
-def visible_pairs(layout: TokenLayout, q_index, k_index, *, causal: bool = True,
-                  sliding_window: int | None = None) -> torch.Tensor:
-    """The kernels' base rule (docs/contract.md 3), which every pattern narrows: bool (batch, 1 or
-    heads, len(q_index), len(k_index)), whether query q_index[i] may see key k_index[j]: the key
-    is real, in the query's document, not after it (`causal`) and, with a `sliding_window` W,
-    fewer than W indices before it. Indices into the layout's (batch, n) tensors: (m,), or per head
-    (batch, heads, m). The single-process band below and the ring kernels (distributed/) build
-    their masks on it."""
-    q3 = q_index if q_index.dim() == 3 else q_index[None, None]
-    k3 = k_index if k_index.dim() == 3 else k_index[None, None]
-    visible = take(layout.real, k_index)[..., None, :] & (take(layout.doc, q_index)[..., :, None]
-                                                           == take(layout.doc, k_index)[..., None, :])
-    if causal:
-        visible = visible & (k3[..., None, :] <= q3[..., :, None])
-    if sliding_window is not None:
-        visible = visible & (k3[..., None, :] > q3[..., :, None] - sliding_window)
-    return visible
 
 
 def _visible(plan: _Plan, call: _Call, n_heads: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The kernels' rule for token positions, padding and documents (docs/contract.md 3.1), written
-once: `token_layout` is the one function every kernel builds its view of the tokens with, the
-single-process ones on their keys and the ring kernels (distributed/tokens.py) on the whole
-sequence gathered from the ranks.
+once: `token_layout` is the one function every kernel builds its view of the tokens with (the
+single-process ones on their keys, the ring kernels (distributed/tokens.py) on the whole sequence
+gathered from the ranks), and `visible_pairs` the base visibility every pattern narrows.
 
 - a token's position is `position_ids` when given, else its rank among its row's real tokens
   (`cumsum(attention_mask) - 1`), else its index;
@@ -147,3 +147,30 @@ def regular_rows(batch: int, kv_len: int, device, attention_mask=None, position_
         if not bool(((offset == shift[:, None]) | (index < first[:, None])).all()):
             return None
     return first.tolist(), shift.tolist()
+
+
+def take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values (batch, n) at the indices `index`, (m,) or per head (batch, heads, m): (batch, 1 or heads, m)."""
+    if index.dim() == 1:
+        return values[:, None, index]
+    b, h, m = values.shape[0], index.shape[1], index.shape[2]
+    return values[:, None].expand(b, h, values.shape[1]).gather(2, index.expand(b, h, m))
+
+
+def visible_pairs(layout: TokenLayout, q_index, k_index, *, causal: bool = True,
+                  sliding_window: int | None = None) -> torch.Tensor:
+    """The kernels' base rule (docs/contract.md 3), which every pattern narrows: bool (batch, 1 or
+    heads, len(q_index), len(k_index)), whether query q_index[i] may see key k_index[j]: the key
+    is real, in the query's document, not after it (`causal`) and, with a `sliding_window` W,
+    fewer than W indices before it. Indices into the layout's (batch, n) tensors: (m,), or per head
+    (batch, heads, m). The local band (local_band.py) and the ring kernels (distributed/) build
+    their masks on it."""
+    q3 = q_index if q_index.dim() == 3 else q_index[None, None]
+    k3 = k_index if k_index.dim() == 3 else k_index[None, None]
+    visible = take(layout.real, k_index)[..., None, :] & (take(layout.doc, q_index)[..., :, None]
+                                                           == take(layout.doc, k_index)[..., None, :])
+    if causal:
+        visible = visible & (k3[..., None, :] <= q3[..., :, None])
+    if sliding_window is not None:
+        visible = visible & (k3[..., None, :] > q3[..., :, None] - sliding_window)
+    return visible
