@@ -201,9 +201,14 @@ def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int
     if position_ids is None or q_len != kv_len:
         return None, None  # one document; with a cache the keys are 0..kv_len-1
     steps = position_ids[:, 1:] - position_ids[:, :-1]
-    if bool((steps == 1).all()):
+    # One read back for both facts (a stall on a GPU): positions that are the indices themselves
+    # (what transformers builds for an unpadded batch) are the kernels' own default, and with None
+    # the kernels plan from shapes alone, without reading positions again.
+    consecutive, from_zero = torch.stack([(steps == 1).all(), (position_ids[:, 0] == 0).all()]).tolist()
+    if consecutive and not from_zero:
         return None, position_ids  # one document at the given positions
-    # transformers saw no packing (it skips the check with a KV cache): one document, like sdpa.
+    # Indices 0..n-1, or transformers saw no packing (it skips the check with a KV cache): one
+    # document at its indices, like sdpa.
     return None, None
 
 
