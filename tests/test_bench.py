@@ -503,3 +503,123 @@ def test_cli_bench_kernels_reports_operation_counts(tmp_path):
     assert "## Operations per call" in md
     report, md = _run_bench(tmp_path, "kernels", "--variants", "union", "--lengths", "128", "--no-search", "--no-ops")
     assert not report["kernels"]["ops"] and "## Operations per call" not in md
+
+
+# --- scripts/gpu_check.sh's one table (hf_dilated/bench/gpu_table.py) ---
+
+def _expected_table_rows(s):
+    """The measure column of every row the settings define, with its count."""
+    from collections import Counter
+
+    rows = Counter()
+    for label in ("fwd", "fwd+bwd"):
+        rows[f"kernel pair rate, {label}"] = len(s["kernel_shapes"]) * len(s["kernel_lengths"]) * len(s["kernel_modes"])
+        rows[f"block_sparse vs FlexAttention (same BlockMask), {label}"] = 1
+        rows[f"block_sparse vs sdpa, {label}"] = 1
+    for label in ("prefill (DynamicCache)", "decode step, DynamicCache", "decode step, ReservedCache"):
+        rows[label] = 2 * len(s["prefill_lengths"])  # default conversion and union levels
+    rows["decode step, StaticCache + torch.compile"] = 2
+    rows["training step (fwd+bwd)"] = len(s["train_lengths"])
+    rows["union forward: extra memory / (q, k, v, out)"] = 1
+    rows["CUDA tests (pytest -m cuda, every one)"] = 1
+    return rows
+
+
+def _table_rows(text):
+    from collections import Counter
+
+    lines = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| measure ")]
+    return Counter(line.split(" | ")[0][2:] for line in lines), lines
+
+
+def test_gpu_table_lists_every_row_and_says_why_one_is_missing(tmp_path):
+    """With nothing measured, the table still has every row, each saying why it has no figure."""
+    from hf_dilated.bench import gpu_table
+
+    s = gpu_table.settings(smoke=False)
+    (tmp_path / "kernels.json").write_text(json.dumps(
+        {"part": "kernels", "device": "cuda", "budget_s": 95, "results": {}, "done": False,
+         "skipped": {"sdpa|8/8x64|8192": "skipped: the step's 95 s were spent"}}))
+    text = gpu_table.render(s, tmp_path)
+    counts, lines = _table_rows(text)
+    assert counts == _expected_table_rows(s)
+    assert all("| - | - | - |" in line or "not run" in line or "skipped" in line for line in lines)
+    assert "skipped: the step's 95 s were spent" in text  # the part's own reason
+    assert "step table-kernels stopped (time limit) before this case" in text
+    assert "step table-model wrote no results" in text
+    assert (tmp_path / "table.md").read_text() == text
+
+
+def test_worker_runs_a_case_kind_named_by_module_and_function():
+    from hf_dilated.bench import gpu_table
+    from hf_dilated.bench.worker import case_function
+
+    assert case_function("hf_dilated.bench.gpu_table:model_case") is gpu_table.model_case
+    with pytest.raises(KeyError):
+        case_function("no_such_kind")
+
+
+def test_gpu_table_ratios_pick_sdpas_faster_backend():
+    from hf_dilated.bench import gpu_table
+
+    sdpa = {"backends": {"flash": {"forward": {"median_s": 2.0}},
+                         "cudnn": {"forward": {"median_s": 1.0, "form": "K/V expanded"}}}}
+    t, name, err = gpu_table._best(sdpa, "forward", ["flash", "cudnn"])
+    assert (t, name, err) == (1.0, "sdpa cudnn (K/V expanded)", None)
+    assert gpu_table._best({"backends": {"flash": {"forward": {"error": "No available kernel"}}}},
+                           "forward", ["flash", "cudnn"])[2] == "flash: No available kernel"
+    row = gpu_table._row("m", "c", 8, "union", 0.5, name, t, pairs=25, dense=100, check=lambda sp, pr: pr >= 0.5)
+    assert row["speed"] == 2.0 and row["pair_rate"] == pytest.approx(0.5) and row["verdict"] == "meets"
+
+
+def test_gpu_table_flex_block_mask_is_the_block_layout():
+    """FlexAttention's BlockMask comes from the blocks (never an N x N mask): full blocks below the
+    diagonal, the diagonal ones partial; as a dense block mask it is the causal layout."""
+    from hf_dilated.bench.gpu_table import flex_block_mask
+    from hf_dilated.ops.block_patterns import make_pattern
+
+    nb, bs = 8, 16
+    layout = make_pattern({"type": "global_local", "global_blocks": 1, "window": 2}).block_layout(torch.arange(nb), nb)[0, 0]
+    mask = flex_block_mask(layout, nb * bs, bs, "cpu")
+    assert torch.equal(mask.to_dense()[0, 0].bool(), layout.bool().tril())
+    assert torch.equal(mask.full_kv_num_blocks[0, 0], (layout.bool().tril().sum(-1) - 1).int())
+
+
+def test_gpu_table_counts_the_cuda_tests_from_the_xml_or_a_stopped_log(tmp_path):
+    from hf_dilated.bench.gpu_table import cuda_tests
+
+    xml = tmp_path / "t.xml"
+    xml.write_text('<testsuites><testsuite tests="5" failures="1" errors="1" skipped="1">'
+                   '<testcase classname="tests.a" name="ok"/><testcase classname="tests.a" name="bad"><failure/></testcase>'
+                   '</testsuite></testsuites>')
+    assert {k: v for k, v in cuda_tests(xml, None).items() if k in ("passed", "failed", "errors", "skipped")} == \
+        dict(passed=2, failed=1, errors=1, skipped=1)
+    log = tmp_path / "t.log"
+    log.write_text("tests/a.py::x[1 2] PASSED   [ 10%]\ntests/a.py::y FAILED  [ 20%]\ntests/b.py::z PASSED [ 30%]\n")
+    counts = cuda_tests(tmp_path / "missing.xml", log)
+    assert (counts["passed"], counts["failed"], counts["errors"]) == (2, 1, 0) and "partial" in counts["source"]
+
+
+@pytest.mark.slow
+def test_gpu_table_measures_every_row_on_cpu_at_tiny_sizes(tmp_path):
+    """Every part of the table at tiny sizes on the CPU: every row present, each with our time and
+    sdpa's (FlexAttention's backward has no CPU version: that row says so)."""
+    from hf_dilated.bench import gpu_table
+
+    s = dict(gpu_table.settings(smoke=True), kernel_lengths=[128], prefill_lengths=[128], train_lengths=[64],
+             million=dict(n=1024, heads=2, head_dim=16))
+    for part in gpu_table.PARTS:
+        data = gpu_table.run_part(part, s, tmp_path, budget_s=300, log=lambda *_: None)
+        assert data["done"] and not data["skipped"], data
+    text = gpu_table.render(s, tmp_path)
+    counts, lines = _table_rows(text)
+    assert counts == _expected_table_rows(s)
+    rows = json.loads((tmp_path / "table.json").read_text())["rows"]
+    for row in rows:
+        if row.get("kind") == "memory":
+            assert row["verdict"] in ("meets", "misses") and row["ours_t"] > 0, row
+        elif row["measure"] == "block_sparse vs FlexAttention (same BlockMask), fwd+bwd":
+            assert "no CPU backward" in row["why"], row
+        else:
+            assert row["ours_t"] > 0 and row["base_t"] > 0 and row["speed"] > 0 and not row["why"], row
+    assert not [line for line in lines if "not run" in line and not line.startswith("| CUDA tests")]

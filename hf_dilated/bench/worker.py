@@ -9,6 +9,7 @@ multiprocessing start method but fork, a script that drives it needs the
 """
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -37,12 +38,23 @@ CASES = {
 }
 
 
+def case_function(kind: str):
+    """The function of a case kind: a name of CASES, or "package.module:function" for a case defined
+    in another module (imported in the case's process; gpu_table.py's cases)."""
+    if kind in CASES:
+        return CASES[kind]
+    module, sep, name = kind.partition(":")
+    if not sep:
+        raise KeyError(f"unknown case kind {kind!r}: one of {', '.join(CASES)} or 'module:function'")
+    return getattr(importlib.import_module(module), name)
+
+
 def run_case(spec: dict, own_process: bool = False) -> dict:
     """One case. own_process: this process exists for the case alone (child_main), so the memory
     measurement may change its allocator settings."""
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
-    result = CASES[spec["kind"]](spec, own_process)
+    result = case_function(spec["kind"])(spec, own_process)
     result["threads"] = torch.get_num_threads()
     return result
 

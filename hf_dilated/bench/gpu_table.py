@@ -1,0 +1,861 @@
+"""The GPU check's one table (issue 34 item 4): every measure beside `sdpa`'s best kernel measured in
+the same run, as ratios. scripts/gpu_check.sh runs each part as a step of its own, under a time
+limit, then renders the table:
+
+    python -m hf_dilated.bench.gpu_table run PART --out DIR --budget SECONDS [--smoke]
+    python -m hf_dilated.bench.gpu_table table --out DIR [--smoke] [--tests-xml F] [--tests-log F]
+
+PART is one of PARTS. Every case runs in a fresh process (worker.CaseRunner) under a time limit cut
+from the part's budget; a case that no longer fits is skipped and says so, and DIR/PART.json is
+rewritten after every case, so a part stopped by its step's limit keeps what it measured. The table
+lists every row the settings define whether or not it was measured: a missing one says why.
+
+"sdpa best" is the faster of sdpa's flash and cuDNN backends (torch.nn.attention.sdpa_kernel), each
+timed in the same process as the other; where neither runs (a mask), sdpa's own choice; on the CPU
+(--smoke) sdpa's default. Our kernels and models run with no backend restriction.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+PARTS = ("kernels", "model", "train", "block-sparse", "million", "static")
+ROOM = 64  # decode positions beyond the prefill: the model's levels cover N + ROOM
+PASSES = {"forward": "fwd", "backward": "fwd+bwd"}
+
+
+def settings(smoke: bool = False) -> dict:
+    """Sizes of every part. GPU: bfloat16, the issue's shapes. --smoke: tiny, float32, on the CPU
+    (or whatever device there is), the same rows."""
+    if smoke:
+        return dict(
+            smoke=True, dtype="float32", original=64, warmup=0, repeats=2, decode_warmup=1, decode_repeats=3,
+            kernel_shapes=[(2, 2, 16), (4, 2, 32)], kernel_lengths=[128, 256, 512], kernel_modes=["union", "longnet"],
+            model=dict(heads=4, kv_heads=2, head_dim=16, layers=2, intermediate=64, vocab=128),
+            prefill_lengths=[128, 256, 512], train_lengths=[64, 128, 256, 512],
+            block_sparse=dict(n=512, heads=2, kv_heads=2, head_dim=16, block_size=64,
+                              pattern={"type": "global_local", "global_blocks": 1, "window": 2}),
+            million=dict(n=4096, heads=2, head_dim=16), static_length=256, case_cap=120.0,
+        )
+    return dict(
+        smoke=False, dtype="bfloat16", original=4096, warmup=1, repeats=3, decode_warmup=2, decode_repeats=5,
+        kernel_shapes=[(8, 8, 64), (32, 8, 128)], kernel_lengths=[8192, 32768, 131072],
+        kernel_modes=["union", "longnet"],
+        model=dict(heads=32, kv_heads=8, head_dim=128, layers=2, intermediate=1024, vocab=1024),
+        prefill_lengths=[16384, 65536, 131072], train_lengths=[4096, 16384, 65536, 131072],
+        block_sparse=dict(n=32768, heads=8, kv_heads=8, head_dim=64, block_size=256,
+                          pattern={"type": "global_local", "global_blocks": 1, "window": 5}),
+        million=dict(n=1 << 20, heads=8, head_dim=64), static_length=131072, case_cap=90.0,
+    )
+
+
+def _device(s) -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sdpa_backends(device: str, s: dict) -> list[str]:
+    """flash and cuDNN on CUDA in half precision; sdpa's default elsewhere (neither takes float32)."""
+    return ["flash", "cudnn"] if device == "cuda" and s["dtype"] != "float32" else ["default"]
+
+
+def _shape(shape) -> str:
+    hq, hkv, d = shape
+    return f"{hq}/{hkv}x{d}"
+
+
+def _levels(original: int, n: int) -> tuple[list[int], list[int]]:
+    from ..config import default_schedule
+
+    return default_schedule(original, n)
+
+
+def _model_entry(conversion: str, original: int, target: int) -> dict:
+    """The model's hf_dilated entry: "default" = hf_dilated.config.default_conversion for `dilated`
+    (band = L, far keys grouped, RoPE kept); "union" = levels doubling from L (DilatedConfig.default)."""
+    from ..config import DilatedConfig, default_band
+
+    if conversion == "default":
+        return DilatedConfig.default(original, target, **default_band(original, target)).to_dict()
+    return DilatedConfig.default(original, target).to_dict()
+
+
+# --------------------------------------------------------------------------------------------
+# The cases (each runs in a process of its own: worker.run_case with kind "<this module>:<name>")
+# --------------------------------------------------------------------------------------------
+
+def _sdpa_context(backend: str):
+    if backend == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([{"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]])
+
+
+def _time(step, device, warmup, repeats) -> dict:
+    from .. import measure
+
+    try:
+        return measure.time_calls(step, device, warmup, repeats)
+    except measure.CALL_ERRORS + (ValueError,) as e:
+        return {"error": measure.error_text(e)}
+
+
+def sdpa_kernel_case(spec: dict, own_process: bool = False) -> dict:
+    """Dense causal sdpa under each backend of spec["backends"], forward and forward+backward. With
+    fewer kv heads: enable_gqa, or (where the backend refuses it) K/V expanded beforehand, untimed."""
+    import torch
+    import torch.nn.functional as F
+
+    from .kernels import DTYPES, _backward_step, _random_qkv
+
+    device, dtype = torch.device(spec["device"]), DTYPES[spec["dtype"]]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = _random_qkv(spec, device, dtype, gen)
+    group = spec["heads"] // spec["kv_heads"]
+    forms = [("gqa", k, v)] if group == 1 else [
+        ("gqa", k, v), ("K/V expanded", k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))]
+    result = {"spec": spec, "backends": {}}
+    for backend in spec["backends"]:
+        res = result["backends"][backend] = {}
+        for pass_name in ("forward", "backward"):
+            for form, kk, vv in forms:
+                gqa = form == "gqa" and group > 1
+
+                def fn(a, b, c, gqa=gqa):
+                    return F.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=gqa)
+
+                if pass_name == "forward":
+                    def step(kk=kk, vv=vv, fn=fn):
+                        with torch.no_grad():
+                            fn(q, kk, vv)
+                else:
+                    step, _ = _backward_step(fn, q, kk, vv, gen)
+                with _sdpa_context(backend):
+                    timed = _time(step, device, spec["warmup"], spec["repeats"])
+                res[pass_name] = dict(timed, form=form)
+                gc.collect()
+                if "median_s" in timed:
+                    break
+    return result
+
+
+def _build_model(spec):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..config import CONFIG_KEY
+    from .kernels import DTYPES
+
+    mc = spec["model"]
+    config = LlamaConfig(hidden_size=mc["heads"] * mc["head_dim"], num_attention_heads=mc["heads"],
+                         num_key_value_heads=mc["kv_heads"], head_dim=mc["head_dim"],
+                         num_hidden_layers=mc["layers"], intermediate_size=mc["intermediate"],
+                         vocab_size=mc["vocab"], max_position_embeddings=spec["n"] + ROOM)
+    impl = "sdpa"
+    if spec["conversion"] != "sdpa":
+        impl = "dilated"
+        setattr(config, CONFIG_KEY, _model_entry(spec["conversion"], spec["original"], spec["n"] + ROOM))
+    torch.manual_seed(0)
+    with torch.device(spec["device"]):
+        model = LlamaForCausalLM._from_config(config, attn_implementation=impl, dtype=DTYPES[spec["dtype"]])
+    ids = torch.randint(0, config.vocab_size, (1, spec["n"]), generator=torch.Generator().manual_seed(0))
+    return model, config, ids.to(spec["device"])
+
+
+def _cache_arg(model) -> str:
+    """The forward's name of the cache argument: `cache` (transformers >= 5.24), else `past_key_values`."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def _backends_of(spec) -> list[str]:
+    return spec["backends"] if spec["conversion"] == "sdpa" else ["ours"]
+
+
+def model_case(spec: dict, own_process: bool = False) -> dict:
+    """Prefill of N tokens (DynamicCache, logits of the last token only), then one decode step with
+    DynamicCache and with hf_dilated.ReservedCache, each filled by a prefill of its own."""
+    import torch
+    from transformers import DynamicCache
+
+    from ..integrations.cache import ReservedCache
+
+    device = torch.device(spec["device"])
+    model, config, ids = _build_model(spec)
+    model.eval()
+    arg = _cache_arg(model)
+    caches = {"dynamic": lambda: DynamicCache(config=config), "reserved": lambda: ReservedCache(config=config)}
+    result = {"spec": spec, "backends": {}}
+    for backend in _backends_of(spec):
+        res = result["backends"][backend] = {}
+        with torch.no_grad(), (_sdpa_context(backend) if backend != "ours" else contextlib.nullcontext()):
+            def prefill(make=caches["dynamic"]):
+                cache = make()
+                model(input_ids=ids, **{arg: cache}, use_cache=True, logits_to_keep=1)
+                return cache
+
+            res["prefill"] = _time(prefill, device, spec["warmup"], spec["repeats"])
+            for name, make in caches.items():
+                if "error" in res["prefill"]:
+                    res[name] = {"error": "prefill failed"}
+                    continue
+                cache = prefill(make)
+                token = ids[:, -1:]
+
+                def step(cache=cache):
+                    model(input_ids=token, **{arg: cache}, use_cache=True)
+
+                res[name] = _time(step, device, spec["decode_warmup"], spec["decode_repeats"])
+                del cache
+                gc.collect()
+    return result
+
+
+def train_case(spec: dict, own_process: bool = False) -> dict:
+    """One training step: loss over N tokens, backward."""
+    import torch
+
+    device = torch.device(spec["device"])
+    model, config, ids = _build_model(spec)
+    model.train()
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    result = {"spec": spec, "backends": {}}
+    for backend in _backends_of(spec):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with _sdpa_context(backend) if backend != "ours" else contextlib.nullcontext():
+            timed = _time(step, device, spec["warmup"], spec["repeats"])
+        if device.type == "cuda" and "median_s" in timed:
+            timed["peak_bytes"] = torch.cuda.max_memory_allocated()
+        result["backends"][backend] = {"train": timed}
+        gc.collect()
+    return result
+
+
+def static_case(spec: dict, own_process: bool = False) -> dict:
+    """A decode step with transformers' StaticCache and the model under torch.compile (fullgraph;
+    mode "reduce-overhead", CUDA graphs, on CUDA), after an eager prefill of N tokens."""
+    import torch
+    from transformers import StaticCache
+
+    device = torch.device(spec["device"])
+    model, config, ids = _build_model(spec)
+    model.eval()
+    arg = _cache_arg(model)
+    backend = spec["backends"][0] if spec["conversion"] == "sdpa" else "ours"
+    result = {"spec": spec, "backends": {}}
+    with torch.no_grad(), (_sdpa_context(backend) if backend != "ours" else contextlib.nullcontext()):
+        cache = StaticCache(config=config, max_cache_len=spec["n"] + ROOM)
+        try:
+            model(input_ids=ids, **{arg: cache}, use_cache=True, logits_to_keep=1,
+                  cache_position=torch.arange(spec["n"], device=device))
+        except Exception as e:  # noqa: BLE001 - reported as this case's outcome
+            result["backends"][backend] = {"static": {"error": f"prefill: {type(e).__name__}: {str(e)[:200]}"}}
+            return result
+        # CUDA: inductor with CUDA graphs, as transformers' generate() compiles; elsewhere (--smoke) dynamo's
+        # fullgraph capture alone (backend "eager"): inductor's C++ build takes a minute per model on a CPU.
+        compiled = (torch.compile(model, fullgraph=True, mode="reduce-overhead") if device.type == "cuda"
+                    else torch.compile(model, fullgraph=True, backend="eager"))
+        token, position = ids[:, -1:], [spec["n"]]
+
+        def step():
+            p = position[0]
+            position[0] += 1
+            compiled(input_ids=token, **{arg: cache}, use_cache=True,
+                     cache_position=torch.tensor([p], device=device))
+
+        start = time.perf_counter()
+        try:
+            step()  # compiles
+            timed = _time(step, device, max(1, spec["decode_warmup"]), spec["decode_repeats"])
+        except Exception as e:  # noqa: BLE001 - compile errors come in many types; reported
+            timed = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+        timed["compile_and_run_s"] = time.perf_counter() - start
+    result["backends"][backend] = {"static": timed}
+    return result
+
+
+def flex_block_mask(layout, n: int, block_size: int, device):
+    """FlexAttention's BlockMask of a causal block layout, built from the blocks themselves
+    (BlockMask.from_kv_blocks, never an N x N mask): the allowed blocks below the diagonal are full,
+    the diagonal ones partial under a causal mask_mod."""
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask
+
+    lay = layout.to(torch.bool).tril()
+    diag = torch.eye(lay.shape[-1], dtype=torch.bool)
+    partial, full = lay & diag, lay & ~diag
+
+    def blocks(m):
+        count = m.sum(-1).to(torch.int32)[None, None].to(device)
+        index = torch.argsort(m.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return count, index[None, None].contiguous().to(device)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    kv_num, kv_idx = blocks(partial)
+    full_num, full_idx = blocks(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size, mask_mod=causal,
+                                    seq_lengths=(n, n))
+
+
+class _NotHere(Exception):
+    pass
+
+
+def block_sparse_case(spec: dict, own_process: bool = False) -> dict:
+    """block_sparse with sdpa's backends (dense causal; spec["flex"] False), or with compiled
+    FlexAttention under the BlockMask of the same block layout (True: a process of its own, so that a
+    slow compile cannot cost the sdpa rows), forward and forward+backward, in interleaved rounds."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    from .. import measure
+    from ..ops import block_sparse_attention
+    from ..ops.block_patterns import make_pattern
+    from .counts import layout_pair_count
+    from .kernels import DTYPES
+
+    device, dtype = torch.device(spec["device"]), DTYPES[spec["dtype"]]
+    n, bs, h, d = spec["n"], spec["block_size"], spec["heads"], spec["head_dim"]
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, d, generator=gen, dtype=dtype).to(device) for _ in range(3))
+    pattern = make_pattern(spec["pattern"])
+    nb = -(-n // bs)
+    layout = pattern.block_layout(torch.arange(nb), nb)[0, 0]
+    result = {"spec": spec, "pairs": layout_pair_count(n, bs, layout) * h,
+              "kept_blocks": float(layout.tril().sum()) / (nb * (nb + 1) / 2), "passes": {}}
+    fns = {"block_sparse": lambda a, b, c: block_sparse_attention(a, b, c, spec["pattern"], block_size=bs)}
+    for backend in spec["backends"] if spec["flex"] is False else []:
+        def dense(a, b, c, backend=backend):
+            with _sdpa_context(backend):
+                return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+        fns["sdpa " + backend] = dense
+    flex_note = None
+    try:
+        if not spec["flex"]:
+            raise _NotHere
+        from torch.nn.attention.flex_attention import flex_attention
+
+        block_mask = flex_block_mask(layout, n, bs, device)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        fns["flex"] = lambda a, b, c: compiled(a, b, c, block_mask=block_mask)
+        with torch.no_grad():  # the same mask: the outputs agree
+            result["flex_max_abs_diff"] = float((fns["flex"](q, k, v).float()
+                                                 - fns["block_sparse"](q, k, v).float()).abs().max())
+    except _NotHere:
+        pass
+    except Exception as e:  # noqa: BLE001 - reported: FlexAttention support varies by build
+        flex_note = f"FlexAttention unavailable: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        fns.pop("flex", None)
+    result["flex_note"] = flex_note
+    log = []
+    forward = [(name, (lambda fn=fn: fn(q, k, v))) for name, fn in fns.items()]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def fwd_bwd(fn):
+        def step():
+            fn(*leaves).sum().backward()
+            for t in leaves:
+                t.grad = None
+        return step
+
+    backward = [(name, fwd_bwd(fn)) for name, fn in fns.items()
+                if not (name == "flex" and device.type == "cpu")]  # no CPU backward in FlexAttention
+    for pass_name, cases in (("forward", forward), ("backward", backward)):
+        grad = torch.enable_grad() if pass_name == "backward" else torch.no_grad()
+        with grad:
+            times = measure.time_interleaved(cases, spec["repeats"], warmup=max(1, spec["warmup"]),
+                                             log=log.append, device=device)
+        result["passes"][pass_name] = {
+            name: ({"median_s": statistics.median(t), "times_s": t} if t else {"error": "failed (see log)"})
+            for (name, _), t in zip(cases, times)}
+        if pass_name == "backward" and "flex" in fns and device.type == "cpu":
+            result["passes"][pass_name]["flex"] = {"error": f"no CPU backward in FlexAttention (torch {torch.__version__})"}
+    result["log"] = log
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# The plan: every case of a part, in the order it runs (cheap first, sdpa before ours)
+# --------------------------------------------------------------------------------------------
+
+def _kind(name: str) -> str:
+    return f"{__name__.replace('__main__', 'hf_dilated.bench.gpu_table')}:{name}"
+
+
+def plan(part: str, s: dict, device: str) -> list[tuple[str, dict]]:
+    """(key, spec) of every case of `part`."""
+    common = dict(device=device, dtype=s["dtype"], warmup=s["warmup"], repeats=s["repeats"], threads=None)
+    backends = sdpa_backends(device, s)
+    out = []
+    if part == "kernels":
+        for n in s["kernel_lengths"]:
+            for shape in s["kernel_shapes"]:
+                hq, hkv, d = shape
+                base = dict(common, n=n, batch=1, heads=hq, kv_heads=hkv, head_dim=d,
+                            repeats=min(2, s["repeats"]) if n >= 65536 else s["repeats"])
+                out.append((f"sdpa|{_shape(shape)}|{n}", dict(base, kind=_kind("sdpa_kernel_case"), backends=backends)))
+                seg, dil = _levels(s["original"], n)
+                for mode in s["kernel_modes"]:
+                    out.append((f"{mode}|{_shape(shape)}|{n}", dict(
+                        base, kind="kernel", variant=mode, segment_lengths=seg, dilation_rates=dil, block_size=256,
+                        block_pattern=None, passes=["forward", "backward"], ops=False)))
+    elif part in ("model", "train"):
+        lengths = s["prefill_lengths"] if part == "model" else s["train_lengths"]
+        conversions = ["sdpa", "default", "union"] if part == "model" else ["sdpa", "union"]
+        for n in lengths:
+            for conv in conversions:
+                out.append((f"{conv}|{n}", dict(common, kind=_kind(f"{part}_case"), n=n, conversion=conv,
+                                                original=s["original"], model=s["model"], backends=backends,
+                                                decode_warmup=s["decode_warmup"],
+                                                decode_repeats=s["decode_repeats"],
+                                                warmup=min(1, s["warmup"]) if part == "model" else s["warmup"],
+                                                repeats=min(2, s["repeats"]))))
+    elif part == "static":
+        n = s["static_length"]
+        base = dict(common, kind=_kind("static_case"), n=n, original=s["original"], model=s["model"],
+                    decode_warmup=s["decode_warmup"], decode_repeats=s["decode_repeats"])
+        first, rest = backends[:1], backends[1:]
+        out += [(f"sdpa {b}|{n}", dict(base, conversion="sdpa", backends=[b])) for b in first]
+        out += [(f"{conv}|{n}", dict(base, conversion=conv, backends=[])) for conv in ("union", "default")]
+        out += [(f"sdpa {b}|{n}", dict(base, conversion="sdpa", backends=[b])) for b in rest]
+        # sdpa's own choice, only where neither flash nor cuDNN ran (run_part decides)
+        if backends != ["default"]:
+            out.append((f"sdpa default|{n}", dict(base, conversion="sdpa", backends=["default"], fallback=True)))
+    elif part == "block-sparse":
+        for key, flex in (("block_sparse", False), ("flex", True)):
+            out.append((key, dict(common, **s["block_sparse"], kind=_kind("block_sparse_case"), flex=flex,
+                                  backends=backends, repeats=max(3, s["repeats"] + 2))))
+    elif part == "million":
+        m = s["million"]
+        seg, dil = _levels(s["original"], m["n"])
+        out.append(("union", dict(common, kind="kernel", variant="union", n=m["n"], batch=1, heads=m["heads"],
+                                  kv_heads=m["heads"], head_dim=m["head_dim"], segment_lengths=seg,
+                                  dilation_rates=dil, block_size=256, block_pattern=None, passes=["forward"],
+                                  warmup=0, repeats=1, prewarm=True, ops=False)))
+    else:
+        raise ValueError(f"unknown part {part!r}; one of {', '.join(PARTS)}")
+    return out
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def run_part(part: str, s: dict, out: Path, budget_s: float, runner=None, log=None) -> dict:
+    """Runs the cases of `part` within `budget_s` seconds, rewriting out/PART.json after each."""
+    from .worker import CaseRunner
+
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    start = time.perf_counter()
+    device = _device(s)
+    out.mkdir(parents=True, exist_ok=True)
+    if runner is None:
+        runner = CaseRunner()
+        with contextlib.suppress(Exception):  # imports the case processes would repeat
+            runner.ctx.set_forkserver_preload(["hf_dilated.bench.worker", "transformers",
+                                               "transformers.models.llama.modeling_llama"])
+    data = {"part": part, "device": device, "budget_s": budget_s, "results": {}, "skipped": {}, "done": False}
+    path = out / f"{part}.json"
+    _write(path, data)
+    for key, spec in plan(part, s, device):
+        if spec.get("fallback") and any("median_s" in r.get("backends", {}).get(b, {}).get("static", {})
+                                        for r in data["results"].values() for b in ("flash", "cudnn")):
+            data["skipped"][key] = "not needed: flash or cuDNN ran"
+            continue
+        left = budget_s - (time.perf_counter() - start)
+        if left < 3:
+            data["skipped"][key] = f"skipped: the step's {budget_s:.0f} s were spent"
+            log(f"  {part} {key}: {data['skipped'][key]}")
+            _write(path, data)
+            continue
+        timeout = min(s["case_cap"], left)
+        t0 = time.perf_counter()
+        r = runner.run(spec, timeout)
+        r["seconds"] = time.perf_counter() - t0
+        if r.get("limit") == "time":
+            r["error"] = f"time limit: no result within {timeout:.0f} s" + (
+                " (the rest of the step's budget)" if timeout < s["case_cap"] else "")
+        data["results"][key] = r
+        log(f"  {part} {key}: {r['seconds']:.1f} s" + (f" {r['error']}" if r.get("error") else ""))
+        _write(path, data)
+    data["done"] = True
+    data["elapsed_s"] = time.perf_counter() - start
+    _write(path, data)
+    return data
+
+
+# --------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------
+
+def _best(result: dict | None, entry: str, backends) -> tuple[float | None, str, str | None]:
+    """(seconds, backend label, error) of the fastest backend of `result` that timed `entry`."""
+    if result is None:
+        return None, "sdpa", None
+    if "backends" not in result:
+        return None, "sdpa", result.get("error") or "no result"
+    best, errors = None, []
+    for b in backends:
+        p = result["backends"].get(b, {}).get(entry, {})
+        if "median_s" in p:
+            label = "sdpa " + b + (" (K/V expanded)" if p.get("form") == "K/V expanded" else "")
+            if best is None or p["median_s"] < best[0]:
+                best = (p["median_s"], label)
+        elif p:
+            errors.append(f"{b}: {p.get('error')}")
+    if best:
+        return best[0], best[1], None
+    return None, "sdpa", "; ".join(errors) or result.get("error") or "no result"
+
+
+def _missing(part: str, key: str, parts: dict) -> str:
+    data = parts.get(part)
+    if data is None:
+        return f"not run: step table-{part} wrote no results (see table-{part}.log)"
+    if key in data["skipped"]:
+        return data["skipped"][key]
+    if not data.get("done"):
+        return f"not run: step table-{part} stopped (time limit) before this case"
+    return "not run"
+
+
+def _why(part: str, parts: dict, *sides) -> str:
+    """Why a row has no figure: for each (label, key, result, error) side, the case's error or why
+    it did not run; the same reason once."""
+    reasons = []
+    for label, key, result, error in sides:
+        text = _missing(part, key, parts) if result is None else error
+        if text and text not in reasons:
+            reasons.append(text if label is None else f"{label}: {text}")
+    return _short("; ".join(reasons) or "not measured")
+
+
+def _short(text: str, limit: int = 140) -> str:
+    text = " ".join(str(text).replace("|", "/").split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _ms(t):
+    return "-" if t is None else f"{t * 1e3:,.2f}" if t < 1 else f"{t * 1e3:,.0f}"
+
+
+def _row(measure, config, n, ours_name, ours_t, base_name, base_t, *, why=None, pairs=None, dense=None,
+         target=None, check=None) -> dict:
+    """check(speed, pair_rate) -> bool | None decides the verdict against `target`."""
+    row = dict(measure=measure, config=config, n=n, ours=ours_name, ours_t=ours_t, base=base_name, base_t=base_t,
+               why=why, pairs=pairs, dense=dense, target=target or "-", verdict="-")
+    if ours_t and base_t:
+        row["speed"] = base_t / ours_t
+        if pairs and dense:
+            row["pair_rate"] = (pairs / ours_t) / (dense / base_t)
+        if check:
+            ok = check(row["speed"], row.get("pair_rate"))
+            row["verdict"] = "-" if ok is None else "meets" if ok else "misses"
+    return row
+
+
+def _pass_time(result, pass_name):
+    p = (result or {}).get("passes", {}).get(pass_name, {})
+    return p.get("median_s"), p.get("error") or p.get("unsupported") or (result or {}).get("error") \
+        or (result or {}).get("unavailable")
+
+
+def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
+    from .counts import dense_pair_count, dilated_pair_count
+
+    backends = sdpa_backends(device, s)
+    L, rows = s["original"], []
+    res = lambda part, key: parts.get(part, {}).get("results", {}).get(key)  # noqa: E731
+
+    # kernel pair rate
+    for shape in s["kernel_shapes"]:
+        for n in s["kernel_lengths"]:
+            hq = shape[0]
+            seg, dil = _levels(L, n)
+            sdpa = res("kernels", f"sdpa|{_shape(shape)}|{n}")
+            for mode in s["kernel_modes"]:
+                ours = res("kernels", f"{mode}|{_shape(shape)}|{n}")
+                pairs = (ours or {}).get("pairs") or dilated_pair_count(n, hq, seg, dil, mode)
+                for pass_name, label in PASSES.items():
+                    t, err = _pass_time(ours, pass_name)
+                    bt, bname, berr = _best(sdpa, pass_name, backends)
+                    why = None if (t and bt) else _why("kernels", parts,
+                                                        (mode, f"{mode}|{_shape(shape)}|{n}", ours, err),
+                                                        ("sdpa", f"sdpa|{_shape(shape)}|{n}", sdpa, berr))
+                    rows.append(_row(f"kernel pair rate, {label}", f"{_shape(shape)}, levels {seg[0]}..{seg[-1]}", n,
+                                     mode, t, bname, bt, why=why, pairs=pairs, dense=dense_pair_count(n, hq),
+                                     target="pair rate >= 0.5", check=lambda sp, pr: pr >= 0.5 if pr else None))
+    mc = s["model"]
+    model_cfg = f"Llama {mc['heads']}/{mc['kv_heads']}x{mc['head_dim']}, {mc['layers']} layers"
+
+    def model_pairs(conv, n):
+        if conv == "default":
+            return None  # every key is read
+        entry = _model_entry("union", L, n + ROOM)
+        return dilated_pair_count(n, mc["heads"], entry["segment_lengths"], entry["dilation_rates"], "union")
+
+    conv_label = {"default": f"default conversion from {L}", "union": f"union levels from {L}"}
+    for n in s["prefill_lengths"]:
+        sdpa = res("model", f"sdpa|{n}")
+        for conv in ("default", "union"):
+            ours = res("model", f"{conv}|{n}")
+            entries = [("prefill", "prefill (DynamicCache)", None), ("dynamic", "decode step, DynamicCache", None),
+                       ("reserved", "decode step, ReservedCache", None)]
+            for entry, label, _ in entries:
+                t, tname, terr = _best(ours, entry, ["ours"])
+                bt, bname, berr = _best(sdpa, entry, backends)
+                if entry == "prefill" and conv == "default":
+                    target, check = ">= 0.8x best (>= 1.0x flash)", lambda sp, pr: sp >= 0.8
+                elif entry == "prefill" and n == max(s["prefill_lengths"]):
+                    target, check = ">= 2.5x", lambda sp, pr: sp >= 2.5
+                elif entry != "prefill" and n >= 8 * L:
+                    target, check = ">= 1.0x (same cache)", lambda sp, pr: sp >= 1.0
+                else:
+                    target, check = None, None
+                why = None if (t and bt) else _why("model", parts, ("ours", f"{conv}|{n}", ours, terr),
+                                                    ("sdpa", f"sdpa|{n}", sdpa, berr))
+                row = _row(label, f"{model_cfg}, {conv_label[conv]}", n, "dilated", t, bname, bt, why=why,
+                           pairs=model_pairs(conv, n) if entry == "prefill" else None,
+                           dense=dense_pair_count(n, mc["heads"]) if entry == "prefill" else None,
+                           target=target, check=check)
+                if entry == "prefill" and conv == "default" and t:
+                    flash = ((sdpa or {}).get("backends", {}).get("flash", {}).get("prefill", {})).get("median_s")
+                    if flash:
+                        row["note"] = f"{flash / t:.2f}x flash"
+                        if row["verdict"] == "meets" and flash / t < 1.0:
+                            row["verdict"] = "misses"
+                rows.append(row)
+    n = s["static_length"]
+    static = parts.get("static", {}).get("results", {})
+    sdpa_static = {"backends": {}}
+    for key, r in static.items():
+        if key.startswith("sdpa "):
+            sdpa_static["backends"].update(r.get("backends", {}))
+            if "error" in r and not r.get("backends"):
+                sdpa_static["backends"][key.split("|")[0][5:]] = {"static": {"error": r["error"]}}
+    static_backends = backends + ([] if backends == ["default"] else ["default"])
+    for conv in ("default", "union"):
+        ours = static.get(f"{conv}|{n}")
+        t, _, terr = _best(ours, "static", ["ours"])
+        bt, bname, berr = _best(sdpa_static if sdpa_static["backends"] else None, "static", static_backends)
+        if "default" in bname and backends != ["default"]:
+            bname = "sdpa (own choice: flash and cuDNN did not run)"
+        why = None
+        if not (t and bt):
+            parts_missing = []
+            if ours is None:
+                parts_missing.append(_missing("static", f"{conv}|{n}", parts))
+            elif terr:
+                parts_missing.append(f"ours: {terr}")
+            if not sdpa_static["backends"]:
+                parts_missing.append("sdpa: " + _missing("static", f"sdpa {backends[0]}|{n}", parts))
+            elif berr:
+                parts_missing.append(f"sdpa: {berr}")
+            why = _short("; ".join(parts_missing))
+        rows.append(_row("decode step, StaticCache + torch.compile", f"{model_cfg}, {conv_label[conv]}", n, "dilated",
+                         t, bname, bt, why=why, target=">= 3x", check=lambda sp, pr: sp >= 3.0))
+    for n in s["train_lengths"]:
+        sdpa, ours = res("train", f"sdpa|{n}"), res("train", f"union|{n}")
+        t, _, terr = _best(ours, "train", ["ours"])
+        bt, bname, berr = _best(sdpa, "train", backends)
+        why = None if (t and bt) else _why("train", parts, ("ours", f"union|{n}", ours, terr),
+                                            ("sdpa", f"sdpa|{n}", sdpa, berr))
+        last = n == max(s["train_lengths"])
+        rows.append(_row("training step (fwd+bwd)", f"{model_cfg}, {conv_label['union']}", n, "dilated", t, bname, bt,
+                         why=why, target=">= 2x" if last else None, check=(lambda sp, pr: sp >= 2.0) if last else None))
+    b = s["block_sparse"]
+    r, rf = res("block-sparse", "block_sparse"), res("block-sparse", "flex")
+    cfg = f"{b['heads']}/{b['kv_heads']}x{b['head_dim']}, {json.dumps(b['pattern'])}, block {b['block_size']}"
+    if (r or rf) and "kept_blocks" in (r or rf):
+        cfg += f", {(r or rf)['kept_blocks']:.1%} of causal blocks"
+    for pass_name, label in PASSES.items():
+        p = (r or {}).get("passes", {}).get(pass_name, {})
+        t = p.get("block_sparse", {}).get("median_s")
+        pf = (rf or {}).get("passes", {}).get(pass_name, {})
+        flex, tf = pf.get("flex", {}), pf.get("block_sparse", {}).get("median_s")  # timed in turn with flex
+        why = None
+        if not rf:
+            why = _missing("block-sparse", "flex", parts)
+        elif not (tf and flex.get("median_s")):
+            why = _short(rf.get("error") or flex.get("error") or rf.get("flex_note")
+                         or (pf.get("block_sparse", {}).get("error") and "block_sparse: " + pf["block_sparse"]["error"])
+                         or "flex: not measured")
+        row = _row(f"block_sparse vs FlexAttention (same BlockMask), {label}", cfg, b["n"], "block_sparse", tf,
+                   "flex (compiled)", flex.get("median_s"), why=why, target=">= 1.0x", check=lambda sp, pr: sp >= 1.0)
+        if rf and rf.get("flex_max_abs_diff") is not None:
+            row["note"] = f"outputs differ by {rf['flex_max_abs_diff']:.1e}"
+        rows.append(row)
+        sdpa = {"backends": {bk: {pass_name: p.get("sdpa " + bk, {})} for bk in backends}} if r else None
+        bt, bname, berr = _best(sdpa, pass_name, backends)
+        why = None if (t and bt) else (_short(berr or "block_sparse: not measured") if r else
+                                       _missing("block-sparse", "block_sparse", parts))
+        rows.append(_row(f"block_sparse vs sdpa, {label}", cfg, b["n"], "block_sparse", t, bname, bt, why=why,
+                         pairs=(r or {}).get("pairs"), dense=dense_pair_count(b["n"], b["heads"])))
+    m = s["million"]
+    r = res("million", "union")
+    row = dict(measure="union forward: extra memory / (q, k, v, out)",
+               config=f"{m['heads']}/{m['heads']}x{m['head_dim']}, {s['dtype']}, levels from {L}", n=m["n"],
+               ours="union", target="<= 1.5", verdict="-", kind="memory")
+    fwd = (r or {}).get("passes", {}).get("forward", {})
+    if r and fwd.get("peak_extra_bytes") is not None and r.get("qkvo_bytes"):
+        mult = fwd["peak_extra_bytes"] / r["qkvo_bytes"]
+        row.update(value=f"{mult:.2f}x ({fwd['peak_extra_bytes'] / 2**20:,.0f} of {r['qkvo_bytes'] / 2**20:,.0f} MiB)",
+                   ours_t=fwd.get("median_s"), verdict="meets" if mult <= 1.5 else "misses")
+    else:
+        row["why"] = _short(fwd.get("error") or (r or {}).get("error") or (r or {}).get("unavailable")
+                            or _missing("million", "union", parts))
+    rows.append(row)
+    return rows
+
+
+def cuda_tests(xml: Path | None, log: Path | None) -> dict:
+    """Counts of the CUDA-marked tests: from pytest's junit XML, else (the step was stopped) from its
+    -rA / -v log lines."""
+    if xml and xml.is_file():
+        try:
+            import xml.etree.ElementTree as ET
+
+            root = ET.parse(xml).getroot()
+            suite = root if root.tag == "testsuite" else root.find("testsuite")
+            c = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+            failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+                      if case.find("failure") is not None or case.find("error") is not None]
+            return dict(passed=c["tests"] - c["failures"] - c["errors"] - c["skipped"], failed=c["failures"],
+                        errors=c["errors"], skipped=c["skipped"], source="junit XML", failed_names=failed)
+        except Exception as e:  # noqa: BLE001 - fall back to the log
+            note = f"junit XML unreadable ({type(e).__name__})"
+    else:
+        note = "no junit XML (the step was stopped?)"
+    if log and log.is_file():
+        text = log.read_text(errors="replace")
+        counts = {w: len(re.findall(rf"^\S+::\S.* {w.upper()}\b", text, re.M)) for w in ("passed", "failed", "error", "skipped")}
+        return dict(passed=counts["passed"], failed=counts["failed"], errors=counts["error"], skipped=counts["skipped"],
+                    source=f"{note}: counted in the log, partial", failed_names=[])
+    return dict(source=f"{note}; no log")
+
+
+def _cell_ratio(x, fmt="{:.2f}x"):
+    return "-" if x is None else fmt.format(x)
+
+
+def markdown(s: dict, rows: list[dict], tests: dict, env: dict, parts: dict) -> str:
+    L = s["original"]
+    lines = [
+        "# GPU check: hf-dilated beside sdpa's best kernel\n",
+        f"- {env.get('device_name', env.get('device'))}; torch {env.get('torch')}; {s['dtype']}"
+        + ("; --smoke: tiny sizes, timings meaningless" if s["smoke"] else ""),
+        "- sdpa best = the faster of sdpa's flash and cuDNN backends (torch.nn.attention.sdpa_kernel), measured in the "
+        "same run (in float32 or on the CPU: sdpa's default). Ours runs unrestricted.",
+        "- speed = sdpa time / ours (above 1: ours faster); time ratio = ours / sdpa; pair rate = (visible pairs / "
+        "our time) / (dense causal pairs / sdpa time); pairs = visible (query, key) pairs / dense causal pairs.",
+        f"- levels from {L}: segments {L}, {2 * L}, ... with dilations 1, 2, ... until a segment covers N (model rows: "
+        f"N + {ROOM}, the decode steps); default conversion = hf_dilated.config.default_conversion({L}, N + {ROOM}, "
+        "'dilated') (band = L, far keys grouped).",
+        "",
+        "| measure | config | N | ours | ours ms | baseline | baseline ms | time ratio | speed | pairs | pair rate "
+        "| target | verdict | note |",
+        "|---|---|---:|---|---:|---|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("kind") == "memory":
+            lines.append(f"| {r['measure']} | {r['config']} | {r['n']:,} | {r['ours']} | {_ms(r.get('ours_t'))} | - | - "
+                         f"| - | - | - | - | {r['target']} | {r['verdict']} | {r.get('value') or r.get('why')} |")
+            continue
+        ratio = r["ours_t"] / r["base_t"] if r.get("ours_t") and r.get("base_t") else None
+        pairs = "-" if not r.get("dense") else "1.00" if r.get("pairs") is None else f"{r['pairs'] / r['dense']:.2f}"
+        note = "; ".join(x for x in (r.get("note"), r.get("why")) if x)
+        lines.append(
+            f"| {r['measure']} | {r['config']} | {r['n']:,} | {r['ours']} | {_ms(r.get('ours_t'))} | {r['base']} | "
+            f"{_ms(r.get('base_t'))} | {_cell_ratio(ratio, '{:.2f}')} | {_cell_ratio(r.get('speed'))} | {pairs} | "
+            f"{_cell_ratio(r.get('pair_rate'), '{:.2f}')} | {r['target']} | {r['verdict']} | {note} |")
+    if "passed" in tests:
+        total = tests["passed"] + tests["failed"] + tests["errors"]
+        value = (f"{tests['passed']} passed, {tests['failed']} failed, {tests['errors']} errors, {tests['skipped']} "
+                 f"skipped ({tests['source']})")
+        if tests.get("failed_names"):
+            value += "; failed: " + ", ".join(tests["failed_names"][:8]) + (" ..." if len(tests["failed_names"]) > 8 else "")
+        verdict = "-" if total == 0 else "meets" if tests["failed"] + tests["errors"] == 0 else "misses"
+    else:
+        value, verdict = f"not run: {tests.get('source')}", "-"
+    lines.append(f"| CUDA tests (pytest -m cuda, every one) | - | - | - | - | - | - | - | - | - | - | all pass | "
+                 f"{verdict} | {_short(value, 600)} |")
+    lines.append("")
+    for part in PARTS:
+        data = parts.get(part)
+        if data is None:
+            lines.append(f"- step table-{part}: no results")
+        else:
+            state = "done" if data.get("done") else "stopped before its end"
+            lines.append(f"- step table-{part}: {state}, {len(data['results'])} cases measured, "
+                         f"{len(data['skipped'])} skipped, budget {data['budget_s']:.0f} s"
+                         + (f", {data['elapsed_s']:.0f} s used" if data.get("elapsed_s") else ""))
+    return "\n".join(lines) + "\n"
+
+
+def render(s: dict, out: Path, tests_xml: Path | None = None, tests_log: Path | None = None) -> str:
+    import platform
+
+    import torch
+
+    parts = {}
+    for part in PARTS:
+        path = out / f"{part}.json"
+        if path.is_file():
+            with contextlib.suppress(ValueError):
+                parts[part] = json.loads(path.read_text())
+    device = next((p["device"] for p in parts.values()), _device(s))
+    env = {"device": device, "torch": torch.__version__, "python": platform.python_version()}
+    if device == "cuda" and torch.cuda.is_available():
+        env["device_name"] = torch.cuda.get_device_name(0)
+    tests = cuda_tests(tests_xml, tests_log)
+    rows = build_rows(s, parts, device)
+    text = markdown(s, rows, tests, env, parts)
+    (out / "table.md").write_text(text)
+    _write(out / "table.json", {"settings": s, "rows": rows, "tests": tests, "env": env})
+    return text
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hf_dilated.bench.gpu_table", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="measure one part")
+    run.add_argument("part", choices=PARTS)
+    run.add_argument("--budget", type=float, required=True, help="seconds for the part's cases")
+    table = sub.add_parser("table", help="write DIR/table.md from the parts' results and print it")
+    table.add_argument("--tests-xml", type=Path)
+    table.add_argument("--tests-log", type=Path)
+    for q in (run, table):
+        q.add_argument("--out", type=Path, required=True)
+        q.add_argument("--smoke", action="store_true", help="tiny sizes (checks the script on a CPU)")
+    args = p.parse_args(argv)
+    s = settings(args.smoke)
+    if args.command == "run":
+        data = run_part(args.part, s, args.out, args.budget)
+        return 0 if data["results"] else 1
+    print(render(s, args.out, args.tests_xml, args.tests_log), end="")
+    return 0
+
+
+if __name__ == "__main__":  # the case processes import this module: no run on import
+    sys.exit(main())
