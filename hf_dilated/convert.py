@@ -34,6 +34,7 @@ from pathlib import Path
 
 from .config import (BAND_NAMES, CONFIG_KEY, DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_SCALED_ROPE, DILATED_MODES,
                      FAR_WINDOW_DIVISOR, DilatedConfig, far_keys, field_help)
+from .integrations.transformers import converted_context, supported_context
 from .kinds import TRANSFORMERS_NAMES as NAMES, check_transformers_name
 from .patches import family_for
 from .patches.context import (MAX_CONTEXT_LENGTH, ROPE_CHOICES, ConversionWarning, check_context_length,
@@ -145,7 +146,7 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
     elif rope is not None:
         if not before:
             raise ValueError("rope: --rope needs --context (the context length to scale RoPE for)")
-        context_length = DilatedConfig.from_model_config(config).target_length or config.max_position_embeddings
+        context_length = converted_context(config)
         warnings.warn(f"context_length: no --context given: kept the earlier conversion's context of {context_length} "
                       f"tokens for --rope {rope}", ConversionWarning, stacklevel=2)
     if attn_implementation is None:
@@ -400,12 +401,15 @@ def describe(directory) -> str:
     if cfg.target_length is not None:
         keys = min(keys, cfg.target_length)
     far = far_keys(cfg.to_dict())
+    grouped = supported_context(config, BAND_NAMES[0]) != supported_context(config, "sdpa")
+    context = (f"{cfg.target_length} tokens under {' and '.join(BAND_NAMES)} (far keys at grouped positions); "
+               f"{positions} under any other attention or engine (max_position_embeddings: its RoPE is unscaled, "
+               "longer inputs are read wrongly)" if grouped else f"{positions} tokens (max_position_embeddings)")
     lines = [
         f"checkpoint:           {directory}",
         f"model_type:           {config.model_type}",
         f"attn_implementation:  {raw.get('attn_implementation', '(not set: transformers default, sdpa)')}",
-        f"context:              {cfg.target_length} tokens under hf_dilated's names; {positions} under any other "
-        "attention or engine (max_position_embeddings)",
+        f"context:              {context}",
         f"rope:                 {rope.get('rope_type', 'default')}"
         + (f" (factor {rope['factor']:g})" if "factor" in rope else ""),
         f"hf_dilated entry:     {'stored in config.json' if stored else 'absent: the default derived from the config'}",

@@ -61,7 +61,8 @@ def _kinds_table() -> str:
                      for kind in KINDS)
 
 
-__doc__ = __doc__.format(kinds_table=_kinds_table())
+if __doc__:  # None under python -OO
+    __doc__ = __doc__.format(kinds_table=_kinds_table())
 
 
 @dataclass(frozen=True)

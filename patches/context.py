@@ -139,15 +139,15 @@ def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
 
 
 # Fields an earlier conversion chose that a new context length does not invalidate.
-_KEPT_ON_RECONVERT = ("mode", "block_size", "pattern", "ring_layout", "local_window")
+_KEPT_ON_RECONVERT = ("mode", "block_size", "pattern", "ring_layout", "local_window", "far_group", "far_window")
 
 
 def dilated_entry(config, context_length: int | None = None, **fields) -> dict:
     """The `hf_dilated` entry for `config` at `context_length` (None: the configured one).
 
     Starts from the checkpoint's entry when it has one (a new context length recomputes the
-    segments and the default band's far group, keeping mode, block size, pattern, ring layout and
-    the band), else from the documented default
+    segments and the default band, keeping mode, block size, pattern, ring layout and a band the
+    caller chose, with its far grouping), else from the documented default
     (DilatedConfig); explicit `fields` override both.
     """
     existing = getattr(config, CONFIG_KEY, None)

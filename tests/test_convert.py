@@ -570,7 +570,8 @@ def test_a_default_conversion_read_without_our_attention_declares_only_what_its_
         AutoModelForCausalLM.from_pretrained(dst, attn_implementation="sdpa")
     finally:
         root.removeHandler(handler)
-    assert any("converted for 128 tokens" in line and "'sdpa' it reads 32" in line for line in lines), lines
+    assert any("converted for 128 tokens" in line and "under 'sdpa' it is valid for up to 32 tokens" in line
+               for line in lines), lines
     # An unconverted checkpoint, or one whose RoPE was scaled for the new context, says nothing.
     yarn = convert_checkpoint(source, tmp_path / "yarn", context_length=128, rope="yarn")
     assert json.loads((yarn / "config.json").read_text())["max_position_embeddings"] == 128
@@ -588,3 +589,45 @@ def test_an_older_conversion_that_raised_max_position_embeddings_is_put_back_on_
     again = convert_checkpoint(old, tmp_path / "again", context_length=256)
     config = json.loads((again / "config.json").read_text())
     assert config["max_position_embeddings"] == 32 and config["hf_dilated"]["target_length"] == 256
+
+
+def test_a_default_conversion_under_dilated_declares_its_converted_context_in_memory_only(source, tmp_path):
+    """transformers' generate() reads max_position_embeddings as the model's context (it caps a
+    default max_length there): under the names that read far keys it is the converted target in
+    memory, while save_pretrained keeps writing the RoPE's own context for other engines (review
+    of issue 33: generate() refused a prompt past L under dilated)."""
+    dst = convert_checkpoint(source, tmp_path / "long", context_length=128)
+    model = AutoModelForCausalLM.from_pretrained(dst, attn_implementation="dilated")
+    assert model.config.max_position_embeddings == 128
+    prompt = torch.randint(3, 60, (1, 100), generator=torch.Generator().manual_seed(0))
+    out = model.generate(prompt, do_sample=False)  # no max_new_tokens: transformers' default, 20 more
+    assert out.shape[1] == 120
+    model.save_pretrained(tmp_path / "saved")
+    assert model.config.max_position_embeddings == 128
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved["max_position_embeddings"] == 32 and saved["hf_dilated"]["target_length"] == 128
+    model.set_attn_implementation("sdpa")
+    assert model.config.max_position_embeddings == 32
+    model.set_attn_implementation("dilated")
+    assert model.config.max_position_embeddings == 128
+
+
+def test_an_entry_we_cannot_read_never_stops_a_load_under_another_attention(source, tmp_path):
+    """A checkpoint whose hf_dilated entry this version cannot parse (a newer field, a corrupt value)
+    still loads under sdpa: only our names read it."""
+    dst = convert_checkpoint(source, tmp_path / "long", context_length=128)
+    raw = json.loads((dst / "config.json").read_text())
+    for entry in ({**raw["hf_dilated"], "from_the_future": 1}, {**raw["hf_dilated"], "target_length": "long"}, [1]):
+        broken = _copy_of(dst, tmp_path / f"broken{len(str(entry))}")
+        (broken / "config.json").write_text(json.dumps({**raw, "hf_dilated": entry}))
+        model = AutoModelForCausalLM.from_pretrained(broken, attn_implementation="sdpa")
+        assert model.config._attn_implementation == "sdpa"
+
+
+def test_reconverting_keeps_a_band_the_user_chose_with_its_far_grouping(source, tmp_path):
+    """Only the default band is recomputed for a new length; a band the user chose keeps its far
+    grouping (it was dropped, leaving far keys at unscaled positions past L)."""
+    first = convert_checkpoint(source, tmp_path / "a", context_length=64, local_window=32, far_group=4)
+    second = convert_checkpoint(first, tmp_path / "b", context_length=256)
+    b = DilatedConfig.from_dict(json.loads((second / "config.json").read_text())["hf_dilated"])
+    assert (b.local_window, b.far_group, b.target_length) == (32, 4, 256)

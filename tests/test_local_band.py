@@ -280,3 +280,20 @@ def test_far_window_is_checked(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         DilatedConfig(segment_lengths=[8], dilation_rates=[1], local_window=6, **fields)
 
+
+
+def test_calls_of_different_head_counts_do_not_share_a_cached_plan():
+    """Which far calls hold a visible pair depends on the head count (a level of dilation r reads
+    class h mod r): a plan cached for one head must not serve four (review of issue 33: a call
+    with 4 heads after one with 1 skipped the far keys of heads 1-3)."""
+    from hf_dilated.ops.local_band import local_band_attention
+
+    torch.manual_seed(0)
+    for heads in (1, 4):
+        # One query at position 63 (class 3 of dilation 4): head 0 reads no far key, head 3 does.
+        # The band's own module, as dilated_attention sends one query to its decode path.
+        q = torch.randn(1, heads, 1, 8, dtype=torch.float64)
+        k, v = torch.randn(1, heads, 64, 8, dtype=torch.float64), torch.randn(1, heads, 64, 8, dtype=torch.float64)
+        out = local_band_attention(q, k, v, [64], [4], local_window=8, scale=8 ** -0.5)
+        ref = local_band_reference(q, k, v, [64], [4], 8)
+        torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)

@@ -9,11 +9,12 @@ runs the kernels on what it returns.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from ..config import CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int, far_keys
+from ..config import BAND_NAMES, CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int, far_keys
 from ..kinds import KINDS, TRANSFORMERS_NAMES
 from .rotary import rotary_frequencies
 from .model_inputs import (is_static_slots, kernel_inputs, padded_last_query_as_sdpa, padding_mask,
@@ -257,7 +258,11 @@ def _hook_attention_choice() -> None:
       `attn_implementation` from config.json, so the name is also recorded in the `hf_dilated`
       entry, which it keeps; an explicit `attn_implementation=` still wins over both;
     - choosing one of our names validates the entry and the model family there and then (a
-      corrupt config.json fails at load, not at the first forward)."""
+      corrupt config.json fails at load, not at the first forward);
+    - the context the model declares (`max_position_embeddings`) is the one it reads under the
+      chosen attention (`declare_context`).
+    And wraps `PreTrainedModel.save_pretrained`, so that config.json declares what the RoPE alone
+    supports, whatever the attention in memory."""
     from transformers import PreTrainedModel
 
     current = PreTrainedModel._check_and_adjust_attn_implementation
@@ -276,40 +281,78 @@ def _hook_attention_choice() -> None:
                 entry[RECORDED_NAME] = chosen
             else:
                 entry.pop(RECORDED_NAME, None)
-                _warn_beyond_positions(self.config, chosen)
+            declare_context(self.config, chosen)
         return chosen
 
     _check_and_adjust_attn_implementation._hf_dilated = True
     PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
 
+    save = PreTrainedModel.save_pretrained
+
+    @functools.wraps(save)
+    def save_pretrained(self, *args, **kwargs):
+        far = _grouped_far_context(self.config)
+        if far is None or self.config.max_position_embeddings == far[0]:
+            return save(self, *args, **kwargs)
+        declared = self.config.max_position_embeddings
+        self.config.max_position_embeddings = far[0]  # what engines that ignore the entry may read
+        try:
+            return save(self, *args, **kwargs)
+        finally:
+            self.config.max_position_embeddings = declared
+
+    PreTrainedModel.save_pretrained = save_pretrained
+
+
+def _grouped_far_context(config) -> tuple[int, int] | None:
+    """(the RoPE's own context L, the converted target T) when `config` reads keys beyond L only
+    through far keys at grouped positions with its RoPE left unscaled (the default conversion,
+    docs/contract.md 4.1), else None. Read off the entry as stored, never parsed: a model must load
+    under any attention whatever its entry holds."""
+    entry = getattr(config, CONFIG_KEY, None)
+    if not isinstance(entry, dict):
+        return None
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    original, target, group = entry.get("original_length"), entry.get("target_length"), entry.get("far_group", 1)
+    if rope_type != "default" or not all(isinstance(x, int) and not isinstance(x, bool) for x in (original, target, group)):
+        return None
+    return (original, target) if group > 1 and target > original else None
+
 
 def supported_context(config, attn_implementation: str) -> int | None:
-    """The tokens a model of `config` reads as configured under `attn_implementation`: the
-    hf_dilated entry's target under our names; max_position_embeddings, what its RoPE supports,
-    under any other (a conversion that keeps the RoPE leaves it there; patches/context.py)."""
-    if attn_implementation in NAMES:
-        return converted_context(config)
-    return getattr(config, "max_position_embeddings", None)
+    """The tokens a model of `config` reads correctly under `attn_implementation`: with far keys at
+    grouped positions and the RoPE unscaled (the default conversion), the converted target under
+    the names that read far keys (config.BAND_NAMES) and the RoPE's own context L under any other
+    (sdpa is then silently wrong past L); else max_position_embeddings."""
+    far = _grouped_far_context(config)
+    if far is None:
+        return getattr(config, "max_position_embeddings", None)
+    return far[1] if attn_implementation in BAND_NAMES else far[0]
+
+
+def declare_context(config, attn_implementation: str) -> None:
+    """Sets `max_position_embeddings`, which transformers' generate() and other tools read as the
+    model's context, to `supported_context` under the chosen attention: config.json keeps the
+    RoPE's own context for engines that ignore the hf_dilated entry (patches/context.py), and a
+    model loaded under `dilated` reads the converted one. Under another attention it says once
+    that inputs past L are silently wrong there."""
+    far = _grouped_far_context(config)
+    if far is None:
+        return
+    config.max_position_embeddings = supported_context(config, attn_implementation)
+    if attn_implementation not in BAND_NAMES:
+        _logger().warning_once(
+            f"this checkpoint was converted for {far[1]} tokens of context, read through far keys at grouped "
+            f"positions by attn_implementation in {BAND_NAMES}; under {attn_implementation!r} it is valid for up to "
+            f"{far[0]} tokens (max_position_embeddings), and longer inputs are silently wrong")
 
 
 def converted_context(config) -> int | None:
     """The context `config` was configured for: its hf_dilated entry's target length (what
-    `hf-dilated convert --context` set), else max_position_embeddings."""
-    positions = getattr(config, "max_position_embeddings", None)
-    if getattr(config, CONFIG_KEY, None) is None:
-        return positions
-    return DilatedConfig.from_model_config(config).target_length or positions
-
-
-def _warn_beyond_positions(config, chosen: str) -> None:
-    """A converted checkpoint loaded under another attention reads only the context its RoPE
-    supports: say so once, naming the names that read the rest."""
-    ours, theirs = supported_context(config, NAMES[0]), supported_context(config, chosen)
-    if ours is not None and theirs is not None and ours > theirs:
-        _logger().warning_once(
-            f"this checkpoint was converted for {ours} tokens of context with hf_dilated's attention; under "
-            f"attn_implementation={chosen!r} it reads {theirs} (max_position_embeddings, what its RoPE supports): "
-            f"load it with attn_implementation in {NAMES} for the rest")
+    `hf-dilated convert --context` set, read as stored), else max_position_embeddings."""
+    entry = getattr(config, CONFIG_KEY, None)
+    target = entry.get("target_length") if isinstance(entry, dict) else None
+    return target if isinstance(target, int) else getattr(config, "max_position_embeddings", None)
 
 
 def check_model_supported(config, name: str) -> None:

@@ -61,7 +61,7 @@ def local_band_attention(q, k, v, segment_lengths, dilation_rates, *, local_wind
         q_far, k_far = q, k
     if plain_forward_applies(layout, q, k, segment_lengths, is_causal, sliding_window):
         return plain_forward(q, k, v, q_far, k_far, list(segment_lengths), list(dilation_rates), local_window, scale)
-    key = (k.shape[0], k.shape[2], q.shape[2], str(k.device), tuple(segment_lengths), tuple(dilation_rates),
+    key = (k.shape[0], k.shape[2], q.shape[:3], str(k.device), tuple(segment_lengths), tuple(dilation_rates),
            local_window, is_causal, sliding_window)
     plan = _PLANS.get(key, attention_mask, position_ids)
     if plan is None:
@@ -139,21 +139,21 @@ def _forward(q, k, v, q_far, k_far, plan: _Plan, scale):
     acc_dtype = merge_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
-    first_use = plan.nonempty is None
-    if first_use:
-        plan.nonempty = []
+    found = None if plan.nonempty is not None else []  # recorded on the plan only once complete
     for index, call in enumerate(plan.calls):
-        if not first_use and not plan.nonempty[index]:
+        if found is None and not plan.nonempty[index]:
             continue
-        visible = _visible(plan, call, q.shape[1])
-        if first_use:
-            plan.nonempty.append(bool(visible.any()))
-            if not plan.nonempty[-1]:
+        visible = _visible(plan, call, q.shape[1])  # depends on the head count: part of the plan's key
+        if found is not None:
+            found.append(bool(visible.any()))
+            if not found[-1]:
                 continue
         qs, ks, vs = _inputs(call, q, k, v, q_far, k_far)
         o, part_lse = attention_forward(qs, ks, vs, is_causal=False, scale=scale, attn_bias=_bias(visible, q.dtype))
         part_lse = part_lse.masked_fill(~visible.any(-1).expand(part_lse.shape), float("-inf"))  # no key: -inf
         merge_into(out[:, :, call.queries], lse[:, :, call.queries], o, part_lse.to(acc_dtype))
+    if found is not None:
+        plan.nonempty = found
     return out.to(q.dtype), lse
 
 
