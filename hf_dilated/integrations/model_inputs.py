@@ -87,7 +87,8 @@ def _static_layer(q_offset, q_length, kv_length) -> bool:
     if q_offset is None or q_length is None:
         return False
     seen = int(q_offset) + int(q_length)
-    return seen < kv_length or (torch.compiler.is_compiling() and seen == kv_length
+    # (q_offset > 0: a step after a prefill; a forward without a cache is no cache's step)
+    return seen < kv_length or (torch.compiler.is_compiling() and seen == kv_length and int(q_offset) > 0
                                 and int(q_length) <= DECODE_MAX_QUERIES)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,7 @@ class _ModelEntry:
 
     source: tuple  # deep copies of what it was parsed from (the entry, the context, the RoPE)
     config: DilatedConfig
+    owner: object = None  # weakref.ref to the model config: an id is reused once its object is freed
     settings: dict = field(default_factory=dict)  # kind name -> the kind's settings
     rope_frequencies: torch.Tensor | None = None
 
@@ -65,8 +67,9 @@ def _entry(module) -> _ModelEntry:
         # traced; a config edited between compiled steps is not seen: recompile after such an edit)
         return entry if entry is not None else _ModelEntry((), DilatedConfig.from_model_config(config))
     source = _source(config)
-    if entry is None or entry.source != source:  # a comparison, not a serialisation, on every layer call
-        entry = _ModelEntry(copy.deepcopy(source), DilatedConfig.from_model_config(config))
+    # a comparison, not a serialisation, on every layer call
+    if entry is None or entry.owner() is not config or entry.source != source:
+        entry = _ModelEntry(copy.deepcopy(source), DilatedConfig.from_model_config(config), weakref.ref(config))
         _entries[id(config)] = entry
     return entry
 
