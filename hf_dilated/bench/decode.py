@@ -35,7 +35,7 @@ KERNEL_VARIANTS = ("sdpa", "dilated", "dilated+band", "block_sparse")
 def kv_rows(spec: dict, variant: str, cfg) -> int:
     """K/V rows (kv head x key) one decode step of `variant` reads at the end of the cache."""
     from ..ops.dilated_decode import _parts
-    from ..ops.block_sparse_decode import _visible_keys
+    from ..ops.block_sparse_decode import _visible_runs
     from ..ops.block_patterns import make_pattern
 
     n, hq, hkv = spec["n"], spec["heads"], spec["kv_heads"]
@@ -43,8 +43,8 @@ def kv_rows(spec: dict, variant: str, cfg) -> int:
         return hkv * n
     if variant == "block_sparse":
         bs = spec["block_size"]
-        keys = _visible_keys(make_pattern(spec["block_pattern"]), n - 1, 0, 0, bs, (n - 1) // bs + 1, None, "cpu")
-        return hkv * keys.numel()
+        runs = _visible_runs(make_pattern(spec["block_pattern"]), n - 1, 0, 0, bs, None)
+        return hkv * sum(hi - lo for lo, hi in runs)
     band = spec["original"] if variant == "dilated+band" else None
     group = hq // hkv
     rows = 0
