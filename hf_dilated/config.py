@@ -33,6 +33,10 @@ DEFAULT_MODE = "union"
 RING_LAYOUTS = ("zigzag", "contiguous")  # docs/contract.md 6
 DEFAULT_RING_LAYOUT = "zigzag"  # of setup_sequence_parallel and the ring kernels
 DEFAULT_BLOCK_SIZE = 64
+# Sparse far keys (docs/contract.md 4.2): positions per far block, and blocks always read from a
+# document's start (the attention sinks).
+DEFAULT_FAR_BLOCK_SIZE = 64
+DEFAULT_FAR_SINKS = 1
 DEFAULT_ATTN_IMPLEMENTATION = "dilated"  # of patch, patch_family and hf-dilated convert
 # Calls with at most this many queries against a longer cache (a decode step, a few speculative
 # tokens) take the strided decode path of ops/dilated_decode.py when their rows allow it.
@@ -87,8 +91,9 @@ def check_dilated_config(segment_lengths, dilation_rates, mode) -> tuple[list[in
     return seg, dil
 
 
-def check_band(mode, local_window, far_group, far_window) -> None:
-    """The local band and its far keys (docs/contract.md 4.1), or the error naming the field."""
+def check_band(mode, local_window, far_group, far_window, far_band=None, far_top_k=None,
+               far_block_size=DEFAULT_FAR_BLOCK_SIZE, far_sinks=DEFAULT_FAR_SINKS) -> None:
+    """The local band and its far keys (docs/contract.md 4.1, 4.2), or the error naming the field."""
     check_int("local_window", local_window, optional=True)
     check_int("far_group", far_group)
     if local_window is not None and mode != "union":
@@ -101,6 +106,19 @@ def check_band(mode, local_window, far_group, far_window) -> None:
     if far_window is not None and far_window > local_window:
         raise ValueError(f"far_window: at most local_window ({local_window}) so that far keys sit no further "
                          f"than the band's edge, got {far_window}")
+    check_int("far_band", far_band, optional=True)
+    check_int("far_top_k", far_top_k, optional=True, minimum=0)
+    check_int("far_block_size", far_block_size)
+    check_int("far_sinks", far_sinks, minimum=0)
+    for name, value in (("far_band", far_band), ("far_top_k", far_top_k)):
+        if value is not None and local_window is None:
+            raise ValueError(f"{name}: {value} reads the far keys of a local band; it needs a local_window")
+    if far_band is not None and far_band > local_window:
+        raise ValueError(f"far_band: at most local_window ({local_window}), got {far_band}")
+    band = local_window if far_band is None else far_band
+    if far_top_k is not None and far_block_size > band:
+        raise ValueError(f"far_block_size: at most the band ({band}) so that a far block lies before its query, "
+                         f"got {far_block_size}")
 
 
 def check_block_sparse(pattern, block_size):
@@ -149,6 +167,18 @@ class DilatedConfig:
         "with far_group > 1: far keys sit where Self-Extend puts keys beyond a neighbour window of this many "
         "positions, a key d back at relative position d // G + far_window - far_window // G (docs/contract.md "
         "4.1); None: local_window, so that far distances continue the band's")})
+    far_band: int | None = field(default=None, metadata={"help": (
+        "the band of a query at a position >= local_window, whose band no longer holds its whole document "
+        "(docs/contract.md 4.2): narrower, so that the keys between it and local_window are far keys too; "
+        "None: local_window")})
+    far_top_k: int | None = field(default=None, metadata={"help": (
+        "sparse far keys (docs/contract.md 4.2): a query reads the far keys of this many blocks, those with the "
+        "highest bound on its best score (Quest's, from each block's min/max far key), besides the sinks; "
+        "None: every far key")})
+    far_block_size: int = field(default=DEFAULT_FAR_BLOCK_SIZE, metadata={"help": (
+        "with far_top_k: positions per far block (at most the band)")})
+    far_sinks: int = field(default=DEFAULT_FAR_SINKS, metadata={"help": (
+        "with far_top_k: the first blocks of a document, whose far keys every query reads")})
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": (
         "block-sparse attention (docs/contract.md 5; 'block_sparse', 'block_sparse_ring'): tokens per block")})
     pattern: dict | None = field(default=None, metadata={"resolved": True, "help": (
@@ -174,7 +204,8 @@ class DilatedConfig:
         seg, dil = check_dilated_config(self.segment_lengths, self.dilation_rates, self.mode)
         self.segment_lengths, self.dilation_rates = seg, dil
         check_int("block_size", self.block_size)
-        check_band(self.mode, self.local_window, self.far_group, self.far_window)
+        check_band(self.mode, self.local_window, self.far_group, self.far_window, self.far_band, self.far_top_k,
+                   self.far_block_size, self.far_sinks)
         if self.pattern is None:  # dense within the first segment, like the dilated default
             self.pattern = {"type": "local", "window": max(1, (self.original_length or seg[0]) // self.block_size)}
         if not isinstance(self.pattern, dict) or not isinstance(self.pattern.get("type"), str):

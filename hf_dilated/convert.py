@@ -78,6 +78,10 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--far-window", type=int, default=None,
                    help=field_help("far_window") + f" (default with the default band: the original context // "
                                                    f"{FAR_WINDOW_DIVISOR})")
+    p.add_argument("--far-band", type=int, default=None, help=field_help("far_band"))
+    p.add_argument("--far-top-k", type=int, default=None, help=field_help("far_top_k"))
+    p.add_argument("--far-block-size", type=int, default=None, help=field_help("far_block_size"))
+    p.add_argument("--far-sinks", type=int, default=None, help=field_help("far_sinks"))
     p.add_argument("--copy", action="store_true", help="copy weight files instead of hard-linking them")
     p.add_argument("--force", action="store_true",
                    help="replace DST if it exists (only an empty directory or a checkpoint hf-dilated wrote)")
@@ -90,7 +94,10 @@ def _one_line(text) -> str:
 def convert_main(args) -> int:
     fields = {k: v for k, v in (("mode", args.mode), ("segment_lengths", args.segment_lengths),
                                 ("dilation_rates", args.dilation_rates), ("local_window", args.local_window),
-                                ("far_group", args.far_group), ("far_window", args.far_window)) if v is not None}
+                                ("far_group", args.far_group), ("far_window", args.far_window),
+                                ("far_band", args.far_band), ("far_top_k", args.far_top_k),
+                                ("far_block_size", args.far_block_size), ("far_sinks", args.far_sinks))
+              if v is not None}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConversionWarning)
         try:
@@ -400,6 +407,8 @@ def describe(directory) -> str:
     keys = level_keys if cfg.local_window is None else level_keys + cfg.local_window
     if cfg.target_length is not None:
         keys = min(keys, cfg.target_length)
+    if cfg.far_top_k is not None:  # past the band, the band plus the sinks' and selected blocks' keys
+        keys = min(keys, cfg.local_window + (cfg.far_top_k + cfg.far_sinks) * cfg.far_block_size)
     far = far_keys(cfg.to_dict())
     grouped = supported_context(config, BAND_NAMES[0]) != supported_context(config, "sdpa")
     context = (f"{cfg.target_length} tokens under {' and '.join(BAND_NAMES)} (far keys at grouped positions); "
@@ -421,6 +430,13 @@ def describe(directory) -> str:
         "  far keys:           " + ("at their own positions" if far is None else
                                     f"beyond the band, at Self-Extend's grouped positions: {far[1]} positions share "
                                     f"one (far_group), neighbour window {far[0]} (far_window)"),
+        "  band past it:       " + ("the same" if cfg.far_band is None else
+                                    f"{cfg.far_band} positions for a query at a position >= {cfg.local_window} "
+                                    "(far_band)"),
+        "  far keys read:      " + ("every one" if cfg.far_top_k is None else
+                                    f"the first {cfg.far_sinks} block(s) of the document and the {cfg.far_top_k} "
+                                    f"blocks of {cfg.far_block_size} positions with the highest bound on the "
+                                    "query's score (far_sinks, far_top_k, far_block_size)"),
         f"  decode keys/query:  <= {keys}",
         f"  block-sparse:       block_size={cfg.block_size} pattern={json.dumps(cfg.pattern, sort_keys=True)}",
         f"  ring layout:        {cfg.ring_layout or 'that of the active sequence-parallel group'}",

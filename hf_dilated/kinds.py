@@ -97,7 +97,24 @@ def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, drop
                              is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                              attention_mask=attention_mask, position_ids=position_ids,
                              sliding_window=sliding_window, local_window=s["local_window"],
-                             q_far=q_far, k_far=k_far)
+                             q_far=q_far, k_far=k_far, far_band=s["far_band"], far_selection=_far_selection(s))
+
+
+def _far_selection(s):
+    """The settings' sparse far keys (docs/contract.md 4.2), or None."""
+    from .ops.far_selection import FarSelection
+
+    if s["far_top_k"] is None:
+        return None
+    return FarSelection(s["far_top_k"], s["far_block_size"], s["far_sinks"])
+
+
+def _no_sparse_far_keys(s, entry: str) -> None:
+    """A ValueError naming the setting where `entry` does not compute docs/contract.md 4.2 yet."""
+    for name in ("far_band", "far_top_k"):
+        if s[name] is not None:
+            raise ValueError(f"{name}: {entry} does not read sparse far keys yet (docs/contract.md 4.2); "
+                             f"use 'dilated', got {name}={s[name]}")
 
 
 def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
@@ -123,6 +140,7 @@ def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
     from .distributed import dilated_ring_attention
     from .ops.rope import far_projections
 
+    _no_sparse_far_keys(s, "'dilated_ring'")
     far = _far_keys(s, rope_frequencies)
     # A rank cannot tell its tokens' positions from its shard of a padding mask: the ring kernel
     # finds them and asks for the far projections at them.
@@ -146,6 +164,7 @@ def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_
     from .ops.dilated_decode import dilated_decode_static
     from .ops.rope import far_projections_static
 
+    _no_sparse_far_keys(s, "a compiled step on a static cache")
     q_far = k_far = None
     far = _far_keys(s, rope_frequencies)
     if far is not None:
@@ -170,7 +189,8 @@ def _block_sparse_static(q, k, v, s, *, real, seen, scale, sliding_window=None, 
                                       seen=seen, sliding_window=sliding_window)
 
 
-_DILATED = field_defaults("segment_lengths", "dilation_rates", "mode", "local_window", "far_group", "far_window")
+_DILATED = field_defaults("segment_lengths", "dilation_rates", "mode", "local_window", "far_group", "far_window",
+                          "far_band", "far_top_k", "far_block_size", "far_sinks")
 _BLOCK_SPARSE = field_defaults("pattern", "block_size")
 # Every kind but "dense" (transformers' own "sdpa" is that) serves the families of hf_dilated.patches.
 _FAMILIES = tuple(supported_model_types())

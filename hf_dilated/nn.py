@@ -160,7 +160,8 @@ def create_attention(kind: str, **config) -> Attention:
         else:
             check_mode(cfg["mode"])
     if "far_group" in cfg:
-        check_band(cfg["mode"], cfg["local_window"], cfg["far_group"], cfg["far_window"])
+        check_band(cfg["mode"], cfg["local_window"], cfg["far_group"], cfg["far_window"], cfg["far_band"],
+                   cfg["far_top_k"], cfg["far_block_size"], cfg["far_sinks"])
     if "pattern" in cfg:
         cfg["pattern"] = check_block_sparse(cfg["pattern"], cfg["block_size"])
     if kind == "auto":

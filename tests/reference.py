@@ -251,22 +251,18 @@ def block_sparse_reference(q, k, v, layout, block_size, *, scale=None, attention
 
 
 def local_band_reference(q, k, v, segment_lengths, dilation_rates, local_window, *, q_far=None, k_far=None,
-                         scale=None, attention_mask=None, position_ids=None, is_causal=True, sliding_window=None):
+                         scale=None, attention_mask=None, position_ids=None, is_causal=True, sliding_window=None,
+                         far_band=None, far_top_k=None, far_block_size=64, far_sinks=1):
     """docs/contract.md 4.1: union dilated attention with a local band. K(h, i) is the set of
     base-visible keys j with |p_i - p_j| < local_window (near), united with the union levels' keys
     (far: the others). Near keys score q_i . k_j; far keys score q_far_i . k_far_j when the far
-    projections are given, else q_i . k_j. One float64 softmax over K(h, i); no key: output 0."""
+    projections are given, else q_i . k_j. One float64 softmax over K(h, i); no key: output 0.
+    docs/contract.md 4.2 (far_band, far_top_k, far_block_size, far_sinks): see local_band_key_sets."""
     batch, q_heads, q_len, head_dim = q.shape
-    kv_len = k.shape[2]
-    tp = token_positions(attention_mask, position_ids, batch, kv_len)
-    visible = base_visible(attention_mask, position_ids, batch, q_len, kv_len, is_causal, sliding_window)
-    p_q = tp.positions[:, _query_slice(kv_len, q_len)]
-    near = visible & ((p_q[:, :, None] - tp.positions[:, None, :]).abs() < local_window)  # (batch, q, k)
-    union = dilated_key_counts(segment_lengths, dilation_rates, "union", q_heads, batch, q_len, kv_len,
-                               attention_mask=attention_mask, position_ids=position_ids, is_causal=is_causal,
-                               sliding_window=sliding_window) > 0
-    near = near[:, None].expand_as(union)
-    far = union & ~near
+    near, far = local_band_key_sets(q, k, segment_lengths, dilation_rates, local_window, q_far=q_far, k_far=k_far,
+                                    attention_mask=attention_mask, position_ids=position_ids, is_causal=is_causal,
+                                    sliding_window=sliding_window, far_band=far_band, far_top_k=far_top_k,
+                                    far_block_size=far_block_size, far_sinks=far_sinks)
     if scale is None:
         scale = head_dim ** -0.5
     group = q_heads // k.shape[1]
@@ -287,3 +283,69 @@ def local_band_reference(q, k, v, segment_lengths, dilation_rates, local_window,
     denom = torch.where(denom > 0, denom, torch.ones_like(denom))
     vv = v.to(torch.float64).repeat_interleave(group, dim=1)
     return torch.einsum("bhij,bhjd->bhid", weights, vv) / denom
+
+
+def local_band_key_sets(q, k, segment_lengths, dilation_rates, local_window, *, q_far=None, k_far=None,
+                        attention_mask=None, position_ids=None, is_causal=True, sliding_window=None, far_band=None,
+                        far_top_k=None, far_block_size=64, far_sinks=1):
+    """(near, far), bool (batch, q_heads, q_len, kv_len): the keys local_band_reference reads in
+    the band and beyond it. docs/contract.md 4.2: with `far_band`, a query at a position >=
+    local_window has a band of far_band instead; with `far_top_k`, far keys are read only in the
+    first `far_sinks` blocks of far_block_size positions of the document and in the far_top_k other
+    blocks holding a far key of (h, i) whose bound sum_d max(qf_d mn_d, qf_d mx_d) is highest (ties
+    at the k-th all read)."""
+    batch, q_heads, q_len, _ = q.shape
+    kv_len = k.shape[2]
+    tp = token_positions(attention_mask, position_ids, batch, kv_len)
+    visible = base_visible(attention_mask, position_ids, batch, q_len, kv_len, is_causal, sliding_window)
+    p_q = tp.positions[:, _query_slice(kv_len, q_len)]
+    width = torch.full_like(p_q, local_window)
+    if far_band is not None:
+        width = torch.where(p_q < local_window, local_window, far_band)
+    near = visible & ((p_q[:, :, None] - tp.positions[:, None, :]).abs() < width[:, :, None])  # (batch, q, k)
+    union = dilated_key_counts(segment_lengths, dilation_rates, "union", q_heads, batch, q_len, kv_len,
+                               attention_mask=attention_mask, position_ids=position_ids, is_causal=is_causal,
+                               sliding_window=sliding_window) > 0
+    near = near[:, None].expand_as(union)
+    far = union & ~near
+    if far_top_k is not None:
+        far = far & _far_selected(far, q if q_far is None else q_far, k if k_far is None else k_far, tp,
+                                  far_top_k, far_block_size, far_sinks)
+    return near, far
+
+
+def _far_selected(far, q_far, k_far, tp: TokenPositions, top_k, block_size, sinks):
+    """bool (batch, heads, q_len, kv_len): the far keys docs/contract.md 4.2 reads, by its words: a
+    block is (document, position // block_size) of real keys; its summary the elementwise min/max
+    of their k_far; a query reads its far keys in sink blocks (number < sinks) and in the top_k
+    candidate blocks (holding one of its far keys, not a sink) by the bound."""
+    batch, q_heads, q_len, _ = q_far.shape
+    kv_len = k_far.shape[2]
+    group = q_heads // k_far.shape[1]
+    out = torch.zeros_like(far)
+    for b in range(batch):
+        blocks = {}
+        for j in range(kv_len):
+            if tp.real[b, j]:
+                blocks.setdefault((int(tp.doc[b, j]), int(tp.positions[b, j]) // block_size), []).append(j)
+        for h in range(q_heads):
+            keys = k_far[b, h // group].detach().to(torch.float64)
+            summary = {blk: (keys[js].amin(0), keys[js].amax(0)) for blk, js in blocks.items()}
+            for i in range(q_len):
+                qf = q_far[b, h, i].detach().to(torch.float64)
+                scored = []
+                for blk, js in blocks.items():
+                    if not far[b, h, i, js].any():
+                        continue
+                    if blk[1] < sinks:
+                        out[b, h, i, js] = True
+                        continue
+                    mn, mx = summary[blk]
+                    scored.append((float(torch.maximum(qf * mn, qf * mx).sum()), js))
+                if not scored or top_k == 0:
+                    continue
+                kth = sorted((bound for bound, _ in scored), reverse=True)[min(top_k, len(scored)) - 1]
+                for bound, js in scored:
+                    if bound >= kth:
+                        out[b, h, i, js] = True
+    return out

@@ -168,8 +168,10 @@ def _reference_attention(entry):
         q, k = query.double(), key.double()
         q_plain, k_plain = rotate(q, cos, sin, -1), rotate(k, cos, sin, -1)  # rotate back to position 0
         q_far, k_far = rotate(q_plain, cos_q, sin_q, 1), rotate(k_plain, cos_k, sin_k, 1)
+        sparse = {name: entry[name] for name in ("far_band", "far_top_k", "far_block_size", "far_sinks")
+                  if entry.get(name) is not None}  # docs/contract.md 4.2, where the entry asks for it
         out = local_band_reference(q, k, value.double(), entry["segment_lengths"], entry["dilation_rates"], w,
-                                   q_far=q_far, k_far=k_far, scale=scaling)
+                                   q_far=q_far, k_far=k_far, scale=scaling, **sparse)
         return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
     return attention

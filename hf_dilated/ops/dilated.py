@@ -47,7 +47,7 @@ from .dilated_decode import dilated_decode
 from .head_groups import head_groups
 from .strided import as_strided_within
 from .token_layout import TokenLayout, first_key_within, token_layout
-from .validate import check_dilated_config, check_local_band, check_qkv, check_scale_dropout
+from .validate import check_dilated_config, check_far_reading, check_local_band, check_qkv, check_scale_dropout
 
 # Upper bound on the elements of one explicit bias block; larger ones are cut into row chunks.
 _BIAS_BUDGET = 1 << 24
@@ -119,6 +119,8 @@ def dilated_attention(
     local_window: int | None = None,
     q_far: torch.Tensor | None = None,
     k_far: torch.Tensor | None = None,
+    far_band: int | None = None,
+    far_selection=None,
 ) -> torch.Tensor:
     """Dilated attention over q (batch, q_heads, q_len, head_dim) and k, v (batch, kv_heads,
     kv_len, head_dim); the queries are the last q_len tokens. Returns a tensor shaped like q.
@@ -128,7 +130,9 @@ def dilated_attention(
     W - 1 indices before its query (docs/contract.md 3.3). See docs/contract.md 4 for the exact key
     sets of each mode. `local_window` W (mode "union" only) unites the levels with a local band:
     every key within W positions of its query (docs/contract.md 4.1); `q_far`/`k_far` (shaped like
-    q/k) then score the keys beyond the band instead of q/k.
+    q/k) then score the keys beyond the band instead of q/k. `far_band` (the band of queries at
+    positions >= local_window) and `far_selection` (ops.far_selection.FarSelection: sparse far keys)
+    are docs/contract.md 4.2.
     """
     check_qkv(q, k, v, attention_mask, position_ids)
     check_scale_dropout(scale, dropout_p)
@@ -139,7 +143,10 @@ def dilated_attention(
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if local_window is not None or q_far is not None or k_far is not None:
         check_local_band(q, k, mode, local_window, q_far, k_far)
-    if q.shape[2] <= DECODE_MAX_QUERIES and q.shape[2] < k.shape[2] and is_causal and dropout_p == 0.0:
+    check_far_reading(local_window, far_band, far_selection, is_causal)
+    if far_band == local_window:
+        far_band = None
+    if q.shape[2] <= DECODE_MAX_QUERIES and far_band is None and far_selection is None and q.shape[2] < k.shape[2] and is_causal and dropout_p == 0.0:
         out = dilated_decode(q, k, v, seg, dil, mode, scale=scale, attention_mask=attention_mask,
                              position_ids=position_ids, sliding_window=sliding_window, local_window=local_window,
                              q_far=q_far, k_far=k_far)
@@ -149,7 +156,7 @@ def dilated_attention(
         return local_band_attention(q, k, v, seg, dil, local_window=local_window, q_far=q_far, k_far=k_far,
                                     is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                                     attention_mask=attention_mask, position_ids=position_ids,
-                                    sliding_window=sliding_window)
+                                    sliding_window=sliding_window, far_band=far_band, far_selection=far_selection)
     key = (tuple(q.shape[:3]), tuple(k.shape[:3]), str(q.device), tuple(seg), tuple(dil), mode, is_causal,
            sliding_window)
     levels = _PLANS.get(key, attention_mask, position_ids)

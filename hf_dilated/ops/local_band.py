@@ -19,12 +19,17 @@ from dataclasses import dataclass
 
 import torch
 
+from . import far_selection, pair_count
 from .backend import attention_backward, attention_forward
+from .far_selection import FarSelection, band_widths
 from .merge import merge_dtype, merge_into
 from .plan_cache import PlanCache
 from .token_layout import TokenLayout, first_key_within, token_layout, visible_pairs
 
 _CHUNK = 512  # queries per call: a (heads x chunk x keys) mask stays a few hundred MB at 16K keys
+# Queries per call with sparse far keys (4.2): the far call reads the union of its queries' selected
+# blocks, which grows with the chunk.
+_SELECT_CHUNK = 128
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class _Plan:
     sliding_window: int | None
     first: int  # key index of the first query
     calls: list
+    far_band: int | None = None  # the band of queries at positions >= window (4.2); None: window
+    selection: FarSelection | None = None  # sparse far keys (4.2); None: every far key
+    blocks: far_selection.Blocks | None = None  # the far blocks, with a selection
     # Whether each call has any visible pair, found by the first forward on this plan (a read back
     # to the host); every later layer and the backward skip the empty calls without one.
     nonempty: list | None = None
@@ -51,22 +59,32 @@ class _Plan:
 
 def local_band_attention(q, k, v, segment_lengths, dilation_rates, *, local_window: int, q_far=None, k_far=None,
                          is_causal: bool = True, scale: float, dropout_p: float = 0.0, attention_mask=None,
-                         position_ids=None, sliding_window=None):
+                         position_ids=None, sliding_window=None, far_band: int | None = None,
+                         far_selection: FarSelection | None = None):
     """Inputs as `dilated_attention` (validated there), mode "union" with a local band of
-    `local_window` positions; `q_far`/`k_far` (shaped like q/k, or both None) score the keys beyond it."""
+    `local_window` positions; `q_far`/`k_far` (shaped like q/k, or both None) score the keys beyond it.
+    `far_band` and `far_selection`: a narrower band past local_window and sparse far keys (4.2)."""
+    from . import sparse_far_plain  # it builds on this module's near_plain
+
     if dropout_p > 0.0:
         raise ValueError(f"dropout_p: a local band (local_window) has no attention dropout yet, got {dropout_p}")
     layout = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
     if q_far is None:
         q_far, k_far = q, k
-    if plain_forward_applies(layout, q, k, segment_lengths, is_causal, sliding_window):
+    if far_band == local_window:
+        far_band = None
+    if far_band is None and far_selection is None and not pair_count.TALLY.active and \
+            plain_forward_applies(layout, q, k, segment_lengths, is_causal, sliding_window):
         return plain_forward(q, k, v, q_far, k_far, list(segment_lengths), list(dilation_rates), local_window, scale)
+    if far_selection is not None and \
+            sparse_far_plain.applies(layout.plain, q, k, segment_lengths, dilation_rates, is_causal, sliding_window):
+        return sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, local_window, far_band, far_selection, scale)
     key = (k.shape[0], k.shape[2], q.shape[:3], str(k.device), tuple(segment_lengths), tuple(dilation_rates),
-           local_window, is_causal, sliding_window)
+           local_window, is_causal, sliding_window, far_band, far_selection)
     plan = _PLANS.get(key, attention_mask, position_ids)
     if plan is None:
         plan = _plan(layout, q.shape[2], list(segment_lengths), list(dilation_rates), local_window, is_causal,
-                     sliding_window)
+                     sliding_window, far_band, far_selection)
         _PLANS.put(key, attention_mask, position_ids, plan)
     return _LocalBand.apply(q, k, v, q_far, k_far, plan, scale)
 
@@ -76,26 +94,37 @@ def local_band_attention(q, k, v, segment_lengths, dilation_rates, *, local_wind
 _PLANS = PlanCache()
 
 
-def _plan(layout, q_len, seg, dil, window, is_causal, sliding_window) -> _Plan:
+def _plan(layout, q_len, seg, dil, window, is_causal, sliding_window, far_band=None, selection=None) -> _Plan:
     """The calls: per query chunk, near keys from the first index its band (or sliding window) can
     reach, far keys up to the last one beyond some query's band. In a document positions advance
     at least one per real token, so a key more than `window` - 1 *real tokens* before the chunk's
-    first query is beyond every band."""
+    first query is beyond every band. With `far_band`, a chunk whose queries all sit at positions
+    >= window has bands of far_band (read to the host once, here)."""
     batch, kv_len = layout.real.shape
     first = kv_len - q_len
+    chunk = _CHUNK if selection is None else _SELECT_CHUNK
+    narrowest = window if far_band is None else min(window, far_band)
+    if far_band is not None:
+        positions = layout.positions[:, first:].masked_fill(~layout.real[:, first:], 1 << 62)
+        chunk_low = [int(positions[:, s:s + chunk].min()) for s in range(0, q_len, chunk)]
     calls = []
-    for s in range(0, q_len, _CHUNK):
-        e = min(q_len, s + _CHUNK)
+    for s in range(0, q_len, chunk):
+        e = min(q_len, s + chunk)
         stop = first + e if is_causal else kv_len
-        near_lo = first_key_within(layout, first + s, window, sliding_window)
+        reach = window if far_band is None or chunk_low[s // chunk] < window else far_band
+        near_lo = first_key_within(layout, first + s, reach, sliding_window)
         # Within a document a position advances at most as far as the index (3.1), so a key W or more
         # positions before the chunk's last query lies at least W indices before it.
-        far_stop = max(0, first + e - window) if is_causal else kv_len
+        far_stop = max(0, first + e - narrowest) if is_causal else kv_len
         far_lo = 0 if sliding_window is None else max(0, first + s - (sliding_window - 1))
         calls.append(_Call(slice(s, e), slice(near_lo, stop), False))
         if far_stop > far_lo:
             calls.append(_Call(slice(s, e), slice(far_lo, far_stop), True))
-    return _Plan(layout, seg, dil, window, is_causal, sliding_window, first, calls)
+    blocks = None
+    if selection is not None:
+        blocks = far_selection.blocks_of(layout.positions, layout.real, layout.doc, selection.block_size)
+    return _Plan(layout, seg, dil, window, is_causal, sliding_window, first, calls, far_band=far_band,
+                 selection=selection, blocks=blocks)
 
 
 def _visible(plan: _Plan, call: _Call, n_heads: int) -> torch.Tensor:
@@ -107,7 +136,8 @@ def _visible(plan: _Plan, call: _Call, n_heads: int) -> torch.Tensor:
     j = torch.arange(call.keys.start, call.keys.stop, device=device)
     p_i, p_j = pos[:, i], pos[:, j]
     visible = visible_pairs(plan.layout, i, j, causal=plan.is_causal, sliding_window=plan.sliding_window)
-    in_band = ((p_i[:, :, None] - p_j[:, None, :]).abs() < plan.window)[:, None]
+    width = band_widths(p_i, plan.window, plan.far_band)
+    in_band = ((p_i[:, :, None] - p_j[:, None, :]).abs() < width[:, :, None])[:, None]
     if not call.far:
         return visible & in_band
     visible = visible & ~in_band
@@ -129,10 +159,64 @@ def _bias(visible: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def _inputs(call: _Call, q, k, v, q_far, k_far):
+def _summaries(plan: _Plan, k_far):
+    """The far blocks' (min, max) summaries of this call's k_far (4.2), or None without a selection."""
+    if plan.selection is None:
+        return None
+    dtype = torch.float64 if k_far.dtype == torch.float64 else torch.float32
+    return far_selection.summaries(k_far, plan.blocks, dtype)
+
+
+def _inputs(plan: _Plan, call: _Call, q, k, v, q_far, k_far, summaries):
+    """(qs, ks, vs, read, key_rows) of one call: read (batch, heads or 1, queries, keys) the pairs it
+    reads; key_rows None, or (with sparse far keys) the rows of the gathered keys in a flat
+    (batch * kv_heads * kv_len) view of k, one gather per query head."""
+    visible = _visible(plan, call, q.shape[1])
     qs = (q_far if call.far else q)[:, :, call.queries]
-    ks = (k_far if call.far else k)[:, :, call.keys]
-    return qs, ks, v[:, :, call.keys]
+    if not call.far or summaries is None:
+        ks = (k_far if call.far else k)[:, :, call.keys]
+        return qs, ks, v[:, :, call.keys], visible, None
+    read = _selected(plan, call, visible.expand(-1, q.shape[1], -1, -1), qs, summaries)
+    return (qs, *_gather_keys(read, call, k_far, v))
+
+
+def _selected(plan: _Plan, call: _Call, visible, q_far_chunk, summaries):
+    """The far pairs a chunk reads (4.2): its far keys in sink blocks or in selected blocks."""
+    sel, blocks = plan.selection, plan.blocks
+    ids = blocks.id[:, call.keys]  # (batch, keys), -1: padding (never visible)
+    n = blocks.count
+    number = plan.layout.positions[:, call.keys] // sel.block_size
+    sink_key = number < sel.sinks  # (batch, keys)
+    # Candidates: blocks beyond the sinks holding a far key of (head, query).
+    cand_keys = visible & ~sink_key[:, None, None, :]
+    index = torch.where(ids >= 0, ids, n)[:, None, None, :].expand(cand_keys.shape)
+    candidate = torch.zeros((*cand_keys.shape[:3], n + 1), dtype=torch.uint8, device=visible.device)
+    candidate.scatter_reduce_(3, index, cand_keys.to(torch.uint8), "amax")
+    candidate = candidate[..., :n].bool()
+    chosen = far_selection.select(far_selection.bounds(q_far_chunk, *summaries), candidate, sel.top_k)
+    chosen = torch.cat([chosen, chosen.new_zeros((*chosen.shape[:3], 1))], -1)  # padding keys: column n
+    per_key = torch.stack([chosen[b].index_select(-1, index[b, 0, 0]) for b in range(chosen.shape[0])])
+    return visible & (per_key | sink_key[:, None, None, :])
+
+
+def _gather_keys(read, call: _Call, k_far, v):
+    """The keys some query of the chunk reads, per query head, gathered: (ks, vs, read over them,
+    their rows in a flat view of k). One read of the widest union to the host."""
+    batch, n_heads, _, n_keys = read.shape
+    kv_heads, kv_len = k_far.shape[1], k_far.shape[2]
+    used = read.any(2)  # (batch, heads, keys)
+    width = max(1, int(used.sum(-1).max()))
+    order = torch.sort((~used).to(torch.uint8), dim=-1, stable=True).indices[..., :width]  # used keys first
+    taken = used.gather(-1, order)  # a slot past a head's union reads nothing
+    heads = torch.arange(n_heads, device=read.device) // (n_heads // kv_heads)
+    rows = ((torch.arange(batch, device=read.device)[:, None, None] * kv_heads + heads[None, :, None]) * kv_len
+            + call.keys.start + order)  # (batch, heads, width)
+    flat = rows.reshape(-1)
+    dim = k_far.shape[-1]
+    ks = k_far.reshape(-1, dim).index_select(0, flat).view(batch, n_heads, width, dim)
+    vs = v.reshape(-1, v.shape[-1]).index_select(0, flat).view(batch, n_heads, width, v.shape[-1])
+    sub = read.gather(-1, order[:, :, None, :].expand(-1, -1, read.shape[2], -1)) & taken[:, :, None, :]
+    return ks, vs, sub, rows
 
 
 def _forward(q, k, v, q_far, k_far, plan: _Plan, scale):
@@ -140,17 +224,19 @@ def _forward(q, k, v, q_far, k_far, plan: _Plan, scale):
     out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
     found = None if plan.nonempty is not None else []  # recorded on the plan only once complete
+    summaries = _summaries(plan, k_far)
     for index, call in enumerate(plan.calls):
         if found is None and not plan.nonempty[index]:
             continue
-        visible = _visible(plan, call, q.shape[1])  # depends on the head count: part of the plan's key
+        # The mask depends on the head count: part of the plan's key.
+        qs, ks, vs, read, _ = _inputs(plan, call, q, k, v, q_far, k_far, summaries)
         if found is not None:
-            found.append(bool(visible.any()))
+            found.append(bool(read.any()))
             if not found[-1]:
                 continue
-        qs, ks, vs = _inputs(call, q, k, v, q_far, k_far)
-        o, part_lse = attention_forward(qs, ks, vs, is_causal=False, scale=scale, attn_bias=_bias(visible, q.dtype))
-        part_lse = part_lse.masked_fill(~visible.any(-1).expand(part_lse.shape), float("-inf"))  # no key: -inf
+        pair_count.add(read, q.shape[1])
+        o, part_lse = attention_forward(qs, ks, vs, is_causal=False, scale=scale, attn_bias=_bias(read, q.dtype))
+        part_lse = part_lse.masked_fill(~read.any(-1).expand(part_lse.shape), float("-inf"))  # no key: -inf
         merge_into(out[:, :, call.queries], lse[:, :, call.queries], o, part_lse.to(acc_dtype))
     if found is not None:
         plan.nonempty = found
@@ -174,17 +260,22 @@ class _LocalBand(torch.autograd.Function):
                  for name, t in (("q", q), ("k", k), ("v", v), ("q_far", q_far), ("k_far", k_far))}
         lse_b = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows with no key: probability 0
         dout = dout.to(q.dtype)
+        summaries = _summaries(plan, k_far)  # the forward's selection, recomputed from the same inputs
         for call, nonempty in zip(plan.calls, plan.nonempty):  # the forward found which are empty
             if not nonempty:
                 continue
-            visible = _visible(plan, call, q.shape[1])
-            qs, ks, vs = _inputs(call, q, k, v, q_far, k_far)
+            qs, ks, vs, read, key_rows = _inputs(plan, call, q, k, v, q_far, k_far, summaries)
             rows = call.queries
             g_q, g_k, g_v = attention_backward(
                 dout[:, :, rows].contiguous(), qs, ks, vs, out[:, :, rows].contiguous(),
                 lse_b[:, :, rows].contiguous(),
-                is_causal=False, scale=scale, attn_bias=_bias(visible, q.dtype))
+                is_causal=False, scale=scale, attn_bias=_bias(read, q.dtype))
             grads["q_far" if call.far else "q"][:, :, rows] += g_q
+            if key_rows is not None:  # gathered keys: add each back to its row
+                flat = key_rows.reshape(-1)
+                grads["k_far"].view(-1, k.shape[-1]).index_add_(0, flat, g_k.reshape(-1, k.shape[-1]).to(acc))
+                grads["v"].view(-1, v.shape[-1]).index_add_(0, flat, g_v.reshape(-1, v.shape[-1]).to(acc))
+                continue
             grads["k_far" if call.far else "k"][:, :, call.keys] += _sum_groups(g_k, k.shape[1])
             grads["v"][:, :, call.keys] += _sum_groups(g_v, k.shape[1])
         dq, dk, dv = grads["q"].to(q.dtype), grads["k"].to(k.dtype), grads["v"].to(v.dtype)
@@ -238,17 +329,13 @@ def _offset_causal(q, k, v, d: int, scale: float):
     return out, lse
 
 
-def plain_forward(q, k, v, q_far, k_far, segment_lengths, dilation_rates, window: int, scale: float):
-    """The same result as the masked calls, for plain layouts (plain_forward_applies)."""
-    batch, n_heads, n, head_dim = q.shape
-    group = n_heads // k.shape[1]
-    acc = merge_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    # Near: query blocks of `block` tokens; the diagonal block is causal, the block's band before it
-    # (keys j > i - window) is, with queries and keys reversed, offset-causal.
+def near_plain(q, k, v, out, lse, window: int, start: int, scale: float) -> None:
+    """Merge into out/lse (float32 accumulators) the band of the queries from `start` on, for plain
+    layouts: every key j with i - window < j <= i. Query blocks of `window` tokens: the diagonal
+    block is causal, the block's band before it, with queries and keys reversed, offset-causal."""
+    n = q.shape[2]
     block = min(window, n)
-    for s in range(0, n, block):
+    for s in range(start, n, block):
         e = min(n, s + block)
         o, part = attention_forward(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale)
         merge_into(out[:, :, s:e], lse[:, :, s:e], o, part)
@@ -258,6 +345,16 @@ def plain_forward(q, k, v, q_far, k_far, segment_lengths, dilation_rates, window
             # reversed: query x~ = e-1-i, key y~ = s-1-j; j > i - window  <=>  y~ <= x~ + (window - 1 - (e - s))
             o, part = _offset_causal(qr, kr, vr, window - 1 - (e - s), scale)
             merge_into(out[:, :, s:e], lse[:, :, s:e], o.flip(2), part.flip(2))
+
+
+def plain_forward(q, k, v, q_far, k_far, segment_lengths, dilation_rates, window: int, scale: float):
+    """The same result as the masked calls, for plain layouts (plain_forward_applies)."""
+    batch, n_heads, n, head_dim = q.shape
+    group = n_heads // k.shape[1]
+    acc = merge_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    near_plain(q, k, v, out, lse, window, 0, scale)
     # Far: each union level's keys beyond the band, class by class (heads h = c mod r read class c).
     prev_w = None
     for w, r in zip(segment_lengths, dilation_rates):

@@ -74,3 +74,23 @@ def check_local_band(q, k, mode, local_window, q_far, k_far) -> None:
         if far is not None and (far.shape != like.shape or far.dtype != like.dtype or far.device != like.device):
             raise ValueError(f"{name}: must match the shape, dtype and device of {name[0]} "
                              f"{tuple(like.shape)} {like.dtype}, got {tuple(far.shape)} {far.dtype}")
+
+
+def check_far_reading(local_window, far_band, far_selection, is_causal) -> None:
+    """A narrower band past local_window (far_band) and sparse far keys (far_selection, an
+    ops.far_selection.FarSelection): docs/contract.md 4.2."""
+    if far_band is None and far_selection is None:
+        return
+    name = "far_band" if far_band is not None else "far_selection"
+    if local_window is None:
+        raise ValueError(f"{name}: needs a local_window (the band whose far keys it reads)")
+    check_int("far_band", far_band, optional=True)
+    if far_band is not None and far_band > local_window:
+        raise ValueError(f"far_band: at most local_window ({local_window}), got {far_band}")
+    if far_selection is not None:
+        if not is_causal:
+            raise ValueError("far_selection: sparse far keys are defined for causal attention only (is_causal=True)")
+        band = local_window if far_band is None else far_band
+        if far_selection.block_size > band:
+            raise ValueError(f"far_block_size: at most the band ({band}) so that a far block lies before its query, "
+                             f"got {far_selection.block_size}")

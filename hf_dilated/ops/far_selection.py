@@ -1,0 +1,113 @@
+"""Sparse far keys (docs/contract.md 4.2): which far keys of a local band a query reads.
+
+The band's far keys (docs/contract.md 4.1) are cut into blocks of `block_size` positions of their
+document (block c holds positions c * B .. c * B + B - 1). A query reads the far keys of the first
+`sinks` blocks of its document always (the attention sinks a pretrained model leans on) and of the
+`top_k` other blocks whose bound on its best far score is highest. The bound is Quest's (Tang et
+al., 2024): with mn, mx the elementwise min and max of a block's far keys (k_far, over all its real
+tokens), max_j q . k_j <= sum_d max(q_d mn_d, q_d mx_d) = relu(q) . mx + min(q, 0) . mn, two
+matrix products per query and block. Ties at the k-th bound all count (the set is "every candidate
+whose bound is at least the k-th largest"), so the set does not depend on a sort's order.
+
+The selection is per query (and head), from its own far query and summaries of keys before its
+band, so it is causal and a decode step computes the same set as a prefill. It is not
+differentiated (like the `adaptive` block pattern): the attention over the selected keys is.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..checks import check_int
+
+
+@dataclass(frozen=True)
+class FarSelection:
+    """The selection of far keys (DilatedConfig.far_top_k, far_block_size, far_sinks)."""
+
+    top_k: int
+    block_size: int
+    sinks: int
+
+    def __post_init__(self):
+        check_int("far_top_k", self.top_k, minimum=0)
+        check_int("far_block_size", self.block_size)
+        check_int("far_sinks", self.sinks, minimum=0)
+
+
+def band_widths(query_positions: torch.Tensor, local_window: int, far_band: int | None) -> torch.Tensor:
+    """The band width of each query (docs/contract.md 4.2): `local_window` for a query at a position
+    before it (its band holds its whole document: it reads as the model was trained), `far_band`
+    (default `local_window`) for the others."""
+    if far_band is None or far_band == local_window:
+        return torch.full_like(query_positions, local_window)
+    return torch.where(query_positions < local_window, local_window, far_band)
+
+
+@dataclass
+class Blocks:
+    """The far blocks of a layout: id[b, j] the block of key j in its row (-1: padding), blocks
+    numbered per row in key order; number[b, c] its block number within its document (position // B)."""
+
+    id: torch.Tensor  # (batch, kv_len) int64
+    number: torch.Tensor  # (batch, n_blocks) int64; -1 past the row's last block
+    count: int  # n_blocks: the most blocks of any row
+
+
+def blocks_of(positions: torch.Tensor, real: torch.Tensor, doc: torch.Tensor, block_size: int) -> Blocks:
+    """The blocks of every key (one read of the block count to the host)."""
+    number = torch.div(positions, block_size, rounding_mode="floor")
+    # A real key starts a block when its (document, number) differs from the last real key's before
+    # it: padding neither starts nor ends one (positions advance within a document, 3.1).
+    key = number * (int(doc.max()) + 1 if doc.numel() else 1) + doc
+    index = torch.arange(real.shape[1], device=real.device).expand_as(key)
+    last_real = torch.where(real, index, -1).cummax(1).values
+    before = torch.cat([torch.full_like(last_real[:, :1], -1), last_real[:, :-1]], 1)
+    prev = torch.where(before >= 0, key.gather(1, before.clamp(min=0)), -1)
+    new = real & ((key != prev) | (before < 0))
+    ids = new.long().cumsum(1) - 1
+    ids = torch.where(real, ids, -1)
+    count = int(ids.max()) + 1 if ids.numel() else 0
+    count = max(count, 1)
+    numbers = torch.full((key.shape[0], count + 1), -1, dtype=torch.long, device=key.device)
+    numbers.scatter_(1, torch.where(real, ids, count), torch.where(real, number, -1))
+    return Blocks(ids, numbers[:, :count], count)
+
+
+def summaries(k_far: torch.Tensor, blocks: Blocks, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mn, mx), each (batch, kv_heads, n_blocks, head_dim) in `dtype`: the elementwise min and max
+    of each block's far keys (rows of blocks past a row's last: +inf / -inf, never selected)."""
+    batch, kv_heads, _, dim = k_far.shape
+    n = blocks.count
+    index = torch.where(blocks.id >= 0, blocks.id, n)[:, None, :, None].expand(batch, kv_heads, -1, dim)
+    src = k_far.to(dtype)
+    mn = torch.full((batch, kv_heads, n + 1, dim), float("inf"), dtype=dtype, device=k_far.device)
+    mx = torch.full((batch, kv_heads, n + 1, dim), float("-inf"), dtype=dtype, device=k_far.device)
+    mn.scatter_reduce_(2, index, src, "amin")
+    mx.scatter_reduce_(2, index, src, "amax")
+    return mn[:, :, :n], mx[:, :, :n]
+
+
+def bounds(q_far: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
+    """(batch, q_heads, queries, n_blocks): Quest's bound on each query's best score in each block
+    (blocks with no key: -inf)."""
+    group = q_far.shape[1] // mn.shape[1]
+    q = q_far.to(mn.dtype)
+    mx_h = mx.repeat_interleave(group, 1) if group > 1 else mx
+    mn_h = mn.repeat_interleave(group, 1) if group > 1 else mn
+    empty = torch.isinf(mx_h[..., 0])  # no key in the block
+    up = q.clamp(min=0) @ mx_h.nan_to_num(neginf=0.0).transpose(-1, -2) \
+        + q.clamp(max=0) @ mn_h.nan_to_num(posinf=0.0).transpose(-1, -2)
+    return up.masked_fill(empty[:, :, None, :], float("-inf"))
+
+
+def select(bound: torch.Tensor, candidate: torch.Tensor, top_k: int) -> torch.Tensor:
+    """bool like `bound`: the candidates whose bound is at least the top_k-th largest candidate
+    bound (every candidate when there are at most top_k of them)."""
+    if top_k == 0:
+        return torch.zeros_like(candidate)
+    scores = bound.masked_fill(~candidate, float("-inf"))
+    k = min(top_k, scores.shape[-1])
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    return candidate & (scores >= kth)

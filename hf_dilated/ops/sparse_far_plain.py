@@ -1,0 +1,84 @@
+"""Sparse far keys (docs/contract.md 4.2) on plain layouts, without masks over every key.
+
+One document per row, no padding, positions 0..n-1, causal, no sliding window, q_len == kv_len,
+and levels that hold every earlier key (one level of dilation 1 covering the row: the default
+conversion's). Then block c is keys c*B .. c*B + B - 1, query i's far keys are j <= i - band, and
+everything the selection needs is block arithmetic: per chunk of queries the bounds (batch, heads,
+queries, blocks), the selected blocks, and one fused call over the union of the chunk's blocks per
+head, gathered, with a mask over those keys only. Queries before `window` read every key exactly
+(one causal call); the band of the others is local_band.near_plain's. Used for prefill without
+autograd (inference); training takes local_band's masked calls, which compute the same set.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import far_selection, pair_count
+from .backend import attention_forward
+from .far_selection import FarSelection
+from .local_band import near_plain
+from .merge import merge_dtype, merge_into
+
+_CHUNK = 64  # queries per far call: the union of their selected blocks grows with the chunk
+
+
+def applies(plain: bool, q, k, segment_lengths, dilation_rates, is_causal, sliding_window) -> bool:
+    n = k.shape[2]
+    return (plain and is_causal and sliding_window is None and q.shape[2] == n
+            and any(w >= n and r == 1 for w, r in zip(segment_lengths, dilation_rates))
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
+
+
+def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None, selection: FarSelection,
+                       scale: float):
+    batch, n_heads, n, dim = q.shape
+    kv_heads = k.shape[1]
+    acc = merge_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    head = min(n, window)  # queries whose band holds every key before them
+    o, part = attention_forward(q[:, :, :head], k[:, :, :head], v[:, :, :head], is_causal=True, scale=scale)
+    out[:, :, :head], lse[:, :, :head] = o.to(acc), part.to(acc)
+    band = window if far_band is None else far_band
+    if pair_count.TALLY.active:
+        tail = torch.arange(head, n)
+        pair_count.TALLY.pairs += n_heads * batch * (head * (head + 1) // 2 + int(torch.clamp(tail + 1, max=band).sum()))
+        pair_count.add_call()
+    if n <= window:
+        return out.to(q.dtype)
+    near_plain(q, k, v, out, lse, band, head, scale)
+    size = selection.block_size
+    n_blocks = -(-n // size)
+    blocks = far_selection.Blocks(torch.arange(n, device=q.device).div(size, rounding_mode="floor").expand(batch, n),
+                                  None, n_blocks)
+    mn, mx = far_selection.summaries(k_far, blocks, torch.float64 if q.dtype == torch.float64 else torch.float32)
+    number = torch.arange(n_blocks, device=q.device)
+    rows_base = (torch.arange(batch, device=q.device)[:, None] * kv_heads
+                 + torch.arange(n_heads, device=q.device)[None, :] // (n_heads // kv_heads)) * n  # (batch, heads)
+    offsets = torch.arange(size, device=q.device)
+    for s in range(head, n, _CHUNK):
+        e = min(n, s + _CHUNK)
+        last = torch.arange(s, e, device=q.device) - band  # the last far key of each query
+        reach = number[None, :] * size <= last[:, None]  # (queries, blocks): the block holds a far key
+        if not bool(reach.any()):
+            continue
+        sink = reach & (number[None, :] < selection.sinks)
+        candidate = reach & ~sink
+        chosen = far_selection.select(far_selection.bounds(q_far[:, :, s:e], mn, mx),
+                                      candidate.expand(batch, n_heads, -1, -1), selection.top_k) | sink
+        used = chosen.any(2)  # (batch, heads, blocks)
+        width = int(used.sum(-1).max())
+        listed = torch.sort((~used).to(torch.uint8), dim=-1, stable=True).indices[..., :width]  # used blocks first
+        listed_ok = used.gather(-1, listed)
+        keys = (listed[..., None] * size + offsets).flatten(-2)  # (batch, heads, width * size)
+        rows = (rows_base[..., None] + keys.clamp(max=n - 1)).reshape(-1)
+        ks = k_far.reshape(-1, dim).index_select(0, rows).view(batch, n_heads, -1, dim)
+        vs = v.reshape(-1, v.shape[-1]).index_select(0, rows).view(batch, n_heads, -1, v.shape[-1])
+        picked = chosen.gather(-1, listed[:, :, None, :].expand(-1, -1, e - s, -1)) & listed_ok[:, :, None, :]
+        read = picked.repeat_interleave(size, -1) & (keys[:, :, None, :] <= last[None, None, :, None])
+        pair_count.add(read, n_heads)
+        bias = torch.zeros(read.shape, dtype=q.dtype, device=q.device).masked_fill_(~read, float("-inf"))
+        o, part = attention_forward(q_far[:, :, s:e], ks, vs, is_causal=False, scale=scale, attn_bias=bias)
+        part = part.masked_fill(~read.any(-1), float("-inf"))
+        merge_into(out[:, :, s:e], lse[:, :, s:e], o, part.to(acc))
+    return out.to(q.dtype)

@@ -1,0 +1,219 @@
+"""Sparse far keys (docs/contract.md 4.2: far_band, far_top_k, far_block_size, far_sinks) against
+the independent float64 reference (tests/reference.py: local_band_reference, whose selection is
+written loop by loop from the contract), in every layout: padding, packing, holes, GQA, decode and
+chunked prefill, gradients, the plain inference path, and through a transformers model saved and
+loaded as safetensors. Inputs are float64 where the selection is compared, so that the kernel's
+bounds and the reference's rank the blocks alike (a float32 bound may order a near tie otherwise)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hf_dilated import DilatedConfig
+from hf_dilated.ops import dilated_attention, pair_count
+from hf_dilated.ops.far_selection import FarSelection
+from reference import local_band_key_sets, local_band_reference
+from test_dilated import Case, make_inputs
+from test_local_band import _reference_attention, _tiny
+
+LAYOUTS = ("plain", "left", "right", "packed", "pad_packed", "holes", "holes_index", "offset")
+BASE = Case(mode="union", segment_lengths=(64,), dilation_rates=(1,), batch=2, q_heads=4, kv_heads=2,
+            kv_len=60, seed=11)
+CASES = [replace(BASE, layout=layout, seed=11 + n) for n, layout in enumerate(LAYOUTS)]
+# (far_band, far_top_k, far_block_size, far_sinks) with a local_window of 16
+SETTINGS = [(None, 2, 4, 1), (8, 2, 4, 1), (8, 0, 4, 2), (12, 3, 8, 0), (16, 1, 2, 1), (6, 50, 4, 1), (8, None, 4, 1)]
+WINDOW = 16
+TOL = 1e-10
+
+
+def far_inputs(q, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(q.shape, generator=g, dtype=torch.float64).requires_grad_(),
+            torch.randn(k.shape, generator=g, dtype=torch.float64).requires_grad_())
+
+
+def sparse(setting):
+    band, top_k, size, sinks = setting
+    kernel = dict(far_band=band, far_selection=None if top_k is None else FarSelection(top_k, size, sinks))
+    ref = dict(far_band=band, far_top_k=top_k, far_block_size=size, far_sinks=sinks)
+    return kernel, ref
+
+
+def run(case, q, k, v, mask, pos, far, kernel, levels=None):
+    seg, dil = levels or (list(case.segment_lengths), list(case.dilation_rates))
+    return dilated_attention(q, k, v, seg, dil, local_window=WINDOW, q_far=far[0], k_far=far[1],
+                             attention_mask=mask, position_ids=pos, **kernel)
+
+
+@pytest.fixture(params=(128, 7), ids=("one_chunk", "chunks_of_7"))
+def chunk(request, monkeypatch):
+    from hf_dilated.ops import local_band
+
+    monkeypatch.setattr(local_band, "_SELECT_CHUNK", request.param)
+    monkeypatch.setattr(local_band, "_CHUNK", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
+@pytest.mark.parametrize("case", CASES, ids=[c.layout for c in CASES])
+def test_forward_and_gradients_match_reference(case, setting, chunk):
+    q, k, v, mask, pos, real_query = make_inputs(case, torch.float64)
+    far = far_inputs(q, k, case.seed)
+    kernel, ref_kw = sparse(setting)
+    out = run(case, q, k, v, mask, pos, far, kernel)
+    leaves = [q, k, v, *far]
+    refs = [t.detach().clone().requires_grad_() for t in leaves]
+    ref = local_band_reference(*refs[:3], list(case.segment_lengths), list(case.dilation_rates), WINDOW,
+                               q_far=refs[3], k_far=refs[4], attention_mask=mask, position_ids=pos, **ref_kw)
+    rows = real_query[:, None, :, None]
+    assert ((out - ref) * rows).abs().max().item() < TOL
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * rows
+    (out * grad).sum().backward()
+    (ref * grad).sum().backward()
+    for mine, theirs in zip(leaves, refs):
+        assert (mine.grad - theirs.grad).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("setting", SETTINGS[:4], ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
+@pytest.mark.parametrize("case", CASES, ids=[c.layout for c in CASES])
+def test_decode_and_chunked_prefill_match_reference(case, setting):
+    """A decode step or a chunk computes the set the prefill computes for its queries."""
+    q, k, v, mask, pos, real_query = make_inputs(case, torch.float64)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    far = tuple(t.detach() for t in far_inputs(q, k, case.seed))
+    kernel, ref_kw = sparse(setting)
+    ref = local_band_reference(q, k, v, list(case.segment_lengths), list(case.dilation_rates), WINDOW,
+                               q_far=far[0], k_far=far[1], attention_mask=mask, position_ids=pos, **ref_kw)
+    for q_len in (1, 2, 5, 17):
+        out = run(case, q[:, :, -q_len:], k, v, mask, pos, (far[0][:, :, -q_len:], far[1]), kernel)
+        err = ((out - ref[:, :, -q_len:]) * real_query[:, None, -q_len:, None]).abs().max().item()
+        assert err < TOL, f"q_len {q_len}: {err}"
+
+
+@pytest.mark.parametrize("levels", (((64,), (1,)), ((8, 16, 64), (1, 2, 4))), ids=("one_level", "dilated_levels"))
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
+@pytest.mark.parametrize("heads", ((4, 2), (3, 1)), ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_inference_matches_reference_and_counts_its_pairs(levels, setting, heads):
+    """Prefill under no_grad (the plain path where the levels hold every earlier key, the masked
+    calls otherwise) equals the reference, and `pair_count` counts exactly the reference's pairs."""
+    case = replace(BASE, layout="plain", kv_len=70, q_heads=heads[0], kv_heads=heads[1])
+    q, k, v, _, _, _ = make_inputs(case, torch.float64)
+    far = far_inputs(q, k, 3)
+    kernel, ref_kw = sparse(setting)
+    with torch.no_grad(), pair_count.counting() as tally:
+        out = run(case, q, k, v, None, None, far, kernel, levels=[list(x) for x in levels])
+    near, far_read = local_band_key_sets(q, k, list(levels[0]), list(levels[1]), WINDOW, q_far=far[0], k_far=far[1],
+                                         **ref_kw)
+    ref = local_band_reference(q, k, v, list(levels[0]), list(levels[1]), WINDOW, q_far=far[0], k_far=far[1],
+                               **ref_kw)
+    assert (out - ref).abs().max().item() < TOL
+    assert tally.pairs == int((near | far_read).sum())
+
+
+def test_selection_reads_fewer_keys_and_changes_the_result():
+    """The selection is not a no-op: far_top_k=1 reads fewer pairs than every far key, and the
+    outputs of queries with more than one candidate block differ."""
+    case = replace(BASE, layout="plain", kv_len=60)
+    q, k, v, _, _, _ = make_inputs(case, torch.float64)
+    far = far_inputs(q, k, 4)
+    every, ref_every = sparse((None, None, 4, 1))
+    one, ref_one = sparse((None, 1, 4, 1))
+    with torch.no_grad():
+        a, b = run(case, q, k, v, None, None, far, every), run(case, q, k, v, None, None, far, one)
+    n_every = sum(int(m.sum()) for m in local_band_key_sets(q, k, [64], [1], WINDOW, **ref_every))
+    n_one = sum(int(m.sum()) for m in local_band_key_sets(q, k, [64], [1], WINDOW, q_far=far[0], k_far=far[1],
+                                                         **ref_one))
+    assert n_one < n_every
+    assert (a[:, :, 30:] - b[:, :, 30:]).abs().max().item() > 1e-3
+
+
+def test_selection_is_causal():
+    """A query's selection reads blocks before its band only: changing later tokens leaves it as it was."""
+    case = replace(BASE, layout="plain", kv_len=60)
+    q, k, v, _, _, _ = make_inputs(case, torch.float64)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    far = tuple(t.detach() for t in far_inputs(q, k, 5))
+    kernel, _ = sparse((8, 2, 4, 1))
+    before = run(case, q, k, v, None, None, far, kernel)
+    k2, v2, kf2 = k.clone(), v.clone(), far[1].clone()
+    for t in (k2, v2, kf2):
+        t[:, :, 40:] = torch.randn(t[:, :, 40:].shape, dtype=torch.float64)
+    after = run(case, q, k2, v2, None, None, (far[0], kf2), kernel)
+    assert (before[:, :, :40] - after[:, :, :40]).abs().max().item() == 0.0
+
+
+def test_float32_forward_matches_reference():
+    case = replace(BASE, layout="left")
+    q, k, v, mask, pos, real_query = make_inputs(case, torch.float32)
+    far = tuple(t.detach().float() for t in far_inputs(q, k, 6))
+    kernel, ref_kw = sparse((8, 2, 4, 1))
+    out = run(case, q, k, v, mask, pos, far, kernel)
+    ref = local_band_reference(q.double(), k.double(), v.double(), [64], [1], WINDOW, q_far=far[0].double(),
+                               k_far=far[1].double(), attention_mask=mask, position_ids=pos, **ref_kw)
+    assert ((out.double() - ref) * real_query[:, None, :, None]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("fields, error, message", [
+    (dict(far_band=20), ValueError, "far_band: at most local_window"),
+    (dict(far_band=0), ValueError, "far_band"),
+    (dict(far_top_k=2, far_band=8, far_block_size=16), ValueError, "far_block_size: at most the band"),
+    (dict(far_top_k=-1), ValueError, "far_top_k"),
+    (dict(far_top_k=1.5), TypeError, "far_top_k"),
+    (dict(far_sinks=-1), ValueError, "far_sinks"),
+    (dict(far_block_size=0), ValueError, "far_block_size"),
+])
+def test_config_fields_are_checked(fields, error, message):
+    with pytest.raises(error, match=message):
+        DilatedConfig(segment_lengths=[32], dilation_rates=[1], local_window=16, **fields)
+
+
+def test_sparse_far_keys_need_a_band():
+    for name in ("far_band", "far_top_k"):
+        with pytest.raises(ValueError, match=f"{name}: .*needs a local_window"):
+            DilatedConfig(segment_lengths=[32], dilation_rates=[1], **{name: 4})
+    q = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="far_selection: needs a local_window"):
+        dilated_attention(q, q, q, [8], [1], far_selection=FarSelection(1, 2, 1))
+    with pytest.raises(ValueError, match="causal"):
+        dilated_attention(q, q, q, [8], [1], local_window=4, far_selection=FarSelection(1, 2, 1), is_causal=False)
+
+
+ENTRY = {"segment_lengths": [32], "dilation_rates": [1], "local_window": 8, "far_group": 2, "far_window": 4,
+         "original_length": 8, "target_length": 32, "far_band": 6, "far_top_k": 2, "far_block_size": 3,
+         "far_sinks": 1}
+
+
+@pytest.mark.parametrize("family", ("llama", "gpt_neox"))
+def test_model_matches_reference_in_prefill_and_generation(family, tmp_path):
+    """A converted model's entry with sparse far keys, saved and loaded as safetensors: its logits are
+    the reference's, and generate() (decode steps against the cache) picks the tokens the reference
+    picks on the whole sequence, so prefill and decode compute one set."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    path = _tiny(family, tmp_path, dict(ENTRY))
+    AttentionInterface.register("test_sparse_far_reference", _reference_attention(ENTRY))
+    ids = torch.randint(3, 99, (2, 30), generator=torch.Generator().manual_seed(0))
+    ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dilated", dtype=torch.float64).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(path, attn_implementation="test_sparse_far_reference",
+                                                  dtype=torch.float64).eval()
+    assert ours.config.hf_dilated["far_top_k"] == 2
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-8, rtol=1e-8)
+        prompt = ids[:, :20]
+        mine = ours.generate(prompt, max_new_tokens=8, do_sample=False)
+        steps = [theirs(mine[:, :t]).logits[:, -1].argmax(-1) for t in range(20, 28)]
+    assert torch.equal(mine[:, 20:], torch.stack(steps, 1))
+
+
+def test_ring_and_compiled_steps_say_they_do_not_read_sparse_far_keys():
+    from hf_dilated.kinds import KINDS
+    from hf_dilated.config import field_defaults
+
+    settings = {**field_defaults(*KINDS["dilated_ring"].settings), "segment_lengths": [16], "dilation_rates": [1],
+                "local_window": 8, "far_top_k": 2}
+    q = torch.randn(1, 2, 16, 4)
+    with pytest.raises(ValueError, match="far_top_k: 'dilated_ring' does not read sparse far keys"):
+        KINDS["dilated_ring"].run(q, q, q, settings, is_causal=True, attention_mask=None, position_ids=None,
+                                  scale=None, dropout_p=0.0, group=None, layout=None)
