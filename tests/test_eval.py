@@ -195,3 +195,34 @@ def test_committed_base_model_scores_within_its_recorded_figures():
     samples = [s for d in (0.0, 0.5, 1.0) for s in core.make_passkey_samples(tokenizer, L, d, 4, seed=1234)]
     keys, _ = core.passkey_scores(model, samples, batch_size=6)
     assert sum(keys) / len(keys) >= figures["slice_passkey_keys_at_L"] - 1 / 12
+
+
+def test_pairs_read_are_counted_exactly(tiny, tmp_path):
+    """eval's "pairs" column: 1 for sdpa and for a band that reads every far key; with sparse far keys
+    (docs/contract.md 4.2) between what the band and the sinks read and that plus one block each."""
+    _, _, path = tiny
+    config = json.loads((path / "config.json").read_text())
+    sparse = tmp_path / "sparse"
+    sparse.mkdir()
+    for f in path.iterdir():
+        (sparse / f.name).write_bytes(f.read_bytes())
+    config["hf_dilated"] = {"segment_lengths": [256], "dilation_rates": [1], "local_window": 32, "far_band": 16,
+                            "far_top_k": 1, "far_block_size": 8, "far_sinks": 1}
+    (sparse / "config.json").write_text(json.dumps(config))
+    doc = tmp_path / "doc.txt"
+    doc.write_text("def f(x):\n    return x + 1\n" * 10)
+    args = argparse.ArgumentParser()
+    runner.add_arguments(args)
+    args = args.parse_args(["--model", f"t={path}@sdpa", f"s={sparse}@dilated", "--text", str(doc), "--lengths", "128",
+                            "--samples", "0", "--no-cost", "--bucket", "32", "--no-progress",
+                            "--output-dir", str(tmp_path / "out")])
+    assert runner.main(args) == 0
+    dense, ours = json.loads((tmp_path / "out" / "eval.json").read_text())["rows"]
+    assert dense["pairs_read"] == 1.0
+    n = 128
+    full = n * (n + 1) // 2
+    inside = 32 * 33 // 2  # queries before the local window read every key
+    low = inside + (n - 32) * (16 + 8 + 1)  # band, sink block, at least one selected key
+    high = inside + (n - 32) * (16 + 8 + 8)
+    assert low / full <= ours["pairs_read"] <= high / full
+    assert "| s | dilated |" in (tmp_path / "out" / "eval.md").read_text()

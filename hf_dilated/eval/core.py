@@ -173,6 +173,24 @@ def passkey_scores(model, samples: list[dict], batch_size: int = 4, progress=Non
     return keys, digits
 
 
+# transformers' own attentions, which read every (query, key) pair of causal attention.
+DENSE_ATTENTIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def pairs_read_fraction(model, attn: str, tally, rows: int, length: int) -> float | None:
+    """The (query, key) pairs one forward over `rows` rows of `length` tokens read, over dense causal
+    attention's (heads x layers x length (length + 1) / 2 per row), from the kernels' exact count
+    (hf_dilated.ops.pair_count); 1 for transformers' dense attentions; None where the attention's
+    kernels do not count."""
+    if attn in DENSE_ATTENTIONS:
+        return 1.0
+    if tally.counted_calls == 0:
+        return None
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    dense = cfg.num_hidden_layers * cfg.num_attention_heads * rows * length * (length + 1) // 2
+    return tally.pairs / dense
+
+
 @torch.no_grad()
 def forward_cost(model, length: int, vocab_size: int, repeats: int = 3) -> dict:
     """Median seconds of a no-grad forward of one row of `length` tokens, and its peak memory (bytes)

@@ -164,6 +164,7 @@ def evaluate(args, runs: list[Run], progress) -> dict:
 
     import hf_dilated  # noqa: F401  (registers the attention names)
 
+    from ..ops import pair_count
     from . import core
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -190,9 +191,12 @@ def evaluate(args, runs: list[Run], progress) -> dict:
             progress.set_description(f"{run.label} {attn}")
             if docs:
                 start = time.perf_counter()
-                row["loss_by_bucket"] = core.bucket_losses(model, docs, ppl_length, bucket, args.batch_size, progress)
+                with pair_count.counting() as tally:
+                    row["loss_by_bucket"] = core.bucket_losses(model, docs, ppl_length, bucket, args.batch_size,
+                                                               progress)
                 # Forward time beside the loss (the same forward, no extra one): seconds per document.
                 row["loss_seconds_per_doc"] = (time.perf_counter() - start) / len(docs)
+                row["pairs_read"] = core.pairs_read_fraction(model, attn, tally, len(docs), ppl_length)
                 if args.cut_rows == "all" or not result["rows"]:
                     row["windowed_loss_by_bucket"] = core.windowed_losses(model, docs, ppl_length, bucket, window, stride,
                                                                           args.batch_size, progress)
@@ -247,16 +251,19 @@ def markdown(result: dict) -> str:
                 "",
                 f"Whole document, and (cut) the same tokens with the context cut to the previous "
                 f"{s['window'] - s['window_stride'] + 1}-{s['window']} tokens; gain = cut - whole; s / doc: "
-                "seconds of the whole-document forward (no grad), per document.",
+                "seconds of the whole-document forward (no grad), per document; pairs: the (query, key) pairs "
+                "that forward read over dense causal attention's, counted exactly by the kernels (-: not counted "
+                "by this attention's kernels).",
                 "",
                 "| checkpoint | attention | " + " | ".join(names) + " | "
-                + " | ".join(f"{x} cut | {x} gain" for x in names[1:]) + " | s / doc |",
-                "|" + "---|" * (3 + n + 2 * (n - 1))]
+                + " | ".join(f"{x} cut | {x} gain" for x in names[1:]) + " | s / doc | pairs |",
+                "|" + "---|" * (4 + n + 2 * (n - 1))]
         for r in ppl_rows:
             full, cut = r["loss_by_bucket"], r.get("windowed_loss_by_bucket")  # --cut-rows first: one row has it
             out.append(f"| {r['model']} | {r['attn']} | " + " | ".join(f"{v:.3f}" for v in full) + " | "
                        + " | ".join(f"{cut[k]:.3f} | {cut[k] - full[k]:+.3f}" if cut else "- | -" for k in range(1, n))
-                       + f" | {r['loss_seconds_per_doc']:.1f} |")
+                       + f" | {r['loss_seconds_per_doc']:.1f} | "
+                       + ("-" if r.get("pairs_read") is None else f"{r['pairs_read']:.3f}") + " |")
         out.append("")
     pk_rows = [r for r in rows if "passkey" in r]
     if pk_rows:

@@ -73,8 +73,12 @@ def local_band_attention(q, k, v, segment_lengths, dilation_rates, *, local_wind
         q_far, k_far = q, k
     if far_band == local_window:
         far_band = None
-    if far_band is None and far_selection is None and not pair_count.TALLY.active and \
+    every_key = any(w >= k.shape[2] and r == 1 for w, r in zip(segment_lengths, dilation_rates))
+    if far_band is None and far_selection is None and (every_key or not pair_count.TALLY.active) and \
             plain_forward_applies(layout, q, k, segment_lengths, is_causal, sliding_window):
+        if pair_count.TALLY.active:  # a level holds every earlier key: dense causal attention's pairs
+            pair_count.TALLY.pairs += q.shape[0] * q.shape[1] * q.shape[2] * (q.shape[2] + 1) // 2
+            pair_count.add_call()
         return plain_forward(q, k, v, q_far, k_far, list(segment_lengths), list(dilation_rates), local_window, scale)
     if far_selection is not None and \
             sparse_far_plain.applies(layout.plain, q, k, segment_lengths, dilation_rates, is_causal, sliding_window):
@@ -240,6 +244,7 @@ def _forward(q, k, v, q_far, k_far, plan: _Plan, scale):
         merge_into(out[:, :, call.queries], lse[:, :, call.queries], o, part_lse.to(acc_dtype))
     if found is not None:
         plan.nonempty = found
+    pair_count.add_call()
     return out.to(q.dtype), lse
 
 
