@@ -3,12 +3,14 @@ the transformers `attn_implementation` names (integrations/transformers.py). Add
 adding a row here.
 
 Each row's `run(q, k, v, settings, *, is_causal, attention_mask, position_ids, scale, dropout_p,
-group, layout, sliding_window, rope_frequencies)` takes the kernels' inputs (the layout of
+group, layout, sliding_window, rope_frequencies, state)` takes the kernels' inputs (the layout of
 docs/contract.md 1; positions and padding by the kernels' rule of ops/token_layout.py; the window
 of docs/contract.md 3.3) and the settings named in `settings` (name -> default; config.REQUIRED:
 no default). `rope_frequencies` (the inv_freq of the RoPE that rotated q and k) is needed only by
 settings with far keys at grouped positions (config.far_keys): the kind rotates q and k on to
 them itself (docs/contract.md 4.1), so every entry point passes the same settings and one tensor.
+`state` is a dict the caller keeps per layer across calls, or None: what a kind keeps between
+decode steps (sparse far keys' block summaries, ops/sparse_far_decode.py) lives there.
 The ring kinds take this rank's shards under a sequence-parallel `group`; with no
 group (or a group of one) each equals its single-process counterpart, so that fallback is written
 once, in hf_dilated.distributed. The ring layout reaches `run` resolved (an entry point resolves
@@ -75,7 +77,7 @@ def _far_keys(s, rope_frequencies):
 
 
 def _dense(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-           sliding_window=None, rope_frequencies=None):
+           sliding_window=None, rope_frequencies=None, state=None):
     from .ops.dense import dense_attention
 
     return dense_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
@@ -83,13 +85,24 @@ def _dense(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropou
 
 
 def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-             sliding_window=None, rope_frequencies=None):
+             sliding_window=None, rope_frequencies=None, state=None):
     from .ops.dilated import dilated_attention
     from .ops.rope import far_projections
     from .ops.token_layout import token_layout
 
     q_far = k_far = None
     far = _far_keys(s, rope_frequencies)
+    selection = _far_selection(s)
+    if selection is not None and _sparse_decode_applies(q, k, s, is_causal, dropout_p, sliding_window):
+        from .ops.sparse_far_decode import SummaryState, sparse_far_decode
+        from .ops.token_layout import regular_rows
+
+        rows = regular_rows(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
+        if rows is not None and min(rows[0]) <= k.shape[2] - q.shape[2]:  # no padded query
+            kept = None if state is None else state.setdefault("far_summaries", SummaryState())
+            return sparse_far_decode(q, k, v, local_window=s["local_window"], far_band=s["far_band"],
+                                     selection=selection, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                     first=rows[0], shift=rows[1], rotation=far, state=kept)
     if far is not None:
         positions = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids).positions
         q_far, k_far = far_projections(q, k, positions, *far)
@@ -98,6 +111,17 @@ def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, drop
                              attention_mask=attention_mask, position_ids=position_ids,
                              sliding_window=sliding_window, local_window=s["local_window"],
                              q_far=q_far, k_far=k_far, far_band=s["far_band"], far_selection=_far_selection(s))
+
+
+def _sparse_decode_applies(q, k, s, is_causal, dropout_p, sliding_window) -> bool:
+    """A decode step (a few queries against a longer cache) whose levels hold every earlier key: the
+    sparse far keys' own decode (ops/sparse_far_decode.py) reads the band, sinks and chosen blocks only."""
+    from .config import DECODE_MAX_QUERIES
+
+    n = k.shape[2]
+    return (q.shape[2] <= DECODE_MAX_QUERIES and q.shape[2] < n and is_causal and not dropout_p
+            and sliding_window is None and s["mode"] == "union"
+            and any(w >= n and r == 1 for w, r in zip(s["segment_lengths"], s["dilation_rates"])))
 
 
 def _far_selection(s):
@@ -118,7 +142,7 @@ def _no_sparse_far_keys(s, entry: str) -> None:
 
 
 def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-                  sliding_window=None, rope_frequencies=None):
+                  sliding_window=None, rope_frequencies=None, state=None):
     from .ops.block_sparse import block_sparse_attention
 
     return block_sparse_attention(q, k, v, s["pattern"], block_size=s["block_size"], is_causal=is_causal,
@@ -127,7 +151,7 @@ def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
 
 
 def _ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-          sliding_window=None, rope_frequencies=None):
+          sliding_window=None, rope_frequencies=None, state=None):
     from .distributed import ring_attention
 
     return ring_attention(q, k, v, group=group, layout=layout, scale=scale,
@@ -136,7 +160,7 @@ def _ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout
 
 
 def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-                  sliding_window=None, rope_frequencies=None):
+                  sliding_window=None, rope_frequencies=None, state=None):
     from .distributed import dilated_ring_attention
     from .ops.rope import far_projections
 
@@ -152,7 +176,7 @@ def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
 
 
 def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-                       sliding_window=None, rope_frequencies=None):
+                       sliding_window=None, rope_frequencies=None, state=None):
     from .distributed import block_sparse_ring_attention
 
     return block_sparse_ring_attention(q, k, v, s["pattern"], block_size=s["block_size"], group=group,

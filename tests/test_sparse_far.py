@@ -217,3 +217,111 @@ def test_ring_and_compiled_steps_say_they_do_not_read_sparse_far_keys():
     with pytest.raises(ValueError, match="far_top_k: 'dilated_ring' does not read sparse far keys"):
         KINDS["dilated_ring"].run(q, q, q, settings, is_causal=True, attention_mask=None, position_ids=None,
                                   scale=None, dropout_p=0.0, group=None, layout=None)
+
+
+# --- decode: the band, the sinks and the chosen blocks only, summaries kept between steps ---------
+
+def _decode_settings(**over):
+    from hf_dilated.config import field_defaults
+    from hf_dilated.kinds import KINDS
+
+    s = {**field_defaults(*KINDS["dilated"].settings), "segment_lengths": [128], "dilation_rates": [1],
+         "local_window": 16, "far_group": 2, "far_window": 4, "far_band": 8, "far_top_k": 2, "far_block_size": 4,
+         "far_sinks": 1}
+    s.update(over)
+    return s
+
+
+def _decode_reference(q, k, v, s, inv_freq, mask=None, pos=None):
+    """The whole sequence's reference, with the far projections at the grouped positions."""
+    from hf_dilated.ops.rope import far_projections
+    from hf_dilated.ops.token_layout import token_layout
+
+    q_far, k_far = q, k
+    if s["far_group"] > 1:
+        positions = token_layout(k.shape[0], k.shape[2], k.device, mask, pos).positions
+        q_far, k_far = far_projections(q, k, positions, s["far_window"] or s["local_window"], s["far_group"], inv_freq)
+    return local_band_reference(q, k, v, s["segment_lengths"], s["dilation_rates"], s["local_window"], q_far=q_far,
+                                k_far=k_far, attention_mask=mask, position_ids=pos, far_band=s["far_band"],
+                                far_top_k=s["far_top_k"], far_block_size=s["far_block_size"], far_sinks=s["far_sinks"])
+
+
+@pytest.mark.parametrize("layout", ("plain", "left", "offset"))
+@pytest.mark.parametrize("over", ({}, {"far_group": 1, "far_window": None}, {"far_band": None, "far_sinks": 0},
+                                  {"far_top_k": 0, "far_sinks": 2}), ids=("grouped", "own_positions", "k_only", "sinks"))
+def test_decode_steps_match_reference_with_kept_summaries(layout, over):
+    """Steps against a cache that grows in place (one buffer, as hf_dilated.ReservedCache keeps it): each
+    equals the reference of the whole sequence, with the summaries kept in `state` between steps; the
+    kept summaries are the same as rebuilt ones; after the cache's content changes they are rebuilt."""
+    from hf_dilated.kinds import KINDS
+    from hf_dilated.ops import sparse_far_decode as decode_module
+
+    s = _decode_settings(**over)
+    g = torch.Generator().manual_seed(7)
+    batch, heads, kv_heads, n, dim = 2, 4, 2, 70, 8
+    q, k, v = (torch.randn(batch, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    mask = pos = None
+    if layout == "left":
+        mask = torch.ones(batch, n, dtype=torch.long)
+        mask[1, :9] = 0
+    if layout == "offset":
+        pos = torch.arange(n)[None].expand(batch, n) + torch.tensor([[3], [0]])
+    ref = _decode_reference(q, k, v, s, inv_freq, mask, pos)
+    state, rebuilt = {}, []
+    real = decode_module._summaries
+    decode_module._summaries = lambda st, *a, **kw: (rebuilt.append(st.kv_len), real(st, *a, **kw))[1]
+    try:
+        for t in range(40, n):
+            kw = dict(is_causal=True, attention_mask=None if mask is None else mask[:, :t + 1],
+                      position_ids=None if pos is None else pos[:, :t + 1], scale=None, dropout_p=0.0, group=None,
+                      layout=None, rope_frequencies=inv_freq)
+            out = KINDS["dilated"].run(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], s, state=state, **kw)
+            assert (out - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
+        kept = state["far_summaries"]
+        fresh = decode_module.SummaryState()
+        real(fresh, k, *decode_module_rows(mask, pos, batch, n), [c for c in kept.counts], s["far_block_size"],
+             None if s["far_group"] == 1 else (s["far_window"], s["far_group"], inv_freq), torch.float64)
+        assert torch.equal(kept.mn[..., :fresh.mn.shape[2], :], fresh.mn)
+        # the cache's last key changes (a crop and refill): the summaries are rebuilt, still exact
+        k2 = k.clone()
+        k2[:, :, 20:] = torch.randn(k2[:, :, 20:].shape, generator=g, dtype=torch.float64)
+        ref2 = _decode_reference(q, k2, v, s, inv_freq, mask, pos)
+        out = KINDS["dilated"].run(q[:, :, n - 1:], k2, v, s, state=state, **{**kw, "attention_mask": mask,
+                                                                              "position_ids": pos})
+        assert (out - ref2[:, :, n - 1:]).abs().max().item() < TOL
+    finally:
+        decode_module._summaries = real
+    assert rebuilt, "the sparse decode path ran"
+
+
+def decode_module_rows(mask, pos, batch, n):
+    from hf_dilated.ops.token_layout import regular_rows
+
+    return regular_rows(batch, n, torch.device("cpu"), mask, pos)
+
+
+def test_decode_step_summarises_only_new_blocks(monkeypatch):
+    """A step against the same buffer grown in place summarises only the blocks completed since the
+    last step (keys rotated once over a generation), and reads only its band, sinks and chosen
+    blocks: O(band + (k + sinks) B) keys and O(N / B) bounds per step, not O(N) keys."""
+    from hf_dilated.ops import sparse_far_decode as decode_module
+    from hf_dilated.ops.far_selection import FarSelection
+
+    g = torch.Generator().manual_seed(3)
+    n, size = 4096, 16
+    buffer_k, buffer_v = torch.randn(1, 1, n + 64, 8, generator=g), torch.randn(1, 1, n + 64, 8, generator=g)
+    q = torch.randn(1, 2, 1, 8, generator=g)
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    summarised = []
+    real = decode_module._far_keys
+    monkeypatch.setattr(decode_module, "_far_keys", lambda k, b, lo, hi, *a: (summarised.append(hi - lo),
+                                                                              real(k, b, lo, hi, *a))[1])
+    state = decode_module.SummaryState()
+    for t in range(n, n + 33):
+        summarised.clear()
+        decode_module.sparse_far_decode(q, buffer_k[:, :, :t], buffer_v[:, :, :t], local_window=256, far_band=64,
+                                        selection=FarSelection(4, size, 1), scale=0.3, first=[0], shift=[0],
+                                        rotation=(32, 4, inv_freq), state=state)
+        assert sum(summarised) == (t - n == 0) * ((t - 1 - 64) // size + 1) * size or sum(summarised) <= size
+    assert state.counts == [(n + 31 - 64) // size + 1]  # the last query sits at position n + 31

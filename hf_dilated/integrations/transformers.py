@@ -182,11 +182,20 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
     with torch.autocast(device_type, enabled=False):
         out = kind.run(query, key, value, settings, is_causal=True, attention_mask=mask, position_ids=positions,
                        scale=scaling, dropout_p=dropout_p, group=group, layout=layout, sliding_window=window,
-                       rope_frequencies=rope_frequencies)
+                       rope_frequencies=rope_frequencies, state=_layer_state(module))
         if group is None and mask is not None:
             out = padded_last_query_as_sdpa(out, query, key, value, mask, scaling, window)
     # (batch, heads, q_len, head_dim) -> (batch, q_len, heads, head_dim), as sdpa_attention_forward
     return out.transpose(1, 2).contiguous(), None
+
+
+def _layer_state(module) -> dict:
+    """What the kernels keep for this layer between calls (kinds.py: `state`), on the module itself:
+    not a parameter or buffer, so it is never saved."""
+    state = module.__dict__.get("_hf_dilated_state")
+    if state is None:
+        state = module.__dict__["_hf_dilated_state"] = {}
+    return state
 
 
 def _compiled_static_step(kind, module, query, key, value, slots, scaling, kwargs, group):

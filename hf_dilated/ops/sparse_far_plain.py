@@ -19,7 +19,7 @@ from .far_selection import FarSelection
 from .local_band import near_plain
 from .merge import merge_dtype, merge_into
 
-_CHUNK = 64  # queries per far call: the union of their selected blocks grows with the chunk
+_CHUNK = 128  # queries per far call: the union of their selected blocks grows with the chunk
 
 
 def applies(plain: bool, q, k, segment_lengths, dilation_rates, is_causal, sliding_window) -> bool:
@@ -77,8 +77,9 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
         picked = chosen.gather(-1, listed[:, :, None, :].expand(-1, -1, e - s, -1)) & listed_ok[:, :, None, :]
         read = picked.repeat_interleave(size, -1) & (keys[:, :, None, :] <= last[None, None, :, None])
         pair_count.add(read, n_heads)
-        bias = torch.zeros(read.shape, dtype=q.dtype, device=q.device).masked_fill_(~read, float("-inf"))
+        bias = torch.where(read, 0.0, float("-inf")).to(q.dtype)
         o, part = attention_forward(q_far[:, :, s:e], ks, vs, is_causal=False, scale=scale, attn_bias=bias)
-        part = part.masked_fill(~read.any(-1), float("-inf"))
+        if selection.sinks == 0:  # a sink block always holds a far key of a query here; without one some may read none
+            part = part.masked_fill(~chosen.any(-1), float("-inf"))
         merge_into(out[:, :, s:e], lse[:, :, s:e], o, part.to(acc))
     return out.to(q.dtype)

@@ -1,0 +1,172 @@
+"""Sparse far keys (docs/contract.md 4.2) for a few queries against a long cache (a decode step):
+the band, the sinks and the selected blocks only, from block summaries kept between steps.
+
+How it is computed. For a regular row (one document, one run of real tokens to the end of the
+row: an unpadded or left-padded cache, ops/token_layout.regular_rows) position p sits at index
+p - shift, so block c is a run of indices and everything is arithmetic on Python ints. Per query
+(position p, band W): the band is the run of the last W positions, scored with (q, k); the far
+keys are the positions <= p - W; Quest's bound (ops/far_selection.bounds) of the query's far
+projection against each candidate block's summary picks its blocks, and only the sinks' and the
+chosen blocks' keys are rotated to their grouped positions and read. One softmax spans both parts
+(merged by log-sum-exp, merge.py). Cost per step: O(W + (k + sinks) B) keys and O(N / B) bounds.
+
+The summaries (min/max of each complete block's far keys) live in a `SummaryState` the caller
+keeps per layer (the transformers glue: one per attention module). A step extends it by the
+blocks completed since the last one, which rotates each key once over a generation; it is rebuilt
+from the cache whenever the cache is not the one it was built on plus appended tokens (another
+buffer, a crop, a reorder: checked by the buffer's address and layout, the lengths, and one key
+row of the last summarised block). Without a state every step rebuilds them: O(N) per step, the
+same result.
+"""
+from __future__ import annotations
+
+import torch
+
+from .far_selection import FarSelection, bounds, select
+from .merge import merge_dtype, merge_into
+from .rope import rotate_by
+
+
+class SummaryState:
+    """Block summaries of one layer's cache, kept between decode steps (see the module docstring)."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self):
+        self.key = None  # what the summaries were built on (buffer, layout, rows, settings)
+        self.kv_len = 0
+        self.counts = None  # complete blocks summarised per row, from block 0
+        self.mn = self.mx = None  # (batch, kv_heads, max(counts), head_dim); +inf / -inf past a row's count
+        self.check = None  # the last key seen, compared on reuse
+
+
+def _rotation_delta(positions: torch.Tensor, rotation, query: bool) -> torch.Tensor:
+    window, group, _ = rotation
+    if query:
+        return positions // group + window - window // group - positions
+    return positions // group - positions
+
+
+def _far_keys(k, b, lo, hi, shift, rotation):
+    """k_far of row b's indices lo..hi-1: (kv_heads, n, head_dim)."""
+    keys = k[b:b + 1, :, lo:hi]
+    if rotation is None:
+        return keys[0]
+    positions = torch.arange(lo + shift, hi + shift, device=k.device)[None]
+    return rotate_by(keys, _rotation_delta(positions, rotation, False), rotation[2])[0]
+
+
+def _summaries(state: SummaryState, k, first, shift, needed: list[int], size: int, rotation, dtype):
+    """(mn, mx) (batch, kv_heads, blocks, head_dim) holding at least blocks 0 .. needed[b] - 1 of
+    each row b, every one of them complete."""
+    batch, kv_heads, kv_len, dim = k.shape
+    key = (k.untyped_storage().data_ptr(), k.storage_offset(), k.stride()[:2], k.stride()[3], batch, kv_heads, dim,
+           k.dtype, tuple(first), tuple(s + 0 for s in shift), size, dtype,
+           None if rotation is None else (rotation[0], rotation[1], rotation[2].data_ptr()))
+    reuse = (state.key == key and 0 < state.kv_len <= kv_len
+             and torch.equal(k[:, :, state.kv_len - 1], state.check))
+    if not reuse:
+        state.clear()
+        state.counts = [0] * batch
+        state.mn = torch.empty(batch, kv_heads, 0, dim, dtype=dtype, device=k.device)
+        state.mx = state.mn
+    grow = max(needed) - state.mn.shape[2]
+    if grow > 0:
+        pad = torch.full((batch, kv_heads, grow, dim), float("inf"), dtype=dtype, device=k.device)
+        state.mn, state.mx = torch.cat([state.mn, pad], 2), torch.cat([state.mx, -pad], 2)
+    for b in range(batch):
+        if needed[b] > state.counts[b]:
+            c0, c1 = state.counts[b], needed[b]
+            lo, hi = max(first[b], c0 * size - shift[b]), c1 * size - shift[b]
+            blocks = _far_keys(k, b, lo, hi, shift[b], rotation).to(dtype)  # (kv_heads, n, d)
+            # blocks c0 .. c1 - 1 from index lo: pad the first (it may start before the document) to whole blocks
+            lead = lo - (c0 * size - shift[b])
+            blocks = torch.cat([blocks[:, :1].expand(-1, lead, -1), blocks], 1).unflatten(1, (c1 - c0, size))
+            state.mn[b, :, c0:c1], state.mx[b, :, c0:c1] = blocks.amin(2), blocks.amax(2)
+            state.counts[b] = c1
+    state.key, state.kv_len = key, kv_len
+    state.check = k[:, :, kv_len - 1].clone()
+    return state.mn, state.mx
+
+
+def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
+                      first: list[int], shift: list[int], rotation=None, state: SummaryState | None = None):
+    """q (batch, heads, q_len, d) the last q_len tokens of k, v (batch, kv_heads, kv_len, d), rows
+    regular (first, shift: regular_rows); `rotation` (window, group, inv_freq) moves q and k to the
+    far keys' grouped positions (None: far keys score q . k). Returns the output shaped like q."""
+    batch, n_heads, q_len, dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = n_heads // kv_heads
+    size = selection.block_size
+    acc_dtype = merge_dtype(q.dtype)
+    bound_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
+    queries = [(b, t, kv_len - q_len + t) for b in range(batch) for t in range(q_len)]
+    bands = {}
+    for b, t, index in queries:
+        p = index + shift[b]
+        bands[b, t] = local_window if p < local_window or far_band is None else far_band
+    # Summaries of every block a query may select: blocks 0 .. (p - W) // B.
+    needed = [0] * batch
+    for (b, t), width in bands.items():
+        p = kv_len - q_len + t + shift[b]
+        if p - width >= first[b] + shift[b]:
+            needed[b] = max(needed[b], (p - width) // size + 1)
+    summaries = None
+    if max(needed):
+        summaries = _summaries(state if state is not None else SummaryState(), k, first, shift, needed, size,
+                               rotation, bound_dtype)
+    heads = torch.arange(n_heads, device=q.device)
+    for b, t, index in queries:
+        p, width = index + shift[b], bands[b, t]
+        lo = max(first[b], index - width + 1)
+        qb = q[b:b + 1, :, t:t + 1]  # (1, heads, 1, d)
+        _attend(out[b:b + 1, :, t:t + 1], lse[b:b + 1, :, t:t + 1], qb, k[b:b + 1, :, lo:index + 1],
+                v[b:b + 1, :, lo:index + 1], scale, group)
+        last_far = index - width  # the last far key's index
+        if last_far < first[b]:
+            continue
+        n_blocks = (p - width) // size + 1
+        q_far = qb if rotation is None else rotate_by(
+            qb, _rotation_delta(torch.tensor([[p]], device=q.device), rotation, True), rotation[2])
+        number = torch.arange(n_blocks, device=q.device)
+        sink = number < selection.sinks
+        mn, mx = summaries[0][b:b + 1, :, :n_blocks], summaries[1][b:b + 1, :, :n_blocks]
+        bound = bounds(q_far, mn, mx)[0, :, 0]  # (heads, blocks)
+        has_key = torch.ones(n_blocks, dtype=torch.bool, device=q.device)
+        # a block that starts before the document's first position holds keys only from there
+        has_key &= (number + 1) * size - shift[b] > first[b]
+        chosen = select(bound, (has_key & ~sink).expand(n_heads, -1), selection.top_k) | (has_key & sink)
+        # Keys of each head's chosen blocks (positions <= p - W), as index runs, gathered per head.
+        width_blocks = int(chosen.sum(-1).max())
+        listed = torch.sort((~chosen).to(torch.uint8), dim=-1, stable=True).indices[:, :width_blocks]  # (heads, n)
+        listed_ok = chosen.gather(-1, listed)
+        offsets = torch.arange(size, device=q.device)
+        index_of = (listed[..., None] * size + offsets - shift[b]).flatten(1)  # (heads, n * B)
+        read = listed_ok.repeat_interleave(size, -1) & (index_of >= first[b]) & (index_of <= last_far)
+        index_of = index_of.clamp(first[b], last_far)
+        kv_head = heads // group
+        keys = k[b][kv_head[:, None], index_of]  # (heads, n * B, d)
+        values = v[b][kv_head[:, None], index_of]
+        if rotation is not None:  # per head: (heads, 1, n, d) moved by (heads, n)
+            keys = rotate_by(keys[:, None], _rotation_delta(index_of + shift[b], rotation, False), rotation[2])[:, 0]
+        scores = (q_far[0, :, 0, None, :].to(acc_dtype) @ keys.to(acc_dtype).transpose(-1, -2))[:, 0] * scale
+        scores = scores.masked_fill(~read, float("-inf"))
+        part_lse = torch.logsumexp(scores, -1)  # (heads,)
+        probs = torch.exp(scores - part_lse[:, None]).nan_to_num(0.0)
+        part = (probs[:, None, :] @ values.to(acc_dtype))[:, 0]
+        merge_into(out[b, :, t], lse[b, :, t], part, part_lse)
+    return out.to(q.dtype)
+
+
+def _attend(out, lse, q, k, v, scale, group):
+    """Merge dense attention of q (1, heads, 1, d) over k, v (1, kv_heads, n, d) into out/lse."""
+    n_heads, dim = q.shape[1], q.shape[-1]
+    kv_heads = k.shape[1]
+    qh = q.reshape(kv_heads, group, dim).to(out.dtype)
+    scores = (qh @ k[0].to(out.dtype).transpose(-1, -2)) * scale  # (kv_heads, group, n)
+    part_lse = torch.logsumexp(scores, -1)
+    part = torch.exp(scores - part_lse[..., None]) @ v[0].to(out.dtype)
+    merge_into(out[0, :, 0], lse[0, :, 0], part.reshape(n_heads, dim), part_lse.reshape(n_heads))
