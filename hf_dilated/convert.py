@@ -407,8 +407,9 @@ def describe(directory) -> str:
     keys = level_keys if cfg.local_window is None else level_keys + cfg.local_window
     if cfg.target_length is not None:
         keys = min(keys, cfg.target_length)
-    if cfg.far_top_k is not None:  # past the band, the band plus the sinks' and selected blocks' keys
-        keys = min(keys, cfg.local_window + (cfg.far_top_k + cfg.far_sinks) * cfg.far_block_size)
+    if cfg.far_top_k is not None:  # inside the band all of it; past it the band, the sinks' and chosen blocks' keys
+        band = cfg.local_window if cfg.far_band is None else cfg.far_band
+        keys = min(keys, max(cfg.local_window, band + (cfg.far_top_k + cfg.far_sinks) * cfg.far_block_size))
     far = far_keys(cfg.to_dict())
     grouped = supported_context(config, BAND_NAMES[0]) != supported_context(config, "sdpa")
     context = (f"{cfg.target_length} tokens under {' and '.join(BAND_NAMES)} (far keys at grouped positions); "

@@ -149,6 +149,25 @@ def test_cli_convert_and_info(source, tmp_path, capsys):
     assert "absent: the default derived from the config" in capsys.readouterr().out
 
 
+def test_cli_convert_with_sparse_far_keys_and_info(source, tmp_path, capsys):
+    """The sparse far keys' fields (docs/contract.md 4.2) go from the CLI into config.json, on top of
+    the default band, and `info` says what a query reads."""
+    dst = tmp_path / "sparse"
+    assert cli(["convert", str(source), str(dst), "--context", "128", "--far-band", "16", "--far-top-k", "2",
+                "--far-block-size", "4", "--far-sinks", "1"]) == 0
+    entry = json.loads((dst / "config.json").read_text())["hf_dilated"]
+    assert (entry["local_window"], entry["far_band"], entry["far_top_k"], entry["far_block_size"],
+            entry["far_sinks"]) == (32, 16, 2, 4, 1)
+    assert entry["far_group"] > 1  # the default band's grouped positions are kept
+    assert cli(["info", str(dst)]) == 0
+    out = capsys.readouterr().out
+    assert "16 positions for a query at a position >= 32 (far_band)" in out
+    assert "the first 1 block(s) of the document and the 2 blocks of 4 positions" in out
+    assert "decode keys/query:  <= 32" in out  # a query inside the band reads 32; past it 16 + 3 * 4
+    assert cli(["convert", str(source), str(tmp_path / "bad"), "--context", "128", "--far-band", "64"]) == 2
+    assert "far_band: at most local_window (32)" in capsys.readouterr().err
+
+
 def test_converted_checkpoint_loads_and_runs_with_each_rope(source, tmp_path):
     ids = torch.randint(3, 200, (1, 80))
     for rope in ("linear", "dynamic", "yarn"):

@@ -19,7 +19,7 @@ from .far_selection import FarSelection
 from .local_band import near_plain
 from .merge import merge_dtype, merge_into
 
-_CHUNK = 128  # queries per far call: the union of their selected blocks grows with the chunk
+_CHUNK = 256  # queries per far call: the union of their selected blocks grows with the chunk
 
 
 def applies(plain: bool, q, k, segment_lengths, dilation_rates, is_causal, sliding_window) -> bool:
@@ -66,20 +66,25 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
         candidate = reach & ~sink
         chosen = far_selection.select(far_selection.bounds(q_far[:, :, s:e], mn, mx),
                                       candidate.expand(batch, n_heads, -1, -1), selection.top_k) | sink
-        used = chosen.any(2)  # (batch, heads, blocks)
-        width = int(used.sum(-1).max())
-        listed = torch.sort((~used).to(torch.uint8), dim=-1, stable=True).indices[..., :width]  # used blocks first
-        listed_ok = used.gather(-1, listed)
-        keys = (listed[..., None] * size + offsets).flatten(-2)  # (batch, heads, width * size)
-        rows = (rows_base[..., None] + keys.clamp(max=n - 1)).reshape(-1)
-        ks = k_far.reshape(-1, dim).index_select(0, rows).view(batch, n_heads, -1, dim)
-        vs = v.reshape(-1, v.shape[-1]).index_select(0, rows).view(batch, n_heads, -1, v.shape[-1])
-        picked = chosen.gather(-1, listed[:, :, None, :].expand(-1, -1, e - s, -1)) & listed_ok[:, :, None, :]
-        read = picked.repeat_interleave(size, -1) & (keys[:, :, None, :] <= last[None, None, :, None])
-        pair_count.add(read, n_heads)
-        bias = torch.where(read, 0.0, float("-inf")).to(q.dtype)
-        o, part = attention_forward(q_far[:, :, s:e], ks, vs, is_causal=False, scale=scale, attn_bias=bias)
-        if selection.sinks == 0:  # a sink block always holds a far key of a query here; without one some may read none
-            part = part.masked_fill(~chosen.any(-1), float("-inf"))
-        merge_into(out[:, :, s:e], lse[:, :, s:e], o, part.to(acc))
+        if selection.sinks == 0:  # with a sink every query here reads a far key; without, some may read none
+            reads_none = ~chosen.any(-1)
+        # One call per (row, head) over the union of its queries' blocks: heads choose apart, and one
+        # call for all would pad every head to the widest union.
+        used = chosen.any(2).cpu()  # (batch, heads, blocks): one read to the host per chunk
+        for b in range(batch):
+            for h in range(n_heads):
+                listed = used[b, h].nonzero().squeeze(1).to(q.device)  # the blocks some query chose
+                keys = (listed[:, None] * size + offsets).flatten()  # their keys, in order
+                keys = keys[keys < n]
+                kv = rows_base[b, h] // n  # the flat (row, kv head) of this head
+                ks, vs = k_far.view(-1, n, dim)[kv].index_select(0, keys), v.view(-1, n, v.shape[-1])[kv].index_select(0, keys)
+                picked = chosen[b, h].index_select(-1, listed).repeat_interleave(size, -1)[:, :keys.shape[0]]
+                read = picked & (keys[None, :] <= last[:, None])  # (queries, keys)
+                pair_count.add(read[None, None], 1)
+                bias = torch.where(read, 0.0, float("-inf")).to(q.dtype)
+                o, part = attention_forward(q_far[b:b + 1, h:h + 1, s:e], ks[None, None], vs[None, None],
+                                            is_causal=False, scale=scale, attn_bias=bias[None, None])
+                if selection.sinks == 0:
+                    part = part.masked_fill(reads_none[b:b + 1, h:h + 1], float("-inf"))
+                merge_into(out[b:b + 1, h:h + 1, s:e], lse[b:b + 1, h:h + 1, s:e], o, part.to(acc))
     return out.to(q.dtype)
