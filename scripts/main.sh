@@ -158,6 +158,7 @@ for attn in ("dilated", "sdpa"):
           f"{sum(c['correct'] for c in cells)}/{sum(c['samples'] for c in cells)}")
 t_ours, t_dense = ours["loss_seconds_per_doc"], dense["loss_seconds_per_doc"]
 print(f"(5) forward at 2L: dilated {t_ours:.0f} s, sdpa {t_dense:.0f} s (ratio {t_ours / t_dense:.2f}, target < 1)")
+print(f"(6) pairs read at 2L over dense causal attention's: dilated {ours['pairs_read']:.3f}, sdpa {dense['pairs_read']:.3f}")
 TARGETS
     echo "real-checkpoint part: $(( $(date +%s) - REAL_START )) s (output in $OUT/eval_real)"
 fi

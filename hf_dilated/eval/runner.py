@@ -55,9 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=8, help="passkey samples per (length, depth); 0: no passkey")
     p.add_argument("--no-cost", action="store_true", help="skip the forward time and memory")
     p.add_argument("--cost-repeats", type=int, default=3, help="timed forwards per cost figure (their median)")
-    p.add_argument("--cut-rows", choices=("all", "first"), default="all",
-                   help="which rows also get the loss with the context cut to --window: every row, or only the "
-                        "first (the unconverted model, where it is the baseline a user could have by truncating)")
+    p.add_argument("--cut-rows", choices=("all", "first", "none"), default="all",
+                   help="which rows also get the loss with the context cut to --window: every row, only the "
+                        "first (the unconverted model, where it is the baseline a user could have by truncating), "
+                        "or none (a run that compares against a baseline measured before)")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seed", type=int, default=1234, help="passkey samples (training used other seeds)")
     p.add_argument("--output-dir", default=None, help="where eval.md, eval.json and the plots go")
@@ -197,7 +198,7 @@ def evaluate(args, runs: list[Run], progress) -> dict:
                 # Forward time beside the loss (the same forward, no extra one): seconds per document.
                 row["loss_seconds_per_doc"] = (time.perf_counter() - start) / len(docs)
                 row["pairs_read"] = core.pairs_read_fraction(model, attn, tally, len(docs), ppl_length)
-                if args.cut_rows == "all" or not result["rows"]:
+                if args.cut_rows == "all" or (args.cut_rows == "first" and not result["rows"]):
                     row["windowed_loss_by_bucket"] = core.windowed_losses(model, docs, ppl_length, bucket, window, stride,
                                                                           args.batch_size, progress)
             if args.samples:
