@@ -313,6 +313,12 @@ BAND_NAMES = ("dilated", "dilated_ring")
 # (a window of L) leave it no room; docs/benchmarks.md has the measurements behind both.
 FAR_WINDOW_DIVISOR = 8
 FAR_REACH = 1 / 2
+# Sparse far keys (docs/contract.md 4.2) of the default band: past L a query's band narrows to
+# L / FAR_BAND_DIVISOR and it reads the far keys of the first block and of the FAR_TOP_K blocks
+# (of DEFAULT_FAR_BLOCK_SIZE positions) that bound its score highest; docs/benchmarks.md has the
+# measurements behind the choice.
+FAR_BAND_DIVISOR = 2
+FAR_TOP_K = 16
 # The RoPE scaling the other names get: YaRN costs a model far less inside its context than
 # position interpolation ("linear"), a recipe that needs fine-tuning.
 DEFAULT_SCALED_ROPE = "yarn"
@@ -324,11 +330,14 @@ def default_conversion(original_length: int, target_length: int, attn_implementa
 
     For BAND_NAMES: the RoPE is kept ("none") and the band is the original context L itself, so
     within L the model reads exactly as it was trained (every name equals sdpa there). Keys further
-    back are all read (one level of dilation 1 covering the target: far keys on only some heads and
-    queries, as dilated levels give, lose what a pretrained model keeps at the start of its
-    context; docs/benchmarks.md), at Self-Extend's grouped positions for a neighbour window
+    back are candidates on every head and query (one level of dilation 1 covering the target: far
+    keys on only some heads and queries, as dilated levels give, lose what a pretrained model keeps
+    at the start of its context; docs/benchmarks.md), at Self-Extend's grouped positions for a neighbour window
     F = L // FAR_WINDOW_DIVISOR, with G the smallest power of two that keeps the farthest key
     (T - 1 back) within L * FAR_REACH of relative position: (T - 1) // G + F - F // G <= L * FAR_REACH.
+    Past L those reads are sparse (docs/contract.md 4.2): a query's band narrows to L //
+    FAR_BAND_DIVISOR, and of its far keys it reads the first block's and the FAR_TOP_K blocks'
+    with the highest bound (blocks of DEFAULT_FAR_BLOCK_SIZE positions, at most the band).
     For the other names: DEFAULT_SCALED_ROPE and the default levels. A T within L changes nothing."""
     check_int("original_length", original_length)
     check_int("target_length", target_length)
@@ -350,8 +359,10 @@ def default_band(original_length: int, target_length: int) -> dict:
     segment = original_length
     while segment < target_length:
         segment *= 2
+    band = max(1, original_length // FAR_BAND_DIVISOR)
     return {"local_window": original_length, "far_group": group, "far_window": window,
-            "segment_lengths": [segment], "dilation_rates": [1]}
+            "segment_lengths": [segment], "dilation_rates": [1], "far_band": band, "far_top_k": FAR_TOP_K,
+            "far_block_size": min(DEFAULT_FAR_BLOCK_SIZE, band), "far_sinks": DEFAULT_FAR_SINKS}
 
 
 def default_schedule(first_segment: int, length: int) -> tuple[list[int], list[int]]:

@@ -164,7 +164,6 @@ def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
     from .distributed import dilated_ring_attention
     from .ops.rope import far_projections
 
-    _no_sparse_far_keys(s, "'dilated_ring'")
     far = _far_keys(s, rope_frequencies)
     # A rank cannot tell its tokens' positions from its shard of a padding mask: the ring kernel
     # finds them and asks for the far projections at them.
@@ -172,7 +171,8 @@ def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
     return dilated_ring_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"], group=group,
                                   layout=layout, scale=scale, attention_mask=attention_mask,
                                   position_ids=position_ids, dropout_p=dropout_p, sliding_window=sliding_window,
-                                  local_window=s["local_window"], far_at=far_at)
+                                  local_window=s["local_window"], far_at=far_at, far_band=s["far_band"],
+                                  far_selection=_far_selection(s))
 
 
 def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,

@@ -207,16 +207,18 @@ def test_model_matches_reference_in_prefill_and_generation(family, tmp_path):
     assert torch.equal(mine[:, 20:], torch.stack(steps, 1))
 
 
-def test_ring_and_compiled_steps_say_they_do_not_read_sparse_far_keys():
+def test_compiled_static_step_says_it_does_not_read_sparse_far_keys():
+    """A compiled decode step on a static cache does not compute docs/contract.md 4.2 yet, and says so
+    (dilated_ring reads sparse far keys: tests/test_distributed_sparse_far.py)."""
     from hf_dilated.kinds import KINDS
     from hf_dilated.config import field_defaults
 
-    settings = {**field_defaults(*KINDS["dilated_ring"].settings), "segment_lengths": [16], "dilation_rates": [1],
+    settings = {**field_defaults(*KINDS["dilated"].settings), "segment_lengths": [16], "dilation_rates": [1],
                 "local_window": 8, "far_top_k": 2}
-    q = torch.randn(1, 2, 16, 4)
-    with pytest.raises(ValueError, match="far_top_k: 'dilated_ring' does not read sparse far keys"):
-        KINDS["dilated_ring"].run(q, q, q, settings, is_causal=True, attention_mask=None, position_ids=None,
-                                  scale=None, dropout_p=0.0, group=None, layout=None)
+    q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 16, 4)
+    with pytest.raises(ValueError, match="far_top_k: a compiled step on a static cache does not read sparse far keys"):
+        KINDS["dilated"].static_decode(q, k, k, settings, real=torch.ones(1, 16, dtype=torch.bool),
+                                       seen=torch.tensor(16), scale=None)
 
 
 # --- decode: the band, the sinks and the chosen blocks only, summaries kept between steps ---------

@@ -29,7 +29,7 @@ from .. import measure
 from .kernels import DTYPES
 from .report import mib, say
 
-KERNEL_VARIANTS = ("sdpa", "dilated", "dilated+band", "block_sparse")
+KERNEL_VARIANTS = ("sdpa", "dilated", "dilated+band", "dilated+sparse", "block_sparse")
 
 
 def kv_rows(spec: dict, variant: str, cfg) -> int:
@@ -45,6 +45,9 @@ def kv_rows(spec: dict, variant: str, cfg) -> int:
         bs = spec["block_size"]
         runs = _visible_runs(make_pattern(spec["block_pattern"]), n - 1, 0, 0, bs, None)
         return hkv * sum(hi - lo for lo, hi in runs)
+    if variant == "dilated+sparse":  # the band past L, the sinks' and the chosen blocks' keys (and ties: a floor)
+        s = _sparse_settings(spec)
+        return hkv * min(n, s["far_band"] + (s["far_top_k"] + s["far_sinks"]) * s["far_block_size"])
     band = spec["original"] if variant == "dilated+band" else None
     group = hq // hkv
     rows = 0
@@ -52,6 +55,16 @@ def kv_rows(spec: dict, variant: str, cfg) -> int:
         heads = range(part.h0, part.h0 + part.n_heads * part.h_step, part.h_step)
         rows += part.count * len({h // group for h in heads})
     return rows
+
+
+def _sparse_settings(spec: dict) -> dict:
+    """The default conversion's settings for N tokens (config.default_band): the band, far keys at
+    grouped positions, sparse far keys (docs/contract.md 4.2)."""
+    from ..config import field_defaults, default_band
+    from ..kinds import KINDS
+
+    return {**field_defaults(*KINDS["dilated"].settings), "mode": "union",
+            **default_band(spec["original"], max(spec["n"], spec["original"] + 1))}
 
 
 def run_decode_case(spec: dict, own_process: bool = False) -> dict:
@@ -67,10 +80,19 @@ def run_decode_case(spec: dict, own_process: bool = False) -> dict:
     q = torch.randn(1, hq, 1, d, generator=gen, dtype=dtype).to(device)
     k, v = (torch.randn(1, hkv, n, d, generator=gen, dtype=dtype).to(device) for _ in range(2))
     packed = q.view(1, hkv, hq // hkv, d)  # transformers' pack_gqa for one query
+    from ..kinds import KINDS
+
+    sparse = _sparse_settings(spec)
+    inv_freq = 1.0 / (1e5 ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    # The summaries persist between steps as they do on a model's layer (the same cache buffer).
+    sparse_state = {}
+    sparse_kw = dict(is_causal=True, attention_mask=None, position_ids=None, scale=None, dropout_p=0.0, group=None,
+                     layout=None, rope_frequencies=inv_freq, state=sparse_state)
     steps = {
         "sdpa": lambda: F.scaled_dot_product_attention(packed, k, v),
         "dilated": lambda: dilated_attention(q, k, v, seg, dil, mode=cfg.mode),
         "dilated+band": lambda: dilated_attention(q, k, v, seg, dil, mode=cfg.mode, local_window=spec["original"]),
+        "dilated+sparse": lambda: KINDS["dilated"].run(q, k, v, sparse, **sparse_kw),
         "block_sparse": lambda: block_sparse_attention(q, k, v, spec["block_pattern"], block_size=spec["block_size"]),
     }
     counts = (dilated_decode.COUNTS, block_sparse_decode.COUNTS)
@@ -174,7 +196,9 @@ def markdown_section(section, s) -> list[str]:
     L = ["## Decode: one token against a KV cache of N tokens\n",
          f"{s['heads']} query heads over {s['kv_heads']} kv heads, head_dim {s['head_dim']}. dilated: "
          f"DilatedConfig.default({s['original']}, N); dilated+band: the same with a local band of {s['original']} "
-         f"keys; block_sparse: {s['block_pattern']} with blocks of {s['block_size']}. sdpa as transformers runs one "
+         f"keys; dilated+sparse: the default conversion's band of {s['original']} with sparse far keys "
+         "(hf_dilated.config.default_band, docs/contract.md 4.2; the block summaries kept between steps); "
+         f"block_sparse: {s['block_pattern']} with blocks of {s['block_size']}. sdpa as transformers runs one "
          f"query with a mask (heads packed per kv head). Time: median [min-max] of {s['repeats']} interleaved "
          "rounds, ms. K/V MiB: what the step reads (kv head x key rows, K and V). speedup = sdpa time / ours; "
          "limit = sdpa's K/V bytes / ours; of limit = speedup / limit. Memory: peak beyond the cache, MiB.\n",

@@ -19,18 +19,33 @@ the pattern's density, and calls where no query needs a key of the tile are skip
 
 All of it is one `DilatedPattern`, the ring.RingPattern of the dilated levels (with a local band
 and its far keys when asked): the ring itself knows nothing of levels or bands.
+
+Sparse far keys (docs/contract.md 4.2: `far_band`, `far_selection`). The narrower band is a width
+per query in the calls' masks. The selection needs, per (head, local query), the far blocks it
+reads: every rank summarises the blocks of its own k_far shard by GLOBAL block id (a block may
+straddle two ranks' shards: min and max combine by an all-reduce, once per call, n_blocks x
+head_dim per kv head), then chooses the blocks of its own queries (`far_choice`: candidates,
+Quest bounds, top_k, sinks, bit-packed) before the ring starts, and the far part of each call's
+mask also requires the key's block to be chosen (`FarChoice.read`). Which entries travel does not
+depend on the choice (it is data, the ring plan is metadata): a tile carries every far key some
+rank might choose.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from ..config import DEFAULT_MODE, DEFAULT_RING_LAYOUT
+from ..ops import far_selection as selection_rule
+from ..ops.far_selection import FarSelection, band_widths
 from ..ops.head_groups import levels_of_heads
 from ..ops.token_layout import take, token_layout
-from ..ops.validate import check_dilated_config, check_int, check_local_band, check_qkv, check_scale_dropout
-from .ring import RingPattern, ring_plan, run_ring
+from ..ops.validate import (check_dilated_config, check_far_reading, check_int, check_local_band, check_qkv,
+                            check_scale_dropout)
+from .ring import RingPattern, RingPlan, ring_plan, run_ring
 from .tokens import GlobalTokens, prepare_call
 from .utils import as_bias
 from .groups import group_size_rank
@@ -209,16 +224,166 @@ def dilated_pattern_full(levels: list[LevelCodes], q_index, k_index, q_valid, k_
     return bool(full.all())
 
 
+@dataclass
+class FarBlocks:
+    """The far blocks of the global sequence (docs/contract.md 4.2), numbered per batch row as
+    far_selection.blocks_of numbers them, with what the candidate rule reads of each: a block is a
+    run of consecutive real tokens of one document (positions rise within a document, 3.1)."""
+    id: torch.Tensor  # (batch, seq_len): each token's block, -1 for padding
+    count: int  # the blocks of the row with the most
+    number: torch.Tensor  # (batch, count): position // block_size within its document; -1 past a row's last
+    doc: torch.Tensor  # (batch, count): its document
+    last: torch.Tensor  # (batch, count): the index of its last real token
+    low: torch.Tensor  # (batch, count): its lowest position, that of its first real token
+
+
+_NO_POSITION = 2**62  # above every position: a block past a row's last holds no far key
+
+
+def far_blocks(tokens: GlobalTokens, block_size: int) -> FarBlocks:
+    """The FarBlocks of the gathered tokens (one read of the block count to the host)."""
+    blocks = selection_rule.blocks_of(tokens.positions, tokens.real, tokens.doc, block_size)
+    batch, seq_len = tokens.real.shape
+    n, device = blocks.count, tokens.real.device
+    at = torch.where(blocks.id >= 0, blocks.id, n)  # padding: a spare column, dropped
+
+    def per_block(values, how, fill):
+        out = torch.full((batch, n + 1), fill, dtype=torch.long, device=device)
+        return out.scatter_reduce_(1, at, values, how)[:, :n]
+
+    index = torch.arange(seq_len, device=device).expand(batch, seq_len)
+    return FarBlocks(blocks.id, n, blocks.number, per_block(tokens.doc, "amax", -1), per_block(index, "amax", -1),
+                     per_block(tokens.positions, "amin", _NO_POSITION))
+
+
+def far_candidates(blocks: FarBlocks, tokens: GlobalTokens, query_index, band: int, far_band: int | None,
+                   sinks: int, window: int | None) -> torch.Tensor:
+    """bool (batch, rows, count): the candidate blocks of the queries at global indices
+    `query_index` (docs/contract.md 4.2): beyond the sinks, holding a far key of the query. Where
+    the levels hold every earlier key (DilatedPattern checks it) a far key is any base-visible key
+    at a position at most p - width (the query's band, far_selection.band_widths), the same on every
+    head: a real key of the query's document, within its sliding window. By position, not by block
+    number: a hole may leave a block's first positions empty."""
+    p = tokens.positions[:, query_index]
+    reach = (p - band_widths(p, band, far_band))[:, :, None]  # a far key's position is at most this
+    holds = blocks.low[:, None, :] <= reach
+    if window is not None:
+        # A key in the window too (index > i - window). Where the window starts inside the block, its
+        # lowest key may lie outside the window; but if the block's keys in the window are all in the
+        # band, so is every key of the document in the window (they come later): the query reads no
+        # far key, and its choice changes nothing.
+        holds &= blocks.last[:, None, :] > (query_index - window)[None, :, None]
+    same_doc = blocks.doc[:, None, :] == tokens.doc[:, query_index, None]
+    return holds & same_doc & (blocks.number >= sinks)[:, None, :] & tokens.real[:, query_index, None]
+
+
+@dataclass
+class FarChoice:
+    """The far blocks each (head, local query) reads in one call (docs/contract.md 4.2): its sinks
+    and its chosen candidates, one bit per block (a bool per block would weigh up to n_blocks / (2
+    head_dim) times q in bfloat16, and it is kept until the backward)."""
+    bits: torch.Tensor  # (batch, q_heads, n_local, ceil(count / 8)) uint8: block c at bit c % 8 of byte c // 8
+    block: torch.Tensor  # (batch, seq_len): each token's block (0 for padding, which no mask lets through)
+    row: torch.Tensor  # (seq_len,): each global index's row in this rank's shard, -1 on another rank
+
+    def read(self, q_index, k_index) -> torch.Tensor:
+        """bool (batch, heads, rows, keys): whether the block of each key is chosen for each query
+        (global indices, per head (batch, heads, n); the queries this rank's)."""
+        rows = self.row[q_index]
+        block = take(self.block, k_index)
+        batch, heads, n_rows = rows.shape
+        block = block.expand(batch, heads, block.shape[-1])
+        low, high = int(block.min()) // 8, int(block.max()) // 8 + 1  # only the bytes of the tile's blocks
+        bits = self.bits[..., low:high].gather(2, rows[..., None].expand(-1, -1, -1, high - low))
+        byte = (block // 8 - low)[:, :, None, :].expand(-1, -1, n_rows, -1)
+        shift = (block % 8).to(torch.uint8)[:, :, None, :]
+        return ((bits.gather(3, byte) >> shift) & 1).bool()
+
+
+def _pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """bool (..., n) as uint8 (..., ceil(n / 8)): flag c at bit c % 8 of byte c // 8."""
+    n = flags.shape[-1]
+    padded = torch.nn.functional.pad(flags.to(torch.uint8), (0, -n % 8)).unflatten(-1, (-1, 8))
+    weights = 2 ** torch.arange(8, dtype=torch.uint8, device=flags.device)
+    return (padded * weights).sum(-1, dtype=torch.uint8)
+
+
+# Local queries per step of far_choice: its bounds are (batch, heads, rows, n_blocks) floats.
+_CHOICE_ROWS = 256
+
+
+def far_choice(pattern: "DilatedPattern", q_far, k_far, group) -> FarChoice:
+    """The far blocks this rank's queries read (docs/contract.md 4.2; far_selection's summaries,
+    bounds and select on the global blocks): the block summaries of this rank's k_far shard by
+    global block id, combined over the group (two all-reduces: a block may straddle shards), then
+    per local query its candidates, bounds and chosen blocks, with the sinks. Not differentiated."""
+    tokens, blocks, sel = pattern.tokens, pattern.blocks, pattern.selection
+    batch, heads, n_local = q_far.shape[:3]
+    dtype = torch.float64 if k_far.dtype == torch.float64 else torch.float32  # as the single-process kernel's
+    with torch.no_grad():
+        mine = selection_rule.Blocks(blocks.id[:, tokens.local_index], blocks.number, blocks.count)
+        low, high = (t.contiguous() for t in selection_rule.summaries(k_far.detach(), mine, dtype))
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        sink = ((blocks.number >= 0) & (blocks.number < sel.sinks))[:, None, None, :]
+        bits = torch.empty(batch, heads, n_local, -(-blocks.count // 8), dtype=torch.uint8, device=q_far.device)
+        for s in range(0, n_local, _CHOICE_ROWS):
+            e = min(n_local, s + _CHOICE_ROWS)
+            candidate = far_candidates(blocks, tokens, tokens.local_index[s:e], pattern.band, pattern.far_band,
+                                       sel.sinks, pattern.window)
+            bound = selection_rule.bounds(q_far[:, :, s:e].detach(), low, high)
+            chosen = selection_rule.select(bound, candidate[:, None].expand(-1, heads, -1, -1), sel.top_k)
+            bits[:, :, s:e] = _pack_bits(chosen | sink)
+    row = torch.full((tokens.real.shape[1],), -1, dtype=torch.long, device=q_far.device)
+    row[tokens.local_index] = torch.arange(n_local, device=q_far.device)
+    return FarChoice(bits, blocks.id.clamp(min=0), row)
+
+
+def with_far_choice(plan: RingPlan, q_far, k_far, group) -> RingPlan:
+    """A copy of `plan` (cached across layers) whose calls read this call's FarChoice."""
+    pattern = copy.copy(plan.pattern)
+    pattern.choice = far_choice(pattern, q_far, k_far, group)
+    steps = [[[replace(piece, pattern=pattern) for piece in pieces] for pieces in hops] for hops in plan.steps]
+    return replace(plan, steps=steps, pattern=pattern)
+
+
+def _holds_every_earlier_key(tokens: GlobalTokens, segment_lengths, dilation_rates) -> bool:
+    """Whether some level of dilation 1 holds each document in one segment: then the union levels
+    hold every base-visible key (docs/contract.md 4), on every head."""
+    row = torch.arange(tokens.doc.shape[0], device=tokens.doc.device)[:, None]
+    doc = (row * tokens.doc.shape[1] + tokens.doc)[tokens.real]  # distinct across rows
+    for w, r in zip(segment_lengths, dilation_rates):
+        if r != 1:
+            continue
+        segment = torch.div(tokens.positions, w, rounding_mode="floor")[tokens.real]
+        size = tokens.doc.numel()
+        low = torch.full((size,), _NO_POSITION, dtype=torch.long, device=doc.device).scatter_reduce_(
+            0, doc, segment, "amin")
+        high = torch.full((size,), -1, dtype=torch.long, device=doc.device).scatter_reduce_(0, doc, segment, "amax")
+        if bool((low[doc] == high[doc]).all()):
+            return True
+    return False
+
+
 @dataclass(eq=False)
 class DilatedPattern(RingPattern):
     """The ring pattern of dilated_ring_attention: the dilated `levels` (docs/contract.md 4) and,
     with a local `band` of that many positions (docs/contract.md 4.1, mode "union"), every key
-    within it on every head, the keys beyond it read with the far projections if `far`."""
+    within it on every head, the keys beyond it read with the far projections if `far`; with
+    `far_band` a band of that many positions for queries at positions >= band, and with a
+    `selection` only the far keys of the blocks `choice` holds (docs/contract.md 4.2)."""
     levels: list[LevelCodes]
     mode: str
     kv_heads: int
     band: int | None = None
     far: bool = False
+    far_band: int | None = None
+    selection: FarSelection | None = None
+    # One call's choice (with_far_choice). The cached plan's pattern has none: a call with a
+    # selection runs on a copy that has one.
+    choice: FarChoice | None = None
+    segment_lengths: tuple = ()
+    dilation_rates: tuple = ()
     sparse = True
     compacted = True
 
@@ -226,6 +391,23 @@ class DilatedPattern(RingPattern):
         self._cells = {}  # dilated_needed_keys' per-level ids, the same for every query set
         # real tokens up to each index: how dilated_select and band_needed_keys bound the band
         self._count = None if self.band is None else self.tokens.real.long().cumsum(-1)
+        # The band every query has at least (far_band is at most band). The masks' superset bounds
+        # (select, needed_keys) keep `band`, the widest.
+        self._narrowest = self.band if self.far_band is None else min(self.band, self.far_band)
+        self.blocks = None
+        if self.selection is not None:
+            # The candidate rule needs the blocks holding a far key of each (head, query). Where the
+            # levels hold every earlier key that is arithmetic on each block's document, last index
+            # and lowest position (far_candidates); in general it is the levels' pattern between
+            # every local query and every global key, which costs as much as a dense mask.
+            if not _holds_every_earlier_key(self.tokens, self.segment_lengths, self.dilation_rates):
+                raise ValueError(
+                    "far_selection: dilated_ring reads sparse far keys (far_top_k, docs/contract.md 4.2) only where "
+                    "the levels hold every earlier key: some level of dilation 1 whose segment holds each document "
+                    "(e.g. one segment of dilation 1 covering the sequence, as the default conversion writes); got "
+                    f"segment_lengths={list(self.segment_lengths)}, dilation_rates={list(self.dilation_rates)}. "
+                    "Use 'dilated' for other levels")
+            self.blocks = far_blocks(self.tokens, self.selection.block_size)
 
     def needed_keys(self, query_index):
         need = dilated_needed_keys(self.tokens, self.levels, query_index, self.kv_heads, self._cells)
@@ -254,36 +436,42 @@ class DilatedPattern(RingPattern):
             no_index = 2**62  # beyond every index: a padding row's, out of the min and max
             first_row = torch.where(q_valid, qi, no_index).amin(-1)
             last_row = torch.where(q_valid, qi, -no_index).amax(-1)
-            if bool((last_row - kj.amin(-1) < self.band).all()):
+            if bool((last_row - kj.amin(-1) < self._narrowest).all()):
                 return [(False, None, None)]  # every pair in the band
-            if bool((first_row - kj.amax(-1) >= self.band).all()) and self.full(qi, kj, q_valid, k_valid):
+            if (self.choice is None and bool((first_row - kj.amax(-1) >= self.band).all())
+                    and self.full(qi, kj, q_valid, k_valid)):
                 return [(self.far, None, None)]  # every pair visible, none in the band
         visible = self.visible(qi, kj) & q_valid[..., None] & k_valid[..., None, :]
         pq, pk = take(self.tokens.positions, qi), take(self.tokens.positions, kj)
-        in_band = (pq[..., :, None] - pk[..., None, :]).abs() < self.band
-        levels = self.weight(qi, kj)
+        in_band = (pq[..., :, None] - pk[..., None, :]).abs() < band_widths(pq, self.band, self.far_band)[..., None]
+        far_keys = visible & self.weight(qi, kj) & ~in_band
+        if self.choice is not None:
+            far_keys &= self.choice.read(qi, kj)
         if not self.far:
-            return [(False, *as_bias(visible & (in_band | levels), dtype))]
-        parts = ((False, visible & in_band), (True, visible & levels & ~in_band))
+            return [(False, *as_bias((visible & in_band) | far_keys, dtype))]
+        parts = ((False, visible & in_band), (True, far_keys))
         return [(far, *as_bias(part, dtype)) for far, part in parts if bool(part.any())]
 
 
 def dilated_ring_plan(tokens: GlobalTokens, q_heads: int, kv_heads: int, segment_lengths, dilation_rates,
                       mode: str, sliding_window: int | None = None, local_window: int | None = None,
-                      far: bool = False):
+                      far: bool = False, far_band: int | None = None, far_selection: FarSelection | None = None):
     """The ring plan of dilated_ring_attention: the dilated pattern (with a local band of
-    `local_window` positions, its far keys read with far projections if `far`) as each call's
-    compacted mask and as the entries that travel."""
+    `local_window` positions, its far keys read with far projections if `far`; `far_band` and
+    `far_selection` as in docs/contract.md 4.2) as each call's compacted mask and as the entries
+    that travel. With a selection, run a call on with_far_choice(plan, ...)."""
     levels = level_codes(tokens, q_heads, segment_lengths, dilation_rates, mode)
     pattern = DilatedPattern(tokens, sliding_window, levels=levels, mode=mode, kv_heads=kv_heads, band=local_window,
-                             far=far)
+                             far=far, far_band=far_band, selection=far_selection,
+                             segment_lengths=tuple(segment_lengths), dilation_rates=tuple(dilation_rates))
     return ring_plan(pattern, kv_tiles=KV_TILES)
 
 
 def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: str = DEFAULT_MODE, group=None,
                            layout: str = DEFAULT_RING_LAYOUT, scale=None, attention_mask=None, position_ids=None,
                            dropout_p: float = 0.0, sliding_window: int | None = None,
-                           local_window: int | None = None, q_far=None, k_far=None, far_at=None):
+                           local_window: int | None = None, q_far=None, k_far=None, far_at=None,
+                           far_band: int | None = None, far_selection: FarSelection | None = None):
     """Dilated attention over a sequence sharded across `group` (docs/contract.md 6).
 
     q, k, v, attention_mask, position_ids: this rank's shards of the global tensors in `layout`
@@ -291,7 +479,10 @@ def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: st
     local_window, q_far, k_far: a local band and the far projections (docs/contract.md 4.1), the
     latter this rank's shards too; or far_at(positions) -> (q_far, k_far), given this rank's tokens'
     positions (batch, n_local) under the kernels' rule on the whole sequence (docs/contract.md 3.1),
-    for a caller that cannot tell them from its shard of a padding mask. Returns this rank's shard
+    for a caller that cannot tell them from its shard of a padding mask. far_band, far_selection
+    (ops.far_selection.FarSelection): a narrower band past local_window and sparse far keys
+    (docs/contract.md 4.2), the selection only where the levels hold every earlier key (some level of
+    dilation 1 holding each document) when the group has several ranks. Returns this rank's shard
     of `dilated_attention` on the global sequence. With group None or of size 1 this is
     `hf_dilated.ops.dilated_attention` itself.
     """
@@ -306,13 +497,17 @@ def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: st
         raise ValueError("far_at: pass far_at or q_far/k_far, not both")
     if local_window is not None or q_far is not None or k_far is not None or far_at is not None:
         check_local_band(q, k, mode, local_window, q_far, k_far)
+    check_far_reading(local_window, far_band, far_selection, is_causal=True)
+    if far_band == local_window:
+        far_band = None
     world, _ = group_size_rank(group)
     if world == 1:
         if far_at is not None:
             q_far, k_far = far_at(token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids).positions)
         return dilated_attention(q, k, v, seg, dil, mode=mode, scale=scale, dropout_p=dropout_p,
                                  attention_mask=attention_mask, position_ids=position_ids,
-                                 sliding_window=sliding_window, local_window=local_window, q_far=q_far, k_far=k_far)
+                                 sliding_window=sliding_window, local_window=local_window, q_far=q_far, k_far=k_far,
+                                 far_band=far_band, far_selection=far_selection)
     if dropout_p:
         raise ValueError(f"dropout_p: dilated_ring_attention does not implement attention dropout, got {dropout_p}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -321,10 +516,13 @@ def dilated_ring_attention(q, k, v, segment_lengths, dilation_rates, *, mode: st
     plan = prepare_call("dilated_ring_attention", q, k, v, attention_mask=attention_mask, position_ids=position_ids,
                         group=group, layout=layout, scale=scale, segment_lengths=seg,
                         build=lambda tokens: dilated_ring_plan(tokens, q_heads, kv_heads, seg, dil, mode,
-                                                               sliding_window, local_window, far),
+                                                               sliding_window, local_window, far, far_band,
+                                                               far_selection),
                         dilation_rates=dil, mode=mode, sliding_window=sliding_window, local_window=local_window,
-                        far=far)
+                        far=far, sparse_far=(far_band, far_selection))
     if far_at is not None:
         q_far, k_far = far_at(plan.tokens.positions[:, plan.tokens.local_index])
         check_local_band(q, k, mode, local_window, q_far, k_far)
+    if far_selection is not None:  # without far projections q and k score far keys, and so the bounds
+        plan = with_far_choice(plan, q if q_far is None else q_far, k if k_far is None else k_far, group)
     return run_ring(q, k, v, plan, group=group, label="dilated_ring", scale=scale, q_far=q_far, k_far=k_far)

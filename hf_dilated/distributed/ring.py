@@ -211,6 +211,9 @@ class RingPlan:
     kv_in: list | None = None
     grad_out: list | None = None
     grad_in: list | None = None
+    # The pattern the pieces read: a kernel whose calls also read data of one call (dilated_ring's
+    # sparse far keys) runs a copy of the cached plan on a copy of it.
+    pattern: RingPattern | None = None
 
 
 def ring_tiles(n_local: int, layout: str, kv_tiles: int = KV_TILES) -> list[tuple[int, int]]:
@@ -291,7 +294,7 @@ def ring_plan(pattern: RingPattern, kv_tiles: int = KV_TILES) -> RingPlan:
                 pieces = [Piece(rows, q_index=tokens.local_index[rows], k_index=kj, pattern=pattern)]
             hops.append(pieces)
         steps.append(hops)
-    plan = RingPlan(tiles, steps, tokens)
+    plan = RingPlan(tiles, steps, tokens, pattern=pattern)
     if pattern.sparse:
         # Tile j of rank s at hop t is held by rank s + t. Onwards go the entries that a rank after
         # it needs; back (dK/dV, hop t >= 1) the entries that ranks s + 1 .. s + t used (the owner
