@@ -133,14 +133,6 @@ def _far_selection(s):
     return FarSelection(s["far_top_k"], s["far_block_size"], s["far_sinks"])
 
 
-def _no_sparse_far_keys(s, entry: str) -> None:
-    """A ValueError naming the setting where `entry` does not compute docs/contract.md 4.2 yet."""
-    for name in ("far_band", "far_top_k"):
-        if s[name] is not None:
-            raise ValueError(f"{name}: {entry} does not read sparse far keys yet (docs/contract.md 4.2); "
-                             f"use 'dilated', got {name}={s[name]}")
-
-
 def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
                   sliding_window=None, rope_frequencies=None, state=None):
     from .ops.block_sparse import block_sparse_attention
@@ -188,11 +180,25 @@ def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_
     from .ops.dilated_decode import dilated_decode_static
     from .ops.rope import far_projections_static
 
-    _no_sparse_far_keys(s, "a compiled step on a static cache")
     q_far = k_far = None
     far = _far_keys(s, rope_frequencies)
     if far is not None:
         q_far, k_far = far_projections_static(q, k, real, seen, *far)
+    selection = _far_selection(s)
+    if selection is not None or s["far_band"] is not None:
+        from .ops.far_selection import FarSelection
+        from .ops.sparse_far_decode import sparse_far_decode_static
+
+        n = k.shape[2]
+        if sliding_window is not None or s["mode"] != "union" or not any(
+                w >= n and r == 1 for w, r in zip(s["segment_lengths"], s["dilation_rates"])):
+            raise ValueError("far_top_k: a compiled step on a static cache reads sparse far keys only where one level "
+                             "of dilation 1 holds the whole cache and there is no sliding window")
+        if selection is None:  # a narrower band past local_window alone: every far key (a selection of them all)
+            selection = FarSelection(n, s["far_block_size"], 0)
+        return sparse_far_decode_static(q, k, v, q if q_far is None else q_far, k if k_far is None else k_far,
+                                        local_window=s["local_window"], far_band=s["far_band"], selection=selection,
+                                        scale=q.shape[-1] ** -0.5 if scale is None else scale, real=real, seen=seen)
     return dilated_decode_static(q, k, v, s["segment_lengths"], s["dilation_rates"], s["mode"], scale=scale, real=real,
                                  seen=seen, local_window=s["local_window"], q_far=q_far, k_far=k_far,
                                  sliding_window=sliding_window)

@@ -207,18 +207,27 @@ def test_model_matches_reference_in_prefill_and_generation(family, tmp_path):
     assert torch.equal(mine[:, 20:], torch.stack(steps, 1))
 
 
-def test_compiled_static_step_says_it_does_not_read_sparse_far_keys():
-    """A compiled decode step on a static cache does not compute docs/contract.md 4.2 yet, and says so
-    (dilated_ring reads sparse far keys: tests/test_distributed_sparse_far.py)."""
+@pytest.mark.parametrize("over", ({}, {"far_top_k": None}, {"far_sinks": 0, "far_group": 1, "far_window": None}),
+                         ids=("grouped", "band_only", "own_positions"))
+def test_static_cache_step_matches_reference(over):
+    """A compiled step's kernel (a static cache: slots past `seen` unwritten, positions the mask ranks)
+    computes the reference's set: the same as a prefill of the written tokens."""
     from hf_dilated.kinds import KINDS
-    from hf_dilated.config import field_defaults
 
-    settings = {**field_defaults(*KINDS["dilated"].settings), "segment_lengths": [16], "dilation_rates": [1],
-                "local_window": 8, "far_top_k": 2}
-    q, k = torch.randn(1, 2, 1, 4), torch.randn(1, 2, 16, 4)
-    with pytest.raises(ValueError, match="far_top_k: a compiled step on a static cache does not read sparse far keys"):
-        KINDS["dilated"].static_decode(q, k, k, settings, real=torch.ones(1, 16, dtype=torch.bool),
-                                       seen=torch.tensor(16), scale=None)
+    s = _decode_settings(**over)
+    g = torch.Generator().manual_seed(8)
+    batch, heads, kv_heads, slots, dim = 2, 4, 2, 80, 8
+    k, v = (torch.randn(batch, kv_heads, slots, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    real = torch.ones(batch, slots, dtype=torch.bool)
+    real[1, :7] = False  # a left-padded row
+    for seen in (30, 61):
+        q = torch.randn(batch, heads, 2, dim, generator=g, dtype=torch.float64)
+        out = KINDS["dilated"].static_decode(q, k, v, s, real=real, seen=torch.tensor(seen), scale=None,
+                                             rope_frequencies=inv_freq)
+        q_all = torch.cat([torch.zeros(batch, heads, seen - 2, dim, dtype=torch.float64), q], 2)
+        ref = _decode_reference(q_all, k[:, :, :seen], v[:, :, :seen], s, inv_freq, real[:, :seen].long())
+        assert (out - ref[:, :, -2:]).abs().max().item() < TOL, seen
 
 
 # --- decode: the band, the sinks and the chosen blocks only, summaries kept between steps ---------
