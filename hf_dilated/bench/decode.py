@@ -12,7 +12,9 @@ One process per (context, dtype); the variants are timed in interleaved rounds a
 measured after (measure.py). `ring`, `dilated_ring` and `block_sparse_ring` on one process run
 these same kernels.
 
-Generate rows. LlamaForCausalLM with random weights and the given shapes, a prompt of
+Generate rows. LlamaForCausalLM with random weights and the given shapes, `dilated` under the
+default conversion from --original tokens (config.default_band: a band of --original, sparse far keys
+past it, docs/contract.md 4.2), a prompt of
 --gen-prompt random tokens, --gen-new greedy tokens: prefill seconds (prompt to first token) and
 decode tokens/s (the remaining tokens), with DynamicCache, StaticCache and hf_dilated.ReservedCache
 (a DynamicCache that does not copy itself per step), timed inside `generate()` by a logits processor that stamps each step. One process per (name, cache).
@@ -124,11 +126,14 @@ class _StepClock:
 def run_generate_case(spec: dict, own_process: bool = False) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 
-    from ..config import CONFIG_KEY, DilatedConfig
+    from ..config import CONFIG_KEY, DilatedConfig, default_band
 
     total = spec["prompt"] + spec["new"]
     config = LlamaConfig(**spec["model_config"], max_position_embeddings=total)
-    setattr(config, CONFIG_KEY, DilatedConfig.default(spec["original"], total).to_dict())
+    # The default conversion (config.default_conversion for `dilated`): the band of the original
+    # context, far keys at grouped positions, read sparsely past it.
+    setattr(config, CONFIG_KEY, DilatedConfig.default(spec["original"], total,
+                                                      **default_band(spec["original"], total)).to_dict())
     torch.manual_seed(0)
     model = LlamaForCausalLM._from_config(config, attn_implementation=spec["attn_implementation"],
                                           dtype=DTYPES[spec["dtype"]]).eval()
