@@ -115,6 +115,10 @@ def check_band(mode, local_window, far_group, far_window, far_band=None, far_top
             raise ValueError(f"{name}: {value} reads the far keys of a local band; it needs a local_window")
     if far_band is not None and far_band > local_window:
         raise ValueError(f"far_band: at most local_window ({local_window}), got {far_band}")
+    for name, value, default in (("far_block_size", far_block_size, DEFAULT_FAR_BLOCK_SIZE),
+                                 ("far_sinks", far_sinks, DEFAULT_FAR_SINKS)):
+        if far_top_k is None and value != default:
+            raise ValueError(f"{name}: {value} shapes the far keys' selection; it needs far_top_k")
     band = local_window if far_band is None else far_band
     if far_top_k is not None and far_block_size > band:
         raise ValueError(f"far_block_size: at most the band ({band}) so that a far block lies before its query, "

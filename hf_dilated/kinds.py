@@ -98,8 +98,10 @@ def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, drop
         from .ops.token_layout import regular_rows
 
         rows = regular_rows(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
-        if rows is not None and min(rows[0]) <= k.shape[2] - q.shape[2]:  # no padded query
-            kept = None if state is None else state.setdefault("far_summaries", SummaryState())
+        if rows is not None and max(rows[0]) <= k.shape[2] - q.shape[2]:  # no padded query
+            kept = None
+            if state is not None:
+                kept = state.get("far_summaries") or state.setdefault("far_summaries", SummaryState())
             return sparse_far_decode(q, k, v, local_window=s["local_window"], far_band=s["far_band"],
                                      selection=selection, scale=q.shape[-1] ** -0.5 if scale is None else scale,
                                      first=rows[0], shift=rows[1], rotation=far, state=kept)
@@ -192,8 +194,9 @@ def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_
         n = k.shape[2]
         if sliding_window is not None or s["mode"] != "union" or not any(
                 w >= n and r == 1 for w, r in zip(s["segment_lengths"], s["dilation_rates"])):
-            raise ValueError("far_top_k: a compiled step on a static cache reads sparse far keys only where one level "
-                             "of dilation 1 holds the whole cache and there is no sliding window")
+            name = "far_top_k" if selection is not None else "far_band"
+            raise ValueError(f"{name}: a compiled step on a static cache reads sparse far keys only where one level "
+                             "of dilation 1 holds the whole cache and the layer has no sliding_window")
         if selection is None:  # a narrower band past local_window alone: every far key (a selection of them all)
             selection = FarSelection(n, s["far_block_size"], 0)
         return sparse_far_decode_static(q, k, v, q if q_far is None else q_far, k if k_far is None else k_far,

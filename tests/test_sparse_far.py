@@ -23,7 +23,8 @@ BASE = Case(mode="union", segment_lengths=(64,), dilation_rates=(1,), batch=2, q
             kv_len=60, seed=11)
 CASES = [replace(BASE, layout=layout, seed=11 + n) for n, layout in enumerate(LAYOUTS)]
 # (far_band, far_top_k, far_block_size, far_sinks) with a local_window of 16
-SETTINGS = [(None, 2, 4, 1), (8, 2, 4, 1), (8, 0, 4, 2), (12, 3, 8, 0), (16, 1, 2, 1), (6, 50, 4, 1), (8, None, 4, 1)]
+SETTINGS = [(None, 2, 4, 1), (8, 2, 4, 1), (8, 0, 4, 2), (12, 3, 8, 0), (16, 1, 2, 1), (6, 50, 4, 1), (8, None, 4, 1),
+            (8, 0, 4, 0)]
 WINDOW = 16
 TOL = 1e-10
 
@@ -257,13 +258,32 @@ def _decode_reference(q, k, v, s, inv_freq, mask=None, pos=None):
                                 far_top_k=s["far_top_k"], far_block_size=s["far_block_size"], far_sinks=s["far_sinks"])
 
 
+class _InPlaceCache:
+    """A cache that writes each step's keys into one preallocated buffer, as hf_dilated.ReservedCache
+    and StaticCache do (one in-place write per step), and hands out views of the filled part."""
+
+    def __init__(self, k, v, filled):
+        self.k = torch.zeros(k.shape[:2] + (k.shape[2] + 8,) + k.shape[3:], dtype=k.dtype)
+        self.v = torch.zeros_like(self.k)
+        self.k[:, :, :filled].copy_(k[:, :, :filled])
+        self.v[:, :, :filled].copy_(v[:, :, :filled])
+        self.filled = filled
+
+    def append(self, k_new, v_new):
+        n = k_new.shape[2]
+        self.k[:, :, self.filled:self.filled + n].copy_(k_new)
+        self.v[:, :, self.filled:self.filled + n].copy_(v_new)
+        self.filled += n
+        return self.k[:, :, :self.filled], self.v[:, :, :self.filled]
+
+
 @pytest.mark.parametrize("layout", ("plain", "left", "offset"))
 @pytest.mark.parametrize("over", ({}, {"far_group": 1, "far_window": None}, {"far_band": None, "far_sinks": 0},
                                   {"far_top_k": 0, "far_sinks": 2}), ids=("grouped", "own_positions", "k_only", "sinks"))
 def test_decode_steps_match_reference_with_kept_summaries(layout, over):
-    """Steps against a cache that grows in place (one buffer, as hf_dilated.ReservedCache keeps it): each
-    equals the reference of the whole sequence, with the summaries kept in `state` between steps; the
-    kept summaries are the same as rebuilt ones; after the cache's content changes they are rebuilt."""
+    """Steps against a cache that grows in place: each equals the reference of the whole sequence, the
+    summaries are kept in `state` and extended (not rebuilt) between steps and equal rebuilt ones; a
+    rewrite in place of keys before the last (a crop and refill) rebuilds them, still exact."""
     from hf_dilated.kinds import KINDS
     from hf_dilated.ops import sparse_far_decode as decode_module
 
@@ -279,31 +299,45 @@ def test_decode_steps_match_reference_with_kept_summaries(layout, over):
     if layout == "offset":
         pos = torch.arange(n)[None].expand(batch, n) + torch.tensor([[3], [0]])
     ref = _decode_reference(q, k, v, s, inv_freq, mask, pos)
-    state, rebuilt = {}, []
-    real = decode_module._summaries
-    decode_module._summaries = lambda st, *a, **kw: (rebuilt.append(st.kv_len), real(st, *a, **kw))[1]
+    state, rebuilds = {}, []
+    real_clear = decode_module.SummaryState.clear
+
+    def counting_clear(self):
+        rebuilds.append(getattr(self, "kv_len", None))
+        real_clear(self)
+
+    cache = _InPlaceCache(k, v, 40)
+    decode_module.SummaryState.clear = counting_clear
     try:
         for t in range(40, n):
+            keys, values = cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
             kw = dict(is_causal=True, attention_mask=None if mask is None else mask[:, :t + 1],
                       position_ids=None if pos is None else pos[:, :t + 1], scale=None, dropout_p=0.0, group=None,
                       layout=None, rope_frequencies=inv_freq)
-            out = KINDS["dilated"].run(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], s, state=state, **kw)
+            out = KINDS["dilated"].run(q[:, :, t:t + 1], keys, values, s, state=state, **kw)
             assert (out - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
+        assert rebuilds == [None, 0]  # the state's creation, and its first build: extended ever after
         kept = state["far_summaries"]
         fresh = decode_module.SummaryState()
-        real(fresh, k, *decode_module_rows(mask, pos, batch, n), [c for c in kept.counts], s["far_block_size"],
-             None if s["far_group"] == 1 else (s["far_window"], s["far_group"], inv_freq), torch.float64)
-        assert torch.equal(kept.mn[..., :fresh.mn.shape[2], :], fresh.mn)
-        # the cache's last key changes (a crop and refill): the summaries are rebuilt, still exact
+        decode_module._summaries(fresh, k, *decode_module_rows(mask, pos, batch, n), list(kept.counts),
+                                 s["far_block_size"], None if s["far_group"] == 1 else
+                                 (s["far_window"], s["far_group"], inv_freq), torch.float64, 1)
+        assert torch.equal(kept.mn[:, :, :fresh.mn.shape[2]], fresh.mn)
+        assert torch.equal(kept.mx[:, :, :fresh.mx.shape[2]], fresh.mx)
+        rebuilds.clear()
+        # crop to 20 tokens and refill the same buffer with other keys up to the same length, then step
         k2 = k.clone()
         k2[:, :, 20:] = torch.randn(k2[:, :, 20:].shape, generator=g, dtype=torch.float64)
+        cache.filled = 20
+        cache.append(k2[:, :, 20:n - 1], v[:, :, 20:n - 1])
+        keys, values = cache.append(k2[:, :, n - 1:], v[:, :, n - 1:])
         ref2 = _decode_reference(q, k2, v, s, inv_freq, mask, pos)
-        out = KINDS["dilated"].run(q[:, :, n - 1:], k2, v, s, state=state, **{**kw, "attention_mask": mask,
-                                                                              "position_ids": pos})
+        out = KINDS["dilated"].run(q[:, :, n - 1:], keys, values, s, state=state,
+                                   **{**kw, "attention_mask": mask, "position_ids": pos})
         assert (out - ref2[:, :, n - 1:]).abs().max().item() < TOL
+        assert rebuilds == [n]  # the rewrite in place: rebuilt from the state built at n tokens
     finally:
-        decode_module._summaries = real
-    assert rebuilt, "the sparse decode path ran"
+        decode_module.SummaryState.clear = real_clear
 
 
 def decode_module_rows(mask, pos, batch, n):
@@ -321,7 +355,7 @@ def test_decode_step_summarises_only_new_blocks(monkeypatch):
 
     g = torch.Generator().manual_seed(3)
     n, size = 4096, 16
-    buffer_k, buffer_v = torch.randn(1, 1, n + 64, 8, generator=g), torch.randn(1, 1, n + 64, 8, generator=g)
+    k, v = torch.randn(1, 1, n + 33, 8, generator=g), torch.randn(1, 1, n + 33, 8, generator=g)
     q = torch.randn(1, 2, 1, 8, generator=g)
     inv_freq = 1.0 / (100.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
     summarised = []
@@ -329,10 +363,69 @@ def test_decode_step_summarises_only_new_blocks(monkeypatch):
     monkeypatch.setattr(decode_module, "_far_keys", lambda k, b, lo, hi, *a: (summarised.append(hi - lo),
                                                                               real(k, b, lo, hi, *a))[1])
     state = decode_module.SummaryState()
+    cache = _InPlaceCache(k, v, n - 1)
     for t in range(n, n + 33):
         summarised.clear()
-        decode_module.sparse_far_decode(q, buffer_k[:, :, :t], buffer_v[:, :, :t], local_window=256, far_band=64,
+        keys, values = cache.append(k[:, :, t - 1:t], v[:, :, t - 1:t])
+        decode_module.sparse_far_decode(q, keys, values, local_window=256, far_band=64,
                                         selection=FarSelection(4, size, 1), scale=0.3, first=[0], shift=[0],
                                         rotation=(32, 4, inv_freq), state=state)
-        assert sum(summarised) == (t - n == 0) * ((t - 1 - 64) // size + 1) * size or sum(summarised) <= size
+        if t == n:  # the first step summarises every complete far block
+            assert sum(summarised) == ((t - 1 - 64) // size + 1) * size
+        else:  # later ones at most the block that just filled
+            assert sum(summarised) <= size
     assert state.counts == [(n + 31 - 64) // size + 1]  # the last query sits at position n + 31
+
+
+def test_selection_settings_without_a_selection_are_an_error():
+    for name in ("far_block_size", "far_sinks"):
+        with pytest.raises(ValueError, match=f"{name}: .* needs far_top_k"):
+            DilatedConfig(segment_lengths=[32], dilation_rates=[1], local_window=16, **{name: 2})
+
+
+def test_tied_bounds_all_count():
+    """Blocks whose bounds tie at the k-th largest are all read (docs/contract.md 4.2), in the kernel as
+    in the reference: key blocks repeated exactly give equal summaries, hence equal bounds."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 40, 4, generator=g, dtype=torch.float64)
+    block = torch.randn(1, 1, 4, 4, generator=g, dtype=torch.float64)
+    k = block.repeat(1, 1, 10, 1)  # ten equal blocks of 4
+    v = torch.randn(1, 1, 40, 4, generator=g, dtype=torch.float64)
+    kernel, ref_kw = sparse((8, 1, 4, 0))
+    with torch.no_grad(), pair_count.counting() as tally:
+        out = dilated_attention(q, k, v, [64], [1], local_window=16, **kernel)
+    ref = local_band_reference(q, k, v, [64], [1], 16, **ref_kw)
+    near, far = local_band_key_sets(q, k, [64], [1], 16, **ref_kw)
+    every_near, every_far = local_band_key_sets(q, k, [64], [1], 16, far_band=8)
+    assert torch.equal(far, every_far)  # one block asked for, every tied one read
+    assert (out - ref).abs().max().item() < TOL
+    assert tally.pairs == int((near | far).sum())
+
+
+def test_model_generation_with_a_reserved_cache_keeps_the_summaries_and_matches_reference(tmp_path, monkeypatch):
+    """generate() with hf_dilated.ReservedCache (one buffer written in place): the decode steps keep
+    each layer's summaries between steps (never rebuilt after the first) and still pick the
+    reference's tokens."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from hf_dilated import ReservedCache
+    from hf_dilated.ops.sparse_far_decode import SummaryState
+
+    rebuilt = []
+    real_clear = SummaryState.clear
+    monkeypatch.setattr(SummaryState, "clear", lambda self: (rebuilt.append(getattr(self, "kv_len", 0)),
+                                                             real_clear(self))[1])
+
+    path = _tiny("llama", tmp_path, dict(ENTRY))
+    AttentionInterface.register("test_sparse_far_reference", _reference_attention(ENTRY))
+    ids = torch.randint(3, 99, (1, 20), generator=torch.Generator().manual_seed(1))
+    ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dilated", dtype=torch.float64).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(path, attn_implementation="test_sparse_far_reference",
+                                                  dtype=torch.float64).eval()
+    with torch.no_grad():
+        mine = ours.generate(ids, max_new_tokens=10, do_sample=False, cache=ReservedCache(config=ours.config))
+        steps = [theirs(mine[:, :t]).logits[:, -1].argmax(-1) for t in range(20, 30)]
+    assert torch.equal(mine[:, 20:], torch.stack(steps, 1))
+    kept = [layer.self_attn.__dict__["_hf_dilated_state"]["far_summaries"] for layer in ours.model.layers]
+    assert all(state.kv_len == 29 and state.counts for state in kept)
+    assert all(n == 0 for n in rebuilt)  # each state built once (from empty), then extended by every step

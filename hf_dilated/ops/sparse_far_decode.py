@@ -13,12 +13,16 @@ chosen blocks' keys are rotated to their grouped positions and read. One softmax
 The summaries (min/max of each complete block's far keys) live in a `SummaryState` the caller
 keeps per layer (the transformers glue: one per attention module). A step extends it by the
 blocks completed since the last one, which rotates each key once over a generation; it is rebuilt
-from the cache whenever the cache is not the one it was built on plus appended tokens (another
-buffer, a crop, a reorder: checked by the buffer's address and layout, the lengths, and one key
-row of the last summarised block). Without a state every step rebuilds them: O(N) per step, the
-same result.
+from the cache whenever the cache is not the one it was built on plus this step's tokens: the same
+buffer object (a weak reference), written exactly once since (its version counter: a crop and
+refill, a reset or a rewrite in place count more, or a different length), grown by exactly the
+step's queries. hf_dilated.ReservedCache and StaticCache write in place, one write per step;
+a DynamicCache concatenates into a new tensor each step, so there every step rebuilds: O(N) per
+step, the same result.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -34,11 +38,12 @@ class SummaryState:
         self.clear()
 
     def clear(self):
-        self.key = None  # what the summaries were built on (buffer, layout, rows, settings)
+        self.key = None  # the layout, rows and settings the summaries were built for
+        self.buffer = None  # weakref to the cache buffer they were built on
+        self.version = None  # its version counter then
         self.kv_len = 0
         self.counts = None  # complete blocks summarised per row, from block 0
         self.mn = self.mx = None  # (batch, kv_heads, max(counts), head_dim); +inf / -inf past a row's count
-        self.check = None  # the last key seen, compared on reuse
 
 
 def _rotation_delta(positions: torch.Tensor, rotation, query: bool) -> torch.Tensor:
@@ -57,15 +62,22 @@ def _far_keys(k, b, lo, hi, shift, rotation):
     return rotate_by(keys, _rotation_delta(positions, rotation, False), rotation[2])[0]
 
 
-def _summaries(state: SummaryState, k, first, shift, needed: list[int], size: int, rotation, dtype):
+def _summaries(state: SummaryState, k, first, shift, needed: list[int], size: int, rotation, dtype, q_len: int):
     """(mn, mx) (batch, kv_heads, blocks, head_dim) holding at least blocks 0 .. needed[b] - 1 of
     each row b, every one of them complete."""
     batch, kv_heads, kv_len, dim = k.shape
-    key = (k.untyped_storage().data_ptr(), k.storage_offset(), k.stride()[:2], k.stride()[3], batch, kv_heads, dim,
-           k.dtype, tuple(first), tuple(s + 0 for s in shift), size, dtype,
+    key = (k.storage_offset(), k.stride(), batch, kv_heads, dim, k.dtype, tuple(first), tuple(shift), size, dtype,
            None if rotation is None else (rotation[0], rotation[1], rotation[2].data_ptr()))
-    reuse = (state.key == key and 0 < state.kv_len <= kv_len
-             and torch.equal(k[:, :, state.kv_len - 1], state.check))
+    buffer = k if k._base is None else k._base
+    try:
+        version = k._version  # shared by every view of the buffer; +1 per in-place write
+    except RuntimeError:  # an inference-mode tensor keeps no version: rebuild every step
+        version = None
+    # Reuse only the same buffer object, written once since (the cache appending this step's
+    # tokens) and grown by exactly them: a crop, a reset, a rewrite in place or another buffer
+    # (a DynamicCache's cat, a reorder) rebuilds.
+    reuse = (version is not None and state.key == key and state.buffer is not None and state.buffer() is buffer
+             and version == state.version + 1 and kv_len == state.kv_len + q_len)
     if not reuse:
         state.clear()
         state.counts = [0] * batch
@@ -85,8 +97,8 @@ def _summaries(state: SummaryState, k, first, shift, needed: list[int], size: in
             blocks = torch.cat([blocks[:, :1].expand(-1, lead, -1), blocks], 1).unflatten(1, (c1 - c0, size))
             state.mn[b, :, c0:c1], state.mx[b, :, c0:c1] = blocks.amin(2), blocks.amax(2)
             state.counts[b] = c1
-    state.key, state.kv_len = key, kv_len
-    state.check = k[:, :, kv_len - 1].clone()
+    state.key, state.kv_len, state.version = key, kv_len, version
+    state.buffer = weakref.ref(buffer)
     return state.mn, state.mx
 
 
@@ -117,7 +129,7 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
     summaries = None
     if max(needed):
         summaries = _summaries(state if state is not None else SummaryState(), k, first, shift, needed, size,
-                               rotation, bound_dtype)
+                               rotation, bound_dtype, q_len)
     heads = torch.arange(n_heads, device=q.device)
     for b, t, index in queries:
         p, width = index + shift[b], bands[b, t]

@@ -74,6 +74,8 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
         for b in range(batch):
             for h in range(n_heads):
                 listed = used[b, h].nonzero().squeeze(1).to(q.device)  # the blocks some query chose
+                if listed.numel() == 0:  # no query of this head reads a far key (top_k 0, no sink)
+                    continue
                 keys = (listed[:, None] * size + offsets).flatten()  # their keys, in order
                 keys = keys[keys < n]
                 kv = rows_base[b, h] // n  # the flat (row, kv head) of this head

@@ -89,7 +89,8 @@ def check_far_reading(local_window, far_band, far_selection, is_causal) -> None:
         raise ValueError(f"far_band: at most local_window ({local_window}), got {far_band}")
     if far_selection is not None:
         if not is_causal:
-            raise ValueError("far_selection: sparse far keys are defined for causal attention only (is_causal=True)")
+            raise ValueError("far_top_k (far_selection): sparse far keys are defined for causal attention only "
+                             "(is_causal=True)")
         band = local_window if far_band is None else far_band
         if far_selection.block_size > band:
             raise ValueError(f"far_block_size: at most the band ({band}) so that a far block lies before its query, "
