@@ -73,7 +73,7 @@ class Attention:
     config: dict = field(default_factory=dict)
 
     def __call__(self, q, k, v, *, is_causal: bool = True, attention_mask=None, position_ids=None, scale=None,
-                 dropout_p: float = 0.0, sliding_window: int | None = None, rope_frequencies=None):
+                 dropout_p: float = 0.0, sliding_window: int | None = None, rope_frequencies=None, state=None):
         kind, config = self.kind, self.config
         if kind == "auto":
             kind, config = self.choose(k.shape[2], k.device, position_ids=position_ids)
@@ -84,7 +84,7 @@ class Attention:
             group, layout = _group_layout(config["group"], config["layout"])
         return row.run(q, k, v, config, is_causal=is_causal, attention_mask=attention_mask, position_ids=position_ids,
                        scale=scale, dropout_p=dropout_p, group=group, layout=layout, sliding_window=sliding_window,
-                       rope_frequencies=rope_frequencies)
+                       rope_frequencies=rope_frequencies, state=state)
 
     def choose(self, kv_len: int, device, *, position_ids=None) -> tuple[str, dict]:
         """What "auto" runs for a call with `kv_len` keys (this rank's shard under sequence
