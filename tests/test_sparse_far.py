@@ -429,3 +429,16 @@ def test_model_generation_with_a_reserved_cache_keeps_the_summaries_and_matches_
     kept = [layer.self_attn.__dict__["_hf_dilated_state"]["far_summaries"] for layer in ours.model.layers]
     assert all(state.kv_len == 29 and state.counts for state in kept)
     assert all(n == 0 for n in rebuilt)  # each state built once (from empty), then extended by every step
+
+
+def test_inference_path_takes_strided_inputs():
+    """q, k, v as transformers hands them (views of (batch, n, heads, d) projections, transposed):
+    the plain path reads them without a flat view (a bug found by the eval's pair count)."""
+    case = replace(BASE, layout="plain", kv_len=50)
+    q, k, v, _, _, _ = make_inputs(case, torch.float64)
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert not k.is_contiguous()
+    kernel, ref_kw = sparse((8, 2, 4, 1))
+    with torch.no_grad():
+        out = dilated_attention(q, k, v, [64], [1], local_window=16, **kernel)
+    assert (out - local_band_reference(q, k, v, [64], [1], 16, **ref_kw)).abs().max().item() < TOL

@@ -53,8 +53,6 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
                                   None, n_blocks)
     mn, mx = far_selection.summaries(k_far, blocks, torch.float64 if q.dtype == torch.float64 else torch.float32)
     number = torch.arange(n_blocks, device=q.device)
-    rows_base = (torch.arange(batch, device=q.device)[:, None] * kv_heads
-                 + torch.arange(n_heads, device=q.device)[None, :] // (n_heads // kv_heads)) * n  # (batch, heads)
     offsets = torch.arange(size, device=q.device)
     for s in range(head, n, _CHUNK):
         e = min(n, s + _CHUNK)
@@ -78,8 +76,8 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
                     continue
                 keys = (listed[:, None] * size + offsets).flatten()  # their keys, in order
                 keys = keys[keys < n]
-                kv = rows_base[b, h] // n  # the flat (row, kv head) of this head
-                ks, vs = k_far.view(-1, n, dim)[kv].index_select(0, keys), v.view(-1, n, v.shape[-1])[kv].index_select(0, keys)
+                kv = h // (n_heads // kv_heads)  # this head's kv head (any strides: no flat view)
+                ks, vs = k_far[b, kv].index_select(0, keys), v[b, kv].index_select(0, keys)
                 picked = chosen[b, h].index_select(-1, listed).repeat_interleave(size, -1)[:, :keys.shape[0]]
                 read = picked & (keys[None, :] <= last[:, None])  # (queries, keys)
                 pair_count.add(read[None, None], 1)
