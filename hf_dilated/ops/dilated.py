@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .backend import attention_backward, attention_forward
+from . import sparse_far_plain
 from .local_band import local_band_attention
 from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
@@ -152,6 +153,11 @@ def dilated_attention(
                              q_far=q_far, k_far=k_far)
         if out is not None:
             return out
+    if far_selection is not None and sparse_far_plain.applies(
+            token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids).plain, q, k, seg, dil,
+            is_causal, sliding_window) and dropout_p == 0.0:
+        q_far, k_far = (q, k) if q_far is None else (q_far, k_far)
+        return sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, local_window, far_band, far_selection, scale)
     if local_window is not None:
         return local_band_attention(q, k, v, seg, dil, local_window=local_window, q_far=q_far, k_far=k_far,
                                     is_causal=is_causal, scale=scale, dropout_p=dropout_p,

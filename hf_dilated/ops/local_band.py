@@ -63,9 +63,8 @@ def local_band_attention(q, k, v, segment_lengths, dilation_rates, *, local_wind
                          far_selection: FarSelection | None = None):
     """Inputs as `dilated_attention` (validated there), mode "union" with a local band of
     `local_window` positions; `q_far`/`k_far` (shaped like q/k, or both None) score the keys beyond it.
-    `far_band` and `far_selection`: a narrower band past local_window and sparse far keys (4.2)."""
-    from . import sparse_far_plain  # it builds on this module's near_plain
-
+    `far_band` and `far_selection`: a narrower band past local_window and sparse far keys (4.2; on
+    plain rows without autograd, dilated_attention takes sparse_far_plain instead)."""
     if dropout_p > 0.0:
         raise ValueError(f"dropout_p: a local band (local_window) has no attention dropout yet, got {dropout_p}")
     layout = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
@@ -80,9 +79,6 @@ def local_band_attention(q, k, v, segment_lengths, dilation_rates, *, local_wind
             pair_count.TALLY.pairs += q.shape[0] * q.shape[1] * q.shape[2] * (q.shape[2] + 1) // 2
             pair_count.add_call()
         return plain_forward(q, k, v, q_far, k_far, list(segment_lengths), list(dilation_rates), local_window, scale)
-    if far_selection is not None and \
-            sparse_far_plain.applies(layout.plain, q, k, segment_lengths, dilation_rates, is_causal, sliding_window):
-        return sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, local_window, far_band, far_selection, scale)
     key = (k.shape[0], k.shape[2], q.shape[:3], str(k.device), tuple(segment_lengths), tuple(dilation_rates),
            local_window, is_causal, sliding_window, far_band, far_selection)
     plan = _PLANS.get(key, attention_mask, position_ids)
