@@ -284,3 +284,38 @@ def test_model_forward_reads_back_at_most_twice_more_than_sdpa(name, sdpa_model_
     read of the positions, not a plan from data per forward (44 reads for dilated before)."""
     ours = _model_counts(name)
     assert ours["forward"].total <= sdpa_model_counts["forward"].total + 2, dict(ours["forward"].sites)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse far keys (docs/contract.md 4.2): the selection is data, so its forward reads widths back
+# (like `adaptive` block-sparse); what must hold is that those reads do not grow with the context.
+
+
+def test_sparse_far_decode_step_reads_back_a_constant_number_of_times():
+    from hf_dilated.ops.far_selection import FarSelection
+    from hf_dilated.ops.sparse_far_decode import SummaryState, sparse_far_decode
+
+    counts = []
+    for n in (600, 2400):
+        q, k, v = _qkv(n=n, q_len=1, grad=False)
+        state = SummaryState()
+        step = lambda: sparse_far_decode(q, k, v, local_window=128, far_band=64, selection=FarSelection(2, 16, 1),
+                                         scale=0.125, first=[0], shift=[0], state=state)
+        step()
+        fwd, _ = count_syncs(step)
+        counts.append(fwd.total)
+    assert counts[0] == counts[1] > 0, counts
+
+
+def test_sparse_far_prefill_reads_back_twice_per_query_chunk():
+    """Per chunk of queries the chosen blocks' list (nonzero's count, then the list itself), whatever
+    the heads and blocks: no read and no copy per head."""
+    from hf_dilated.ops import sparse_far_plain
+    from hf_dilated.ops.far_selection import FarSelection
+
+    q, k, v = _qkv(n=1024, grad=False)
+    with torch.no_grad():
+        fwd, _ = count_syncs(lambda: dilated_attention(q, k, v, [1024], [1], local_window=256, far_band=128,
+                                                       far_selection=FarSelection(2, 16, 1)))
+    chunks = -(-(1024 - 256) // sparse_far_plain._CHUNK)
+    assert 0 < fwd.total <= 2 * chunks, dict(fwd.sites)

@@ -326,8 +326,8 @@ def test_decode_steps_match_reference_with_kept_summaries(layout, over):
         assert torch.equal(kept.mx[:, :, :fresh.mx.shape[2]], fresh.mx)
         rebuilds.clear()
         # crop to 20 tokens and refill the same buffer with other keys up to the same length, then step
-        k2 = k.clone()
-        k2[:, :, 20:] = torch.randn(k2[:, :, 20:].shape, generator=g, dtype=torch.float64)
+        k2 = k.clone()  # other keys from 20 on, the last one kept (the same last token: a check of it alone passes)
+        k2[:, :, 20:n - 1] = torch.randn(k2[:, :, 20:n - 1].shape, generator=g, dtype=torch.float64)
         cache.filled = 20
         cache.append(k2[:, :, 20:n - 1], v[:, :, 20:n - 1])
         keys, values = cache.append(k2[:, :, n - 1:], v[:, :, n - 1:])
@@ -442,3 +442,20 @@ def test_inference_path_takes_strided_inputs():
     with torch.no_grad():
         out = dilated_attention(q, k, v, [64], [1], local_window=16, **kernel)
     assert (out - local_band_reference(q, k, v, [64], [1], 16, **ref_kw)).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("sliding_window", (5, 13, 30))
+@pytest.mark.parametrize("layout", ("plain", "left", "packed"))
+def test_sliding_window_on_top_of_sparse_far_keys_matches_reference(layout, sliding_window):
+    """A model's sliding window (docs/contract.md 3.3) hides keys from the band and from the far
+    blocks alike; the candidates are the blocks holding a far key the window leaves visible."""
+    case = replace(BASE, layout=layout, seed=30)
+    q, k, v, mask, pos, real_query = make_inputs(case, torch.float64)
+    far = far_inputs(q, k, 31)
+    kernel, ref_kw = sparse((8, 2, 4, 1))
+    out = dilated_attention(
+        q, k, v, [64], [1], local_window=WINDOW, q_far=far[0], k_far=far[1], attention_mask=mask, position_ids=pos,
+        sliding_window=sliding_window, **kernel)
+    ref = local_band_reference(q, k, v, [64], [1], WINDOW, q_far=far[0], k_far=far[1], attention_mask=mask,
+                               position_ids=pos, sliding_window=sliding_window, **ref_kw)
+    assert ((out - ref) * real_query[:, None, :, None]).abs().max().item() < TOL

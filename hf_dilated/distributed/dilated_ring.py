@@ -319,10 +319,9 @@ def far_choice(pattern: "DilatedPattern", q_far, k_far, group) -> FarChoice:
     per local query its candidates, bounds and chosen blocks, with the sinks. Not differentiated."""
     tokens, blocks, sel = pattern.tokens, pattern.blocks, pattern.selection
     batch, heads, n_local = q_far.shape[:3]
-    dtype = torch.float64 if k_far.dtype == torch.float64 else torch.float32  # as the single-process kernel's
     with torch.no_grad():
         mine = selection_rule.Blocks(blocks.id[:, tokens.local_index], blocks.number, blocks.count)
-        low, high = (t.contiguous() for t in selection_rule.summaries(k_far.detach(), mine, dtype))
+        low, high = (t.contiguous() for t in selection_rule.summaries(k_far.detach(), mine))
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
         sink = ((blocks.number >= 0) & (blocks.number < sel.sinks))[:, None, None, :]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_int
+from .merge import merge_dtype
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,17 @@ def blocks_of(positions: torch.Tensor, real: torch.Tensor, doc: torch.Tensor, bl
     return Blocks(ids, numbers[:, :count], count)
 
 
-def summaries(k_far: torch.Tensor, blocks: Blocks, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mn, mx), each (batch, kv_heads, n_blocks, head_dim) in `dtype`: the elementwise min and max
-    of each block's far keys (rows of blocks past a row's last: +inf / -inf, never selected)."""
+def bound_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype every path computes summaries and bounds in (float64 inputs: float64, else float32),
+    so that they rank blocks alike."""
+    return merge_dtype(dtype)
+
+
+def summaries(k_far: torch.Tensor, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mn, mx), each (batch, kv_heads, n_blocks, head_dim) in bound_dtype: the elementwise min and
+    max of each block's far keys (rows of blocks past a row's last: +inf / -inf, never selected)."""
     batch, kv_heads, _, dim = k_far.shape
+    dtype = bound_dtype(k_far.dtype)
     n = blocks.count
     index = torch.where(blocks.id >= 0, blocks.id, n)[:, None, :, None].expand(batch, kv_heads, -1, dim)
     src = k_far.to(dtype)

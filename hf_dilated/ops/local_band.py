@@ -163,8 +163,7 @@ def _summaries(plan: _Plan, k_far):
     """The far blocks' (min, max) summaries of this call's k_far (4.2), or None without a selection."""
     if plan.selection is None:
         return None
-    dtype = torch.float64 if k_far.dtype == torch.float64 else torch.float32
-    return far_selection.summaries(k_far, plan.blocks, dtype)
+    return far_selection.summaries(k_far, plan.blocks)
 
 
 def _inputs(plan: _Plan, call: _Call, q, k, v, q_far, k_far, summaries):

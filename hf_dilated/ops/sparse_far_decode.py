@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from .far_selection import FarSelection, bounds, select
+from .far_selection import FarSelection, bound_dtype, bounds, select
 from .merge import merge_dtype, merge_into
 from .rope import rotate_by
 
@@ -112,7 +112,6 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
     group = n_heads // kv_heads
     size = selection.block_size
     acc_dtype = merge_dtype(q.dtype)
-    bound_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
     queries = [(b, t, kv_len - q_len + t) for b in range(batch) for t in range(q_len)]
@@ -129,7 +128,7 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
     summaries = None
     if max(needed):
         summaries = _summaries(state if state is not None else SummaryState(), k, first, shift, needed, size,
-                               rotation, bound_dtype, q_len)
+                               rotation, bound_dtype(k.dtype), q_len)
     heads = torch.arange(n_heads, device=q.device)
     for b, t, index in queries:
         p, width = index + shift[b], bands[b, t]
@@ -198,17 +197,17 @@ def sparse_far_decode_static(q, k, v, q_far, k_far, *, local_window: int, far_ba
     group = n_heads // kv_heads
     size = selection.block_size
     acc = merge_dtype(q.dtype)
-    bound_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = bound_dtype(k_far.dtype)
     slots = torch.arange(kv_len, device=q.device)
     written = real & (slots < seen)  # (batch, kv_len)
     position = real.long().cumsum(-1) - 1  # mask ranks: one document per row
     n_blocks = kv_len // size + 1  # blocks of the positions a static cache can hold
     block = torch.where(written, position // size, n_blocks)  # unwritten slots: a dump block
     index = block[:, None, :, None].expand(batch, kv_heads, kv_len, dim)
-    mn = torch.full((batch, kv_heads, n_blocks + 1, dim), float("inf"), dtype=bound_dtype, device=q.device)
+    mn = torch.full((batch, kv_heads, n_blocks + 1, dim), float("inf"), dtype=dtype, device=q.device)
     mx = torch.full_like(mn, float("-inf"))
-    mn = mn.scatter_reduce(2, index, k_far.to(bound_dtype), "amin")[:, :, :n_blocks]
-    mx = mx.scatter_reduce(2, index, k_far.to(bound_dtype), "amax")[:, :, :n_blocks]
+    mn = mn.scatter_reduce(2, index, k_far.to(dtype), "amin")[:, :, :n_blocks]
+    mx = mx.scatter_reduce(2, index, k_far.to(dtype), "amax")[:, :, :n_blocks]
     number = torch.arange(n_blocks, device=q.device)
     outs = []
     for t in range(q_len):

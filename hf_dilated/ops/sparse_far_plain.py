@@ -51,15 +51,14 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
     n_blocks = -(-n // size)
     blocks = far_selection.Blocks(torch.arange(n, device=q.device).div(size, rounding_mode="floor").expand(batch, n),
                                   None, n_blocks)
-    mn, mx = far_selection.summaries(k_far, blocks, torch.float64 if q.dtype == torch.float64 else torch.float32)
+    mn, mx = far_selection.summaries(k_far, blocks)
     number = torch.arange(n_blocks, device=q.device)
     offsets = torch.arange(size, device=q.device)
     for s in range(head, n, _CHUNK):
         e = min(n, s + _CHUNK)
         last = torch.arange(s, e, device=q.device) - band  # the last far key of each query
+        # Every query here (position >= window >= band) has a far key: block 0 always reaches.
         reach = number[None, :] * size <= last[:, None]  # (queries, blocks): the block holds a far key
-        if not bool(reach.any()):
-            continue
         sink = reach & (number[None, :] < selection.sinks)
         candidate = reach & ~sink
         chosen = far_selection.select(far_selection.bounds(q_far[:, :, s:e], mn, mx),
@@ -68,14 +67,22 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
             reads_none = ~chosen.any(-1)
         # One call per (row, head) over the union of its queries' blocks: heads choose apart, and one
         # call for all would pad every head to the widest union.
-        used = chosen.any(2).cpu()  # (batch, heads, blocks): one read to the host per chunk
+        # The blocks some query of each (row, head) chose, on the device and as Python ints: the one
+        # read back of the chunk (nonzero's count and its list), no copy back to the device.
+        found = chosen.any(2).flatten(0, 1).nonzero()  # (m, 2): (row * heads + head, block), sorted
+        used = [[] for _ in range(batch * n_heads)]
+        for at, (row_head, c) in enumerate(found.tolist()):
+            used[row_head].append((at, c))
         for b in range(batch):
             for h in range(n_heads):
-                listed = used[b, h].nonzero().squeeze(1).to(q.device)  # the blocks some query chose
-                if listed.numel() == 0:  # no query of this head reads a far key (top_k 0, no sink)
+                entries = used[b * n_heads + h]
+                if not entries:  # no query of this head reads a far key (top_k 0, no sink)
                     continue
-                keys = (listed[:, None] * size + offsets).flatten()  # their keys, in order
-                keys = keys[keys < n]
+                blocks_used = [c for _, c in entries]
+                listed = found[entries[0][0]:entries[-1][0] + 1, 1]
+                # their keys, in order; only the last block can run past the row's end
+                keys = (listed[:, None] * size + offsets).flatten()
+                keys = keys[:len(blocks_used) * size - max(0, (blocks_used[-1] + 1) * size - n)]
                 kv = h // (n_heads // kv_heads)  # this head's kv head (any strides: no flat view)
                 ks, vs = k_far[b, kv].index_select(0, keys), v[b, kv].index_select(0, keys)
                 picked = chosen[b, h].index_select(-1, listed).repeat_interleave(size, -1)[:, :keys.shape[0]]
