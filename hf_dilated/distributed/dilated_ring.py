@@ -235,6 +235,7 @@ class FarBlocks:
     doc: torch.Tensor  # (batch, count): its document
     last: torch.Tensor  # (batch, count): the index of its last real token
     low: torch.Tensor  # (batch, count): its lowest position, that of its first real token
+    scoring: torch.Tensor  # (batch, count): the id of its scoring block (the one before it in its document), -1: none
 
 
 _NO_POSITION = 2**62  # above every position: a block past a row's last holds no far key
@@ -253,7 +254,7 @@ def far_blocks(tokens: GlobalTokens, block_size: int) -> FarBlocks:
 
     index = torch.arange(seq_len, device=device).expand(batch, seq_len)
     return FarBlocks(blocks.id, n, blocks.number, per_block(tokens.doc, "amax", -1), per_block(index, "amax", -1),
-                     per_block(tokens.positions, "amin", _NO_POSITION))
+                     per_block(tokens.positions, "amin", _NO_POSITION), blocks.scoring)
 
 
 def far_candidates(blocks: FarBlocks, tokens: GlobalTokens, query_index, band: int, far_band: int | None,
@@ -314,9 +315,12 @@ _CHOICE_ROWS = 256
 
 def far_choice(pattern: "DilatedPattern", q_far, k_far, group) -> FarChoice:
     """The far blocks this rank's queries read (docs/contract.md 4.2; far_selection's summaries,
-    bounds and select on the global blocks): the block summaries of this rank's k_far shard by
-    global block id, combined over the group (two all-reduces: a block may straddle shards), then
-    per local query its candidates, bounds and chosen blocks, with the sinks. Not differentiated."""
+    scores and select on the global blocks): the block summaries of this rank's k_far shard by
+    global block id, combined over the group (two all-reduces: a block may straddle shards), the
+    scores of every block for every scoring block from this rank's keys, combined by maximum (a
+    third all-reduce, of count^2 floats per kv head and row: a block's keys may lie on several
+    ranks), then per local query its candidates, its block's scores and chosen blocks, with the
+    sinks. Not differentiated."""
     tokens, blocks, sel = pattern.tokens, pattern.blocks, pattern.selection
     batch, heads, n_local = q_far.shape[:3]
     with torch.no_grad():
@@ -324,14 +328,17 @@ def far_choice(pattern: "DilatedPattern", q_far, k_far, group) -> FarChoice:
         low, high = (t.contiguous() for t in selection_rule.summaries(k_far.detach(), mine))
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        scores = selection_rule.all_block_scores(k_far.detach(), mine, low, high).contiguous()
+        dist.all_reduce(scores, op=dist.ReduceOp.MAX, group=group)
         sink = ((blocks.number >= 0) & (blocks.number < sel.sinks))[:, None, None, :]
         bits = torch.empty(batch, heads, n_local, -(-blocks.count // 8), dtype=torch.uint8, device=q_far.device)
         for s in range(0, n_local, _CHOICE_ROWS):
             e = min(n_local, s + _CHOICE_ROWS)
             candidate = far_candidates(blocks, tokens, tokens.local_index[s:e], pattern.band, pattern.far_band,
                                        sel.sinks, pattern.window)
-            bound = selection_rule.bounds(q_far[:, :, s:e].detach(), low, high)
-            chosen = selection_rule.select(bound, candidate[:, None].expand(-1, heads, -1, -1), sel.top_k)
+            score = selection_rule.query_scores(scores, blocks, tokens.local_index[s:e])
+            score = score.repeat_interleave(heads // score.shape[1], 1)
+            chosen = selection_rule.select(score, candidate[:, None].expand(-1, heads, -1, -1), sel.top_k)
             bits[:, :, s:e] = _pack_bits(chosen | sink)
     row = torch.full((tokens.real.shape[1],), -1, dtype=torch.long, device=q_far.device)
     row[tokens.local_index] = torch.arange(n_local, device=q_far.device)
