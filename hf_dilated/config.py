@@ -322,7 +322,7 @@ FAR_REACH = 1 / 2
 # (of DEFAULT_FAR_BLOCK_SIZE positions) that score highest for its block; docs/benchmarks.md has the
 # measurements behind the choice.
 FAR_BAND_DIVISOR = 2
-FAR_TOP_K = 8
+FAR_TOP_K = 16
 # The RoPE scaling the other names get: YaRN costs a model far less inside its context than
 # position interpolation ("linear"), a recipe that needs fine-tuning.
 DEFAULT_SCALED_ROPE = "yarn"

@@ -11,12 +11,12 @@ and the score is the largest of these over the scoring block's far keys x.
 
 Why the keys before the query block and not the query itself. Every query of a block then shares
 one choice (per kv head), so a prefill reads each block's chosen keys in one dense call, with no
-union of per-query choices (per query, 64 neighbouring queries chose 38 different blocks of 72 on
-SmolLM2: the union cost more than dense attention on the CPU); and those keys are in the cache,
-so a decode step or a chunk computes the same choice with no state carried between calls. Ties
-go to the lower block number, so every path reads exactly top_k blocks (static shapes, no read
-back to the host). It is not differentiated (like the `adaptive` block pattern): the attention
-over the chosen keys is.
+union of per-query choices (with a choice per query, 64 neighbouring queries chose 38 blocks on
+average on SmolLM2, and the union cost more than dense attention on the CPU: docs/benchmarks.md);
+and those keys are in the cache, so a decode step or a chunk computes the same choice with no
+state carried between calls. Ties go to the lower block number, so every path reads exactly
+top_k blocks (static shapes, no read back to the host). It is not differentiated (like the
+`adaptive` block pattern): the attention over the chosen keys is.
 """
 from __future__ import annotations
 
@@ -134,7 +134,7 @@ def select(score: torch.Tensor, candidate: torch.Tensor, top_k: int) -> torch.Te
     return torch.zeros_like(candidate).scatter_(-1, top, True) & candidate
 
 
-# Key rows per step of block_scores: the bounds are (batch, kv_heads, rows, n_blocks) floats.
+# Key rows per step of all_block_scores: its bounds are (batch, kv_heads, rows, n_blocks) floats.
 _SCORE_ROWS = 4096
 
 
@@ -147,16 +147,29 @@ def block_scores(rows: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor) -> torc
 def all_block_scores(k_far: torch.Tensor, blocks: Blocks, mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
     """(batch, kv_heads, n_blocks + 1, n_blocks): row r the scores of every block for scoring block
     r (block_scores of its far keys), and a last row of zeros for a query with no scoring block."""
+    rows = torch.arange(blocks.count, device=k_far.device).expand(k_far.shape[0], -1)
+    out = scores_of_rows(k_far, blocks.id, rows, mn, mx)
+    return torch.cat([out, torch.zeros_like(out[:, :, :1])], 2)
+
+
+def scores_of_rows(k_far: torch.Tensor, key_block: torch.Tensor, rows: torch.Tensor, mn: torch.Tensor,
+                   mx: torch.Tensor) -> torch.Tensor:
+    """(batch, kv_heads, m, n_blocks): for the blocks `rows` (batch, m; -1: none) as scoring blocks,
+    the largest bound over those of their far keys given here (k_far with key_block (batch, keys)
+    their block ids, -1: padding) against every block; -inf where none is given (the maximum over
+    several parts of a block's keys is then the maximum of their results)."""
     batch, kv_heads, kv_len, _ = k_far.shape
-    n = blocks.count
-    out = mn.new_full((batch, kv_heads, n + 2, n), float("-inf"))
+    n, m = mn.shape[2], rows.shape[1]
+    slot = torch.full((batch, n + 1), m, dtype=torch.long, device=k_far.device)  # block id -> row slot
+    slot.scatter_(1, torch.where(rows >= 0, rows, n), torch.arange(m, device=k_far.device).expand(batch, m))
+    slot[:, n] = m
+    out = mn.new_full((batch, kv_heads, m + 1, n), float("-inf"))
     for s in range(0, kv_len, _SCORE_ROWS):
         e = min(kv_len, s + _SCORE_ROWS)
+        at = slot.gather(1, torch.where(key_block[:, s:e] >= 0, key_block[:, s:e], n))  # m: not wanted
         bound = bounds(k_far[:, :, s:e].to(mn.dtype), mn, mx)  # (batch, kv_heads, keys, n)
-        at = torch.where(blocks.id[:, s:e] >= 0, blocks.id[:, s:e], n + 1)  # padding: a spare row
         out.scatter_reduce_(2, at[:, None, :, None].expand_as(bound), bound, "amax")
-    out[:, :, n] = 0.0
-    return out[:, :, :n + 1]
+    return out[:, :, :m]
 
 
 def query_scores(scores: torch.Tensor, blocks: Blocks, key_index: torch.Tensor) -> torch.Tensor:
