@@ -93,12 +93,13 @@ def test_decode_and_chunked_prefill_match_reference(case, setting):
         assert err < TOL, f"q_len {q_len}: {err}"
 
 
-@pytest.mark.parametrize("levels", (((64,), (1,)), ((8, 16, 64), (1, 2, 4))), ids=("one_level", "dilated_levels"))
+@pytest.mark.parametrize("levels", (((128,), (1,)), ((8, 16, 128), (1, 2, 4))), ids=("one_level", "dilated_levels"))
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
 @pytest.mark.parametrize("heads", ((4, 2), (3, 1)), ids=lambda h: f"{h[0]}q{h[1]}kv")
 def test_inference_matches_reference_and_counts_its_pairs(levels, setting, heads):
-    """Prefill under no_grad (the plain path where the levels hold every earlier key, the masked
-    calls otherwise) equals the reference, and `pair_count` counts exactly the reference's pairs."""
+    """Prefill under no_grad (sparse_far_plain where a level holds every earlier key and the band
+    and window are multiples of the block size, the masked calls otherwise) equals the reference,
+    and `pair_count` counts exactly the reference's pairs."""
     case = replace(BASE, layout="plain", kv_len=70, q_heads=heads[0], kv_heads=heads[1])
     q, k, v, _, _, _ = make_inputs(case, torch.float64)
     far = far_inputs(q, k, 3)
@@ -113,12 +114,13 @@ def test_inference_matches_reference_and_counts_its_pairs(levels, setting, heads
     assert tally.pairs == int((near | far_read).sum())
 
 
-@pytest.mark.parametrize("setting", ((8, 50, 4, 0), (8, 50, 4, 1), (16, 3, 8, 2)),
+@pytest.mark.parametrize("setting", ((8, 50, 4, 0), (8, 50, 4, 1), (16, 3, 8, 2), (8, 0, 4, 0)),
                          ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
 def test_inference_path_with_more_blocks_asked_than_held(setting):
     """The inference path (band and window multiples of B) takes it even where a query block has
     fewer candidates than top_k and the row ends inside a block: a slot it does not take may name
-    the last, partial block, whose keys run past the row (an index error before)."""
+    the last, partial block, whose keys run past the row (an index error before); and with no
+    block at all (top_k 0, no sink), where it makes no far call."""
     from hf_dilated.ops import sparse_far_plain
 
     case = replace(BASE, layout="plain", kv_len=70)
@@ -128,9 +130,12 @@ def test_inference_path_with_more_blocks_asked_than_held(setting):
     with torch.no_grad():
         assert 70 % setting[2] and sparse_far_plain.applies(True, q, k, [128], [1], True, None, WINDOW, setting[0],
                                                              kernel["far_selection"])
-        out = run(case, q, k, v, None, None, far, kernel, levels=[[128], [1]])
+        with pair_count.counting() as tally:
+            out = run(case, q, k, v, None, None, far, kernel, levels=[[128], [1]])
     ref = local_band_reference(q, k, v, [128], [1], WINDOW, q_far=far[0], k_far=far[1], **ref_kw)
+    near, far_read = local_band_key_sets(q, k, [128], [1], WINDOW, q_far=far[0], k_far=far[1], **ref_kw)
     assert (out - ref).abs().max().item() < TOL
+    assert tally.pairs == int((near | far_read).sum())
 
 
 def test_selection_reads_fewer_keys_and_changes_the_result():

@@ -25,8 +25,8 @@ per query in the calls' masks. The selection needs, per (head, local query), the
 reads: every rank summarises the blocks of its own k_far shard by GLOBAL block id (a block may
 straddle two ranks' shards: min and max combine by an all-reduce, once per call, n_blocks x
 head_dim per kv head), scores every block for the scoring blocks of its own queries from its own
-keys (`far_scores`: the rows whose keys straddle ranks combine by an all-reduce of maxima, a few
-rows per rank), then chooses the blocks of its own queries
+keys (`far_scores`: rows whose keys this rank does not hold alone, those straddling shards and a
+shard's first query block's, combine by an all-reduce of maxima, a few rows per rank), then chooses the blocks of its own queries
 (`far_choice`: candidates, their block's scores, top_k, sinks, bit-packed) before the ring starts, and the far part of each call's
 mask also requires the key's block to be chosen (`FarChoice.read`). Which entries travel does not
 depend on the choice (it is data, the ring plan is metadata): a tile carries every far key some
@@ -311,7 +311,7 @@ def _pack_bits(flags: torch.Tensor) -> torch.Tensor:
     return (padded * weights).sum(-1, dtype=torch.uint8)
 
 
-# Local queries per step of far_choice: its bounds are (batch, heads, rows, n_blocks) floats.
+# Local queries per step of far_choice: its gathered scores are (batch, heads, rows, n_blocks) floats.
 _CHOICE_ROWS = 256
 
 
@@ -329,8 +329,9 @@ def _listed(flags: torch.Tensor) -> torch.Tensor:
 
 
 def far_scores(blocks: FarBlocks, tokens: GlobalTokens, k_far, low, high, group):
-    """(batch, kv_heads, n_local, count): the scores of every block for each local query's block
-    (docs/contract.md 4.2), without a count x count matrix. A query's scoring block is mostly this
+    """(table (batch, kv_heads, rows, count), row (batch, n_local)): the scores of every block for
+    each local query's block (docs/contract.md 4.2) are table[:, :, row[:, i]], without a count x
+    count matrix. A query's scoring block is mostly this
     rank's: where this rank holds all its keys it scores it alone; the others (a block straddling
     shards, a shard's first block) are the shared rows, the same list on every rank (the layout
     is global), scored by every rank from its own keys and combined by maximum in one all-reduce

@@ -4,8 +4,8 @@ The band's far keys (docs/contract.md 4.1) are cut into blocks of `block_size` p
 document (block c holds positions c * B .. c * B + B - 1). A query reads the far keys of the first
 `sinks` blocks of its document always (the attention sinks a pretrained model leans on) and of the
 `top_k` other blocks that score highest for its *query block* (the block of its own position).
-The score of block c is Quest's bound (Tang et al., 2024) with the keys of the block just before
-the query block (its *scoring block*) as the queries: with mn, mx the elementwise min and max of
+The score of block c is Quest's bound (Tang et al., 2024) with the far projections (k_far) of
+every real key of the block just before the query block (its *scoring block*) as the queries: with mn, mx the elementwise min and max of
 block c's far keys, max_j x . k_j <= sum_d max(x_d mn_d, x_d mx_d) = relu(x) . mx + min(x, 0) . mn,
 and the score is the largest of these over the scoring block's far keys x.
 
@@ -14,8 +14,9 @@ one choice (per kv head), so a prefill reads each block's chosen keys in one den
 union of per-query choices (with a choice per query, 64 neighbouring queries chose 38 blocks on
 average on SmolLM2, and the union cost more than dense attention on the CPU: docs/benchmarks.md);
 and those keys are in the cache, so a decode step or a chunk computes the same choice with no
-state carried between calls. Ties go to the lower block number, so every path reads exactly
-top_k blocks (static shapes, no read back to the host). It is not differentiated (like the
+state carried between calls. Ties go to the lower block number, so the number of blocks read
+is fixed (top_k, or every candidate when fewer): the inference path (sparse_far_plain) gathers
+them with static shapes and no read back to the host. It is not differentiated (like the
 `adaptive` block pattern): the attention over the chosen keys is.
 """
 from __future__ import annotations
@@ -134,7 +135,7 @@ def select(score: torch.Tensor, candidate: torch.Tensor, top_k: int) -> torch.Te
     return torch.zeros_like(candidate).scatter_(-1, top, True) & candidate
 
 
-# Key rows per step of all_block_scores: its bounds are (batch, kv_heads, rows, n_blocks) floats.
+# Key rows per step of scores_of_rows: its bounds are (batch, kv_heads, rows, n_blocks) floats.
 _SCORE_ROWS = 4096
 
 

@@ -22,7 +22,9 @@ from .far_selection import FarSelection
 from .local_band import near_plain
 from .merge import merge_dtype, merge_into
 
-_QUERY_BLOCKS = 8  # query blocks per far call: their gathered keys are (blocks, heads, (sinks + k) B, dim)
+# Query blocks per far call: its gathered keys are (blocks, kv heads, (sinks + k) B, dim), its mask
+# (blocks, heads, B, (sinks + k) B).
+_QUERY_BLOCKS = 8
 
 
 def applies(plain: bool, q, k, segment_lengths, dilation_rates, is_causal, sliding_window, window: int,
@@ -53,6 +55,8 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
     if n <= window:
         return out.to(q.dtype)
     near_plain(q, k, v, out, lse, band, head, scale)
+    if selection.top_k == 0 and selection.sinks == 0:  # no far key is read: no far call (it would have no key)
+        return out.to(q.dtype)
     size, sinks = selection.block_size, selection.sinks
     n_blocks = -(-n // size)
     blocks = far_selection.Blocks(torch.arange(n, device=q.device).div(size, rounding_mode="floor").expand(batch, n),
