@@ -176,9 +176,9 @@ class DilatedConfig:
         "(docs/contract.md 4.2): narrower, so that the keys between it and local_window are far keys too; "
         "None: local_window")})
     far_top_k: int | None = field(default=None, metadata={"help": (
-        "sparse far keys (docs/contract.md 4.2): a query reads the far keys of this many blocks, those that "
-        "score highest for its block (Quest's bound from each block's min/max far key, with the far keys of "
-        "the block before the query's as queries), besides the sinks; None: every far key")})
+        "sparse far keys (docs/contract.md 4.2): a query reads the far keys of this many blocks, those with the "
+        "highest bound on its best score (Quest's, from each block's min/max far key), besides the sinks; "
+        "None: every far key")})
     far_block_size: int = field(default=DEFAULT_FAR_BLOCK_SIZE, metadata={"help": (
         "with far_top_k: positions per far block (at most the band)")})
     far_sinks: int = field(default=DEFAULT_FAR_SINKS, metadata={"help": (
@@ -319,10 +319,10 @@ FAR_WINDOW_DIVISOR = 8
 FAR_REACH = 1 / 2
 # Sparse far keys (docs/contract.md 4.2) of the default band: past L a query's band narrows to
 # L / FAR_BAND_DIVISOR and it reads the far keys of the first block and of the FAR_TOP_K blocks
-# (of DEFAULT_FAR_BLOCK_SIZE positions) that score highest for its block; docs/benchmarks.md has the
+# (of DEFAULT_FAR_BLOCK_SIZE positions) that bound its score highest; docs/benchmarks.md has the
 # measurements behind the choice.
 FAR_BAND_DIVISOR = 2
-FAR_TOP_K = 16
+FAR_TOP_K = 8
 # The RoPE scaling the other names get: YaRN costs a model far less inside its context than
 # position interpolation ("linear"), a recipe that needs fine-tuning.
 DEFAULT_SCALED_ROPE = "yarn"
@@ -341,7 +341,7 @@ def default_conversion(original_length: int, target_length: int, attn_implementa
     (T - 1 back) within L * FAR_REACH of relative position: (T - 1) // G + F - F // G <= L * FAR_REACH.
     Past L those reads are sparse (docs/contract.md 4.2): a query's band narrows to L //
     FAR_BAND_DIVISOR, and of its far keys it reads the first block's and the FAR_TOP_K blocks'
-    that score highest for its block (blocks of DEFAULT_FAR_BLOCK_SIZE positions, at most the band).
+    with the highest bound (blocks of DEFAULT_FAR_BLOCK_SIZE positions, at most the band).
     For the other names: DEFAULT_SCALED_ROPE and the default levels. A T within L changes nothing."""
     check_int("original_length", original_length)
     check_int("target_length", target_length)

@@ -436,9 +436,9 @@ def describe(directory) -> str:
                                     "(far_band)"),
         "  far keys read:      " + ("every one" if cfg.far_top_k is None else
                                     f"the first {cfg.far_sinks} block(s) of the document and the {cfg.far_top_k} "
-                                    f"blocks of {cfg.far_block_size} positions that score highest for the "
-                                    "query's block (far_sinks, far_top_k, far_block_size)"),
-        f"  decode keys/query:  <= {keys}",
+                                    f"blocks of {cfg.far_block_size} positions with the highest bound on the "
+                                    "query's score (far_sinks, far_top_k, far_block_size)"),
+        f"  decode keys/query:  <= {keys}" + ("" if cfg.far_top_k is None else " (blocks tied at the k-th bound add theirs)"),
         f"  block-sparse:       block_size={cfg.block_size} pattern={json.dumps(cfg.pattern, sort_keys=True)}",
         f"  ring layout:        {cfg.ring_layout or 'that of the active sequence-parallel group'}",
     ]

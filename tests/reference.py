@@ -292,7 +292,8 @@ def local_band_key_sets(q, k, segment_lengths, dilation_rates, local_window, *, 
     the band and beyond it. docs/contract.md 4.2: with `far_band`, a query at a position >=
     local_window has a band of far_band instead; with `far_top_k`, far keys are read only in the
     first `far_sinks` blocks of far_block_size positions of the document and in the far_top_k other
-    blocks holding a far key of (h, i) that score highest for the query's block (_far_selected)."""
+    blocks holding a far key of (h, i) whose bound sum_d max(qf_d mn_d, qf_d mx_d) is highest (ties
+    at the k-th all read)."""
     batch, q_heads, q_len, _ = q.shape
     kv_len = k.shape[2]
     tp = token_positions(attention_mask, position_ids, batch, kv_len)
@@ -316,15 +317,11 @@ def local_band_key_sets(q, k, segment_lengths, dilation_rates, local_window, *, 
 def _far_selected(far, q_far, k_far, tp: TokenPositions, top_k, block_size, sinks):
     """bool (batch, heads, q_len, kv_len): the far keys docs/contract.md 4.2 reads, by its words: a
     block is (document, position // block_size) of real keys; its summary the elementwise min/max
-    of their k_far; a query's scoring block the block of its document holding keys last before its
-    own; a block's score the largest bound sum_d max(x_d mn_d, x_d mx_d) over the scoring block's
-    k_far rows x (no scoring block: 0); a query reads its far keys in sink blocks (number < sinks)
-    and in the top_k candidate blocks (holding one of its far keys, not a sink) by score, ties to
-    the lower number."""
+    of their k_far; a query reads its far keys in sink blocks (number < sinks) and in the top_k
+    candidate blocks (holding one of its far keys, not a sink) by the bound."""
     batch, q_heads, q_len, _ = q_far.shape
     kv_len = k_far.shape[2]
     group = q_heads // k_far.shape[1]
-    first = kv_len - q_len
     out = torch.zeros_like(far)
     for b in range(batch):
         blocks = {}
@@ -335,16 +332,7 @@ def _far_selected(far, q_far, k_far, tp: TokenPositions, top_k, block_size, sink
             keys = k_far[b, h // group].detach().to(torch.float64)
             summary = {blk: (keys[js].amin(0), keys[js].amax(0)) for blk, js in blocks.items()}
             for i in range(q_len):
-                doc, own = int(tp.doc[b, first + i]), int(tp.positions[b, first + i]) // block_size
-                before = [blk for blk in blocks if blk[0] == doc and blk[1] < own]
-                rows = keys[blocks[max(before)]] if before and tp.real[b, first + i] else None
-
-                def score(blk):
-                    if rows is None:
-                        return 0.0
-                    mn, mx = summary[blk]
-                    return float(torch.maximum(rows * mn, rows * mx).sum(-1).max())
-
+                qf = q_far[b, h, i].detach().to(torch.float64)
                 scored = []
                 for blk, js in blocks.items():
                     if not far[b, h, i, js].any():
@@ -352,7 +340,12 @@ def _far_selected(far, q_far, k_far, tp: TokenPositions, top_k, block_size, sink
                     if blk[1] < sinks:
                         out[b, h, i, js] = True
                         continue
-                    scored.append((-score(blk), blk[1], js))
-                for _, _, js in sorted(scored, key=lambda t: t[:2])[:top_k]:
-                    out[b, h, i, js] = True
+                    mn, mx = summary[blk]
+                    scored.append((float(torch.maximum(qf * mn, qf * mx).sum()), js))
+                if not scored or top_k == 0:
+                    continue
+                kth = sorted((bound for bound, _ in scored), reverse=True)[min(top_k, len(scored)) - 1]
+                for bound, js in scored:
+                    if bound >= kth:
+                        out[b, h, i, js] = True
     return out

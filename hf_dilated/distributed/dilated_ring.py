@@ -24,10 +24,8 @@ Sparse far keys (docs/contract.md 4.2: `far_band`, `far_selection`). The narrowe
 per query in the calls' masks. The selection needs, per (head, local query), the far blocks it
 reads: every rank summarises the blocks of its own k_far shard by GLOBAL block id (a block may
 straddle two ranks' shards: min and max combine by an all-reduce, once per call, n_blocks x
-head_dim per kv head), scores every block for the scoring blocks of its own queries from its own
-keys (`far_scores`: rows whose keys this rank does not hold alone, those straddling shards and a
-shard's first query block's, combine by an all-reduce of maxima, a few rows per rank), then chooses the blocks of its own queries
-(`far_choice`: candidates, their block's scores, top_k, sinks, bit-packed) before the ring starts, and the far part of each call's
+head_dim per kv head), then chooses the blocks of its own queries (`far_choice`: candidates,
+Quest bounds, top_k, sinks, bit-packed) before the ring starts, and the far part of each call's
 mask also requires the key's block to be chosen (`FarChoice.read`). Which entries travel does not
 depend on the choice (it is data, the ring plan is metadata): a tile carries every far key some
 rank might choose.
@@ -237,7 +235,6 @@ class FarBlocks:
     doc: torch.Tensor  # (batch, count): its document
     last: torch.Tensor  # (batch, count): the index of its last real token
     low: torch.Tensor  # (batch, count): its lowest position, that of its first real token
-    scoring: torch.Tensor  # (batch, count): the id of its scoring block (the one before it in its document), -1: none
 
 
 _NO_POSITION = 2**62  # above every position: a block past a row's last holds no far key
@@ -256,7 +253,7 @@ def far_blocks(tokens: GlobalTokens, block_size: int) -> FarBlocks:
 
     index = torch.arange(seq_len, device=device).expand(batch, seq_len)
     return FarBlocks(blocks.id, n, blocks.number, per_block(tokens.doc, "amax", -1), per_block(index, "amax", -1),
-                     per_block(tokens.positions, "amin", _NO_POSITION), blocks.scoring)
+                     per_block(tokens.positions, "amin", _NO_POSITION))
 
 
 def far_candidates(blocks: FarBlocks, tokens: GlobalTokens, query_index, band: int, far_band: int | None,
@@ -311,75 +308,15 @@ def _pack_bits(flags: torch.Tensor) -> torch.Tensor:
     return (padded * weights).sum(-1, dtype=torch.uint8)
 
 
-# Local queries per step of far_choice: its gathered scores are (batch, heads, rows, n_blocks) floats.
+# Local queries per step of far_choice: its bounds are (batch, heads, rows, n_blocks) floats.
 _CHOICE_ROWS = 256
-
-
-def _scoring_rows(blocks: FarBlocks, index) -> torch.Tensor:
-    """(batch, n): the scoring block of each token at global indices `index` (-1: none, padding)."""
-    own = blocks.id[:, index]
-    return torch.where(own >= 0, blocks.scoring.gather(1, own.clamp(min=0)), -1)
-
-
-def _listed(flags: torch.Tensor) -> torch.Tensor:
-    """(batch, m): the columns set in bool (batch, n), in order, -1 past a row's last (one read of m)."""
-    m = max(1, int(flags.sum(1).max()))
-    order = torch.sort((~flags).to(torch.uint8), dim=1, stable=True).indices[:, :m]
-    return torch.where(flags.gather(1, order), order, -1)
-
-
-def far_scores(blocks: FarBlocks, tokens: GlobalTokens, k_far, low, high, group):
-    """(table (batch, kv_heads, rows, count), row (batch, n_local)): the scores of every block for
-    each local query's block (docs/contract.md 4.2) are table[:, :, row[:, i]], without a count x
-    count matrix. A query's scoring block is mostly this
-    rank's: where this rank holds all its keys it scores it alone; the others (a block straddling
-    shards, a shard's first block) are the shared rows, the same list on every rank (the layout
-    is global), scored by every rank from its own keys and combined by maximum in one all-reduce
-    of (shared rows x count) per kv head."""
-    batch, count = blocks.id.shape[0], blocks.count
-    device = k_far.device
-    owner = torch.empty(tokens.real.shape[1], dtype=torch.long, device=device)
-    for r in range(tokens.world):
-        owner[tokens.rank_index(r)] = r
-    at = torch.where(blocks.id >= 0, blocks.id, count)
-    lowest = torch.full((batch, count + 1), tokens.world, dtype=torch.long, device=device)
-    lowest = lowest.scatter_reduce(1, at, owner.expand(batch, -1), "amin")[:, :count]
-    highest = torch.full((batch, count + 1), -1, dtype=torch.long, device=device)
-    highest = highest.scatter_reduce(1, at, owner.expand(batch, -1), "amax")[:, :count]
-    shared = torch.zeros(batch, count + 1, dtype=torch.uint8, device=device)
-    for r in range(tokens.world):
-        need = _scoring_rows(blocks, tokens.rank_index(r))
-        alone = (lowest.gather(1, need.clamp(min=0)) == r) & (highest.gather(1, need.clamp(min=0)) == r)
-        shared.scatter_reduce_(1, torch.where(need >= 0, need, count), ((need >= 0) & ~alone).to(torch.uint8), "amax")
-    shared_rows = _listed(shared[:, :count].bool())
-    mine = blocks.id[:, tokens.local_index]
-    local_rows = _listed(torch.zeros(batch, count + 1, dtype=torch.bool, device=device).scatter_(
-        1, torch.where(mine >= 0, mine, count), True)[:, :count])
-    k_far = k_far.detach()
-    part = selection_rule.scores_of_rows(k_far, mine, shared_rows, low, high).contiguous()
-    dist.all_reduce(part, op=dist.ReduceOp.MAX, group=group)
-    # every row a local query may read: this rank's blocks (complete where it holds all their keys,
-    # which is where they are not shared), then the shared rows, then zeros (no scoring block)
-    table = torch.cat([selection_rule.scores_of_rows(k_far, mine, local_rows, low, high), part,
-                       torch.zeros_like(part[:, :, :1])], 2)
-    slot = torch.full((batch, count + 1), table.shape[2] - 1, dtype=torch.long, device=device)
-    n_local_rows = local_rows.shape[1]
-    slot.scatter_(1, torch.where(local_rows >= 0, local_rows, count),
-                  torch.arange(n_local_rows, device=device).expand(batch, -1))
-    slot.scatter_(1, torch.where(shared_rows >= 0, shared_rows, count),
-                  torch.arange(shared_rows.shape[1], device=device).expand(batch, -1) + n_local_rows)
-    slot[:, count] = table.shape[2] - 1
-    need = _scoring_rows(blocks, tokens.local_index)
-    return table, slot.gather(1, torch.where(need >= 0, need, count))
 
 
 def far_choice(pattern: "DilatedPattern", q_far, k_far, group) -> FarChoice:
     """The far blocks this rank's queries read (docs/contract.md 4.2; far_selection's summaries,
-    scores and select on the global blocks): the block summaries of this rank's k_far shard by
-    global block id, combined over the group (two all-reduces: a block may straddle shards), the
-    scores of the blocks its queries' blocks read (far_scores: a third all-reduce, of the rows
-    shared between ranks), then per local query its candidates, its block's scores and chosen
-    blocks, with the sinks. Not differentiated."""
+    bounds and select on the global blocks): the block summaries of this rank's k_far shard by
+    global block id, combined over the group (two all-reduces: a block may straddle shards), then
+    per local query its candidates, bounds and chosen blocks, with the sinks. Not differentiated."""
     tokens, blocks, sel = pattern.tokens, pattern.blocks, pattern.selection
     batch, heads, n_local = q_far.shape[:3]
     with torch.no_grad():
@@ -387,16 +324,14 @@ def far_choice(pattern: "DilatedPattern", q_far, k_far, group) -> FarChoice:
         low, high = (t.contiguous() for t in selection_rule.summaries(k_far.detach(), mine))
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
-        table, row_of = far_scores(blocks, tokens, k_far, low, high, group)
         sink = ((blocks.number >= 0) & (blocks.number < sel.sinks))[:, None, None, :]
         bits = torch.empty(batch, heads, n_local, -(-blocks.count // 8), dtype=torch.uint8, device=q_far.device)
         for s in range(0, n_local, _CHOICE_ROWS):
             e = min(n_local, s + _CHOICE_ROWS)
             candidate = far_candidates(blocks, tokens, tokens.local_index[s:e], pattern.band, pattern.far_band,
                                        sel.sinks, pattern.window)
-            index = row_of[:, None, s:e, None].expand(-1, table.shape[1], -1, table.shape[-1])
-            score = table.gather(2, index).repeat_interleave(heads // table.shape[1], 1)
-            chosen = selection_rule.select(score, candidate[:, None].expand(-1, heads, -1, -1), sel.top_k)
+            bound = selection_rule.bounds(q_far[:, :, s:e].detach(), low, high)
+            chosen = selection_rule.select(bound, candidate[:, None].expand(-1, heads, -1, -1), sel.top_k)
             bits[:, :, s:e] = _pack_bits(chosen | sink)
     row = torch.full((tokens.real.shape[1],), -1, dtype=torch.long, device=q_far.device)
     row[tokens.local_index] = torch.arange(n_local, device=q_far.device)

@@ -155,7 +155,7 @@ def dilated_attention(
             return out
     if far_selection is not None and sparse_far_plain.applies(
             token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids).plain, q, k, seg, dil,
-            is_causal, sliding_window, local_window, far_band, far_selection) and dropout_p == 0.0:
+            is_causal, sliding_window) and dropout_p == 0.0:
         q_far, k_far = (q, k) if q_far is None else (q_far, k_far)
         return sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, local_window, far_band, far_selection, scale)
     if local_window is not None:

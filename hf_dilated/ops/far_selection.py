@@ -3,21 +3,15 @@
 The band's far keys (docs/contract.md 4.1) are cut into blocks of `block_size` positions of their
 document (block c holds positions c * B .. c * B + B - 1). A query reads the far keys of the first
 `sinks` blocks of its document always (the attention sinks a pretrained model leans on) and of the
-`top_k` other blocks that score highest for its *query block* (the block of its own position).
-The score of block c is Quest's bound (Tang et al., 2024) with the far projections (k_far) of
-every real key of the block just before the query block (its *scoring block*) as the queries: with mn, mx the elementwise min and max of
-block c's far keys, max_j x . k_j <= sum_d max(x_d mn_d, x_d mx_d) = relu(x) . mx + min(x, 0) . mn,
-and the score is the largest of these over the scoring block's far keys x.
+`top_k` other blocks whose bound on its best far score is highest. The bound is Quest's (Tang et
+al., 2024): with mn, mx the elementwise min and max of a block's far keys (k_far, over all its real
+tokens), max_j q . k_j <= sum_d max(q_d mn_d, q_d mx_d) = relu(q) . mx + min(q, 0) . mn, two
+matrix products per query and block. Ties at the k-th bound all count (the set is "every candidate
+whose bound is at least the k-th largest"), so the set does not depend on a sort's order.
 
-Why the keys before the query block and not the query itself. Every query of a block then shares
-one choice (per kv head), so a prefill reads each block's chosen keys in one dense call, with no
-union of per-query choices (with a choice per query, 64 neighbouring queries chose 38 blocks on
-average on SmolLM2, and the union cost more than dense attention on the CPU: docs/benchmarks.md);
-and those keys are in the cache, so a decode step or a chunk computes the same choice with no
-state carried between calls. Ties go to the lower block number, so the number of blocks read
-is fixed (top_k, or every candidate when fewer): the inference path (sparse_far_plain) gathers
-them with static shapes and no read back to the host. It is not differentiated (like the
-`adaptive` block pattern): the attention over the chosen keys is.
+The selection is per query (and head), from its own far query and summaries of keys before its
+band, so it is causal and a decode step computes the same set as a prefill. It is not
+differentiated (like the `adaptive` block pattern): the attention over the selected keys is.
 """
 from __future__ import annotations
 
@@ -60,7 +54,6 @@ class Blocks:
     id: torch.Tensor  # (batch, kv_len) int64
     number: torch.Tensor  # (batch, n_blocks) int64; -1 past the row's last block
     count: int  # n_blocks: the most blocks of any row
-    scoring: torch.Tensor | None = None  # (batch, n_blocks): the id of each block's scoring block, -1: none
 
 
 def blocks_of(positions: torch.Tensor, real: torch.Tensor, doc: torch.Tensor, block_size: int) -> Blocks:
@@ -78,16 +71,9 @@ def blocks_of(positions: torch.Tensor, real: torch.Tensor, doc: torch.Tensor, bl
     ids = torch.where(real, ids, -1)
     count = int(ids.max()) + 1 if ids.numel() else 0
     count = max(count, 1)
-    at = torch.where(real, ids, count)
     numbers = torch.full((key.shape[0], count + 1), -1, dtype=torch.long, device=key.device)
-    numbers.scatter_(1, at, torch.where(real, number, -1))
-    docs = torch.full_like(numbers, -1).scatter_(1, at, torch.where(real, doc, -1))[:, :count]
-    # A block's scoring block: the block before it in its document (ids follow key order, so the
-    # previous id, when it is of the same document).
-    own = torch.arange(count, device=key.device)
-    before = torch.cat([torch.full_like(docs[:, :1], -2), docs[:, :-1]], 1)
-    scoring = torch.where((docs >= 0) & (before == docs), own - 1, -1)
-    return Blocks(ids, numbers[:, :count], count, scoring)
+    numbers.scatter_(1, torch.where(real, ids, count), torch.where(real, number, -1))
+    return Blocks(ids, numbers[:, :count], count)
 
 
 def bound_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -124,61 +110,12 @@ def bounds(q_far: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor) -> torch.Ten
     return up.masked_fill(empty[:, :, None, :], float("-inf"))
 
 
-def select(score: torch.Tensor, candidate: torch.Tensor, top_k: int) -> torch.Tensor:
-    """bool like `candidate` (..., n_blocks): the top_k candidates by score, ties to the lower
-    block (every candidate when there are at most top_k)."""
-    k = min(top_k, score.shape[-1])
-    if k == 0:
+def select(bound: torch.Tensor, candidate: torch.Tensor, top_k: int) -> torch.Tensor:
+    """bool like `bound`: the candidates whose bound is at least the top_k-th largest candidate
+    bound (every candidate when there are at most top_k of them)."""
+    if top_k == 0:
         return torch.zeros_like(candidate)
-    ranked = score.masked_fill(~candidate, float("-inf")).expand(candidate.shape)
-    top = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
-    return torch.zeros_like(candidate).scatter_(-1, top, True) & candidate
-
-
-# Key rows per step of scores_of_rows: its bounds are (batch, kv_heads, rows, n_blocks) floats.
-_SCORE_ROWS = 4096
-
-
-def block_scores(rows: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
-    """(batch, kv_heads, n_blocks): the score of each block for the scoring block whose far keys are
-    `rows` (batch, kv_heads, n, head_dim): the largest bound over them (no row: -inf)."""
-    return bounds(rows, mn, mx).amax(2) if rows.shape[2] else mn.new_full(mn.shape[:3], float("-inf"))
-
-
-def all_block_scores(k_far: torch.Tensor, blocks: Blocks, mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
-    """(batch, kv_heads, n_blocks + 1, n_blocks): row r the scores of every block for scoring block
-    r (block_scores of its far keys), and a last row of zeros for a query with no scoring block."""
-    rows = torch.arange(blocks.count, device=k_far.device).expand(k_far.shape[0], -1)
-    out = scores_of_rows(k_far, blocks.id, rows, mn, mx)
-    return torch.cat([out, torch.zeros_like(out[:, :, :1])], 2)
-
-
-def scores_of_rows(k_far: torch.Tensor, key_block: torch.Tensor, rows: torch.Tensor, mn: torch.Tensor,
-                   mx: torch.Tensor) -> torch.Tensor:
-    """(batch, kv_heads, m, n_blocks): for the blocks `rows` (batch, m; -1: none) as scoring blocks,
-    the largest bound over those of their far keys given here (k_far with key_block (batch, keys)
-    their block ids, -1: padding) against every block; -inf where none is given (the maximum over
-    several parts of a block's keys is then the maximum of their results)."""
-    batch, kv_heads, kv_len, _ = k_far.shape
-    n, m = mn.shape[2], rows.shape[1]
-    slot = torch.full((batch, n + 1), m, dtype=torch.long, device=k_far.device)  # block id -> row slot
-    slot.scatter_(1, torch.where(rows >= 0, rows, n), torch.arange(m, device=k_far.device).expand(batch, m))
-    slot[:, n] = m
-    out = mn.new_full((batch, kv_heads, m + 1, n), float("-inf"))
-    for s in range(0, kv_len, _SCORE_ROWS):
-        e = min(kv_len, s + _SCORE_ROWS)
-        at = slot.gather(1, torch.where(key_block[:, s:e] >= 0, key_block[:, s:e], n))  # m: not wanted
-        bound = bounds(k_far[:, :, s:e].to(mn.dtype), mn, mx)  # (batch, kv_heads, keys, n)
-        out.scatter_reduce_(2, at[:, None, :, None].expand_as(bound), bound, "amax")
-    return out[:, :, :m]
-
-
-def query_scores(scores: torch.Tensor, blocks: Blocks, key_index: torch.Tensor) -> torch.Tensor:
-    """(batch, kv_heads, queries, n_blocks): the scores (all_block_scores) each query reads, the
-    query being the token at `key_index` (queries,) of the keys: its own block's scoring block's
-    row (none, or padding: zeros)."""
-    own = blocks.id[:, key_index]  # (batch, queries)
-    row = torch.where(own >= 0, blocks.scoring.gather(1, own.clamp(min=0)), -1)
-    row = torch.where(row >= 0, row, blocks.count)
-    index = row[:, None, :, None].expand(-1, scores.shape[1], -1, scores.shape[-1])
-    return scores.gather(2, index)
+    scores = bound.masked_fill(~candidate, float("-inf"))
+    k = min(top_k, scores.shape[-1])
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    return candidate & (scores >= kth)

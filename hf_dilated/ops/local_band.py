@@ -27,8 +27,8 @@ from .plan_cache import PlanCache
 from .token_layout import TokenLayout, first_key_within, token_layout, visible_pairs
 
 _CHUNK = 512  # queries per call: a (heads x chunk x keys) mask stays a few hundred MB at 16K keys
-# Queries per call with sparse far keys (4.2): the far call reads the union of its queries' chosen
-# blocks, one choice per query block of B (far_block_size) mostly, so it grows with the chunk.
+# Queries per call with sparse far keys (4.2): the far call reads the union of its queries' selected
+# blocks, which grows with the chunk.
 _SELECT_CHUNK = 128
 
 
@@ -159,29 +159,27 @@ def _bias(visible: torch.Tensor, dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def _scores(plan: _Plan, k_far):
-    """The far blocks' scores for every scoring block (4.2; far_selection.all_block_scores) from
-    this call's k_far, or None without a selection."""
+def _summaries(plan: _Plan, k_far):
+    """The far blocks' (min, max) summaries of this call's k_far (4.2), or None without a selection."""
     if plan.selection is None:
         return None
-    k_far = k_far.detach()
-    return far_selection.all_block_scores(k_far, plan.blocks, *far_selection.summaries(k_far, plan.blocks))
+    return far_selection.summaries(k_far, plan.blocks)
 
 
-def _inputs(plan: _Plan, call: _Call, q, k, v, q_far, k_far, scores):
+def _inputs(plan: _Plan, call: _Call, q, k, v, q_far, k_far, summaries):
     """(qs, ks, vs, read, key_rows) of one call: read (batch, heads or 1, queries, keys) the pairs it
     reads; key_rows None, or (with sparse far keys) the rows of the gathered keys in a flat
     (batch * kv_heads * kv_len) view of k, one gather per query head."""
     visible = _visible(plan, call, q.shape[1])
     qs = (q_far if call.far else q)[:, :, call.queries]
-    if not call.far or scores is None:
+    if not call.far or summaries is None:
         ks = (k_far if call.far else k)[:, :, call.keys]
         return qs, ks, v[:, :, call.keys], visible, None
-    read = _selected(plan, call, visible.expand(-1, q.shape[1], -1, -1), scores)
+    read = _selected(plan, call, visible.expand(-1, q.shape[1], -1, -1), qs, summaries)
     return (qs, *_gather_keys(read, call, k_far, v))
 
 
-def _selected(plan: _Plan, call: _Call, visible, scores):
+def _selected(plan: _Plan, call: _Call, visible, q_far_chunk, summaries):
     """The far pairs a chunk reads (4.2): its far keys in sink blocks or in selected blocks."""
     sel, blocks = plan.selection, plan.blocks
     ids = blocks.id[:, call.keys]  # (batch, keys), -1: padding (never visible)
@@ -194,10 +192,7 @@ def _selected(plan: _Plan, call: _Call, visible, scores):
     candidate = torch.zeros((*cand_keys.shape[:3], n + 1), dtype=torch.uint8, device=visible.device)
     candidate.scatter_reduce_(3, index, cand_keys.to(torch.uint8), "amax")
     candidate = candidate[..., :n].bool()
-    queries = torch.arange(plan.first + call.queries.start, plan.first + call.queries.stop, device=ids.device)
-    score = far_selection.query_scores(scores, blocks, queries)  # (batch, kv_heads, queries, n)
-    score = score.repeat_interleave(candidate.shape[1] // score.shape[1], 1)
-    chosen = far_selection.select(score, candidate, sel.top_k)
+    chosen = far_selection.select(far_selection.bounds(q_far_chunk, *summaries), candidate, sel.top_k)
     chosen = torch.cat([chosen, chosen.new_zeros((*chosen.shape[:3], 1))], -1)  # padding keys: column n
     per_key = torch.stack([chosen[b].index_select(-1, index[b, 0, 0]) for b in range(chosen.shape[0])])
     return visible & (per_key | sink_key[:, None, None, :])
@@ -228,12 +223,12 @@ def _forward(q, k, v, q_far, k_far, plan: _Plan, scale):
     out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
     found = None if plan.nonempty is not None else []  # recorded on the plan only once complete
-    scores = _scores(plan, k_far)
+    summaries = _summaries(plan, k_far)
     for index, call in enumerate(plan.calls):
         if found is None and not plan.nonempty[index]:
             continue
         # The mask depends on the head count: part of the plan's key.
-        qs, ks, vs, read, _ = _inputs(plan, call, q, k, v, q_far, k_far, scores)
+        qs, ks, vs, read, _ = _inputs(plan, call, q, k, v, q_far, k_far, summaries)
         if found is not None:
             found.append(bool(read.any()))
             if not found[-1]:
@@ -265,11 +260,11 @@ class _LocalBand(torch.autograd.Function):
                  for name, t in (("q", q), ("k", k), ("v", v), ("q_far", q_far), ("k_far", k_far))}
         lse_b = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows with no key: probability 0
         dout = dout.to(q.dtype)
-        scores = _scores(plan, k_far)  # the forward's selection, recomputed from the same inputs
+        summaries = _summaries(plan, k_far)  # the forward's selection, recomputed from the same inputs
         for call, nonempty in zip(plan.calls, plan.nonempty):  # the forward found which are empty
             if not nonempty:
                 continue
-            qs, ks, vs, read, key_rows = _inputs(plan, call, q, k, v, q_far, k_far, scores)
+            qs, ks, vs, read, key_rows = _inputs(plan, call, q, k, v, q_far, k_far, summaries)
             rows = call.queries
             g_q, g_k, g_v = attention_backward(
                 dout[:, :, rows].contiguous(), qs, ks, vs, out[:, :, rows].contiguous(),

@@ -5,11 +5,10 @@ How it is computed. For a regular row (one document, one run of real tokens to t
 row: an unpadded or left-padded cache, ops/token_layout.regular_rows) position p sits at index
 p - shift, so block c is a run of indices and everything is arithmetic on Python ints. Per query
 (position p, band W): the band is the run of the last W positions, scored with (q, k); the far
-keys are the positions <= p - W; the scores of the query's block (ops/far_selection: Quest's bound
-with the B far keys of the block before it as queries, against each candidate block's summary)
-pick its blocks, and only the sinks' and the chosen blocks' keys are rotated to their grouped
-positions and read. One softmax spans both parts (merged by log-sum-exp, merge.py). Cost per
-step: O(W + (k + sinks) B) keys, and B bounds per block summary (N / B of them).
+keys are the positions <= p - W; Quest's bound (ops/far_selection.bounds) of the query's far
+projection against each candidate block's summary picks its blocks, and only the sinks' and the
+chosen blocks' keys are rotated to their grouped positions and read. One softmax spans both parts
+(merged by log-sum-exp, merge.py). Cost per step: O(W + (k + sinks) B) keys and O(N / B) bounds.
 
 The summaries (min/max of each complete block's far keys) live in a `SummaryState` the caller
 keeps per layer (the transformers glue: one per attention module). A step extends it by the
@@ -27,7 +26,7 @@ import weakref
 
 import torch
 
-from .far_selection import FarSelection, block_scores, bound_dtype, bounds, select
+from .far_selection import FarSelection, bound_dtype, bounds, select
 from .merge import merge_dtype, merge_into
 from .rope import rotate_by
 
@@ -146,18 +145,11 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
         number = torch.arange(n_blocks, device=q.device)
         sink = number < selection.sinks
         mn, mx = summaries[0][b:b + 1, :, :n_blocks], summaries[1][b:b + 1, :, :n_blocks]
-        # The scores of the query's block: its scoring block (the one before it) holds indices lo..hi-1.
-        own = p // size
-        s_lo, s_hi = max(first[b], (own - 1) * size - shift[b]), own * size - shift[b]
-        if own >= 1 and s_hi > first[b]:
-            rows = _far_keys(k, b, s_lo, s_hi, shift[b], rotation).to(mn.dtype)[None]  # (1, kv_heads, n, d)
-            score = block_scores(rows, mn, mx)[0].repeat_interleave(group, 0)  # (heads, blocks)
-        else:
-            score = mn.new_zeros(n_heads, n_blocks)
+        bound = bounds(q_far, mn, mx)[0, :, 0]  # (heads, blocks)
         has_key = torch.ones(n_blocks, dtype=torch.bool, device=q.device)
         # a block that starts before the document's first position holds keys only from there
         has_key &= (number + 1) * size - shift[b] > first[b]
-        chosen = select(score, (has_key & ~sink).expand(n_heads, -1), selection.top_k) | (has_key & sink)
+        chosen = select(bound, (has_key & ~sink).expand(n_heads, -1), selection.top_k) | (has_key & sink)
         # Keys of each head's chosen blocks (positions <= p - W), as index runs, gathered per head.
         width_blocks = int(chosen.sum(-1).max())
         listed = torch.sort((~chosen).to(torch.uint8), dim=-1, stable=True).indices[:, :width_blocks]  # (heads, n)
@@ -229,15 +221,7 @@ def sparse_far_decode_static(q, k, v, q_far, k_far, *, local_window: int, far_ba
         holds = holds.scatter_reduce(1, torch.where(far, block, n_blocks), far.to(torch.uint8), "amax")[:, :n_blocks]
         holds = holds.bool()  # (batch, blocks): the block holds a far key of this query
         sink = holds & (number < selection.sinks)
-        # The scoring block (the block before the query's, positions (p // B - 1) B ..): its slots by
-        # searching the ranks, which rise by one at each real slot.
-        target = (p // size - 1)[:, None] * size + torch.arange(size, device=q.device)  # (batch, B)
-        at = torch.searchsorted(position.contiguous(), target.contiguous()).clamp(max=kv_len - 1)
-        valid = (target >= 0) & seen_key.gather(1, at) & (position.gather(1, at) == target)
-        rows = k_far.gather(2, at[:, None, :, None].expand(-1, kv_heads, -1, dim)).to(dtype)
-        score = bounds(rows, mn, mx).masked_fill(~valid[:, None, :, None], float("-inf")).amax(2)
-        score = torch.where(valid.any(1)[:, None, None], score, 0.0).repeat_interleave(group, 1)
-        chosen = select(score, (holds & ~sink)[:, None].expand(-1, n_heads, -1),
+        chosen = select(bounds(q_far[:, :, t:t + 1], mn, mx)[:, :, 0], (holds & ~sink)[:, None].expand(-1, n_heads, -1),
                         selection.top_k) | sink[:, None]  # (batch, heads, blocks)
         chosen = torch.cat([chosen, chosen.new_zeros(batch, n_heads, 1)], -1)
         read_far = far[:, None] & chosen.gather(2, block[:, None].expand(-1, n_heads, -1))  # (batch, heads, kv_len)
