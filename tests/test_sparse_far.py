@@ -93,11 +93,12 @@ def test_decode_and_chunked_prefill_match_reference(case, setting):
         assert err < TOL, f"q_len {q_len}: {err}"
 
 
-@pytest.mark.parametrize("levels", (((64,), (1,)), ((8, 16, 64), (1, 2, 4))), ids=("one_level", "dilated_levels"))
+# one_level covers the 70 tokens (the plain path, sparse_far_plain); the dilated levels do not (masked calls)
+@pytest.mark.parametrize("levels", (((128,), (1,)), ((8, 16, 64), (1, 2, 4))), ids=("one_level", "dilated_levels"))
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
 @pytest.mark.parametrize("heads", ((4, 2), (3, 1)), ids=lambda h: f"{h[0]}q{h[1]}kv")
 def test_inference_matches_reference_and_counts_its_pairs(levels, setting, heads):
-    """Prefill under no_grad (the plain path where the levels hold every earlier key, the masked
+    """Prefill under no_grad (the plain path where a level holds every earlier key, the masked
     calls otherwise) equals the reference, and `pair_count` counts exactly the reference's pairs."""
     case = replace(BASE, layout="plain", kv_len=70, q_heads=heads[0], kv_heads=heads[1])
     q, k, v, _, _, _ = make_inputs(case, torch.float64)
