@@ -105,9 +105,10 @@ def bounds(q_far: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor) -> torch.Ten
     mx_h = mx.repeat_interleave(group, 1) if group > 1 else mx
     mn_h = mn.repeat_interleave(group, 1) if group > 1 else mn
     empty = torch.isinf(mx_h[..., 0])  # no key in the block
-    up = q.clamp(min=0) @ mx_h.nan_to_num(neginf=0.0).transpose(-1, -2) \
-        + q.clamp(max=0) @ mn_h.nan_to_num(posinf=0.0).transpose(-1, -2)
-    return up.masked_fill(empty[:, :, None, :], float("-inf"))
+    # one product: [relu(q), min(q, 0)] . [mx, mn]
+    summary = torch.cat([mx_h.nan_to_num(neginf=0.0), mn_h.nan_to_num(posinf=0.0)], -1)
+    up = torch.cat([q.clamp(min=0), q.clamp(max=0)], -1) @ summary.transpose(-1, -2)
+    return up.masked_fill_(empty[:, :, None, :], float("-inf"))
 
 
 def select(bound: torch.Tensor, candidate: torch.Tensor, top_k: int) -> torch.Tensor:

@@ -3,11 +3,14 @@
 One document per row, no padding, positions 0..n-1, causal, no sliding window, q_len == kv_len,
 and levels that hold every earlier key (one level of dilation 1 covering the row: the default
 conversion's). Then block c is keys c*B .. c*B + B - 1, query i's far keys are j <= i - band, and
-everything the selection needs is block arithmetic: per chunk of queries the bounds (batch, heads,
-queries, blocks), the selected blocks, and one fused call over the union of the chunk's blocks per
-head, gathered, with a mask over those keys only. Queries before `window` read every key exactly
-(one causal call); the band of the others is local_band.near_plain's. Used for prefill without
-autograd (inference); training takes local_band's masked calls, which compute the same set.
+everything the selection needs is block arithmetic: per chunk of queries the bounds (heads,
+queries, blocks) and the selected blocks; then, block by block, one product of the (query, head)
+rows that chose the block against its B keys. The work is the pairs the selection reads: a call
+over the union of a chunk's blocks would read every block any of its queries chose (CPU flash
+attention does not skip masked keys; 38 blocks per 64 queries on SmolLM2, for 9 chosen each).
+Queries before `window` read every key exactly (one causal call); the band of the others is
+local_band.near_plain's. Used for prefill without autograd (inference); training takes
+local_band's masked calls, which compute the same set.
 """
 from __future__ import annotations
 
@@ -19,7 +22,13 @@ from .far_selection import FarSelection
 from .local_band import near_plain
 from .merge import merge_dtype, merge_into
 
-_CHUNK = 256  # queries per far call: the union of their selected blocks grows with the chunk
+_MIN_CHUNK = 64  # queries per selection at least
+_BOUND_ELEMENTS = 1 << 25  # bounds per chunk of queries (heads x queries x blocks) at most
+
+
+def query_chunk(n_heads: int, n_blocks: int) -> int:
+    """Queries selected at once: their bounds (heads x queries x blocks) are held together."""
+    return max(_MIN_CHUNK, _BOUND_ELEMENTS // (n_heads * n_blocks))
 
 
 def applies(plain: bool, q, k, segment_lengths, dilation_rates, is_causal, sliding_window) -> bool:
@@ -32,7 +41,6 @@ def applies(plain: bool, q, k, segment_lengths, dilation_rates, is_causal, slidi
 def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None, selection: FarSelection,
                        scale: float):
     batch, n_heads, n, dim = q.shape
-    kv_heads = k.shape[1]
     acc = merge_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
@@ -52,46 +60,79 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
     blocks = far_selection.Blocks(torch.arange(n, device=q.device).div(size, rounding_mode="floor").expand(batch, n),
                                   None, n_blocks)
     mn, mx = far_selection.summaries(k_far, blocks)
-    number = torch.arange(n_blocks, device=q.device)
-    offsets = torch.arange(size, device=q.device)
-    for s in range(head, n, _CHUNK):
-        e = min(n, s + _CHUNK)
-        last = torch.arange(s, e, device=q.device) - band  # the last far key of each query
-        # Every query here (position >= window >= band) has a far key: block 0 always reaches.
+    for b in range(batch):
+        _far_by_block(q_far[b], k_far[b], v[b], out[b], lse[b], head, band, selection, scale,
+                      mn[b], mx[b])
+    return out.to(q.dtype)
+
+
+def _far_by_block(q_far, k_far, v, out, lse, start: int, band: int, selection: FarSelection, scale: float, mn, mx):
+    """Merge into out/lse (heads, n, d) / (heads, n) of one row the far keys its queries from `start`
+    on select, block by block: per chunk of queries, the (kv head, block) pairs some query chose,
+    and for each one product of the rows (query, head of that kv head) that chose it against the
+    block's B keys. The products read the chosen pairs only (and the masked tail of the block a
+    query's band starts in), not the union of a chunk's blocks; each (query, head) then merges its
+    blocks' partial softmaxes in one pass."""
+    n_heads, n, dim = q_far.shape
+    kv_heads, n_blocks = k_far.shape[0], mn.shape[1]
+    group = n_heads // kv_heads
+    size = selection.block_size
+    acc = out.dtype
+    device = q_far.device
+    number = torch.arange(n_blocks, device=device)
+    offsets = torch.arange(size, device=device)
+    q_scaled = (q_far.to(acc) * scale).reshape(n_heads * n, dim)  # row h * n + i
+    chunk = query_chunk(n_heads, n_blocks)
+    for s in range(start, n, chunk):
+        e = min(n, s + chunk)
+        last = torch.arange(s, e, device=device) - band  # the last far key of each query
         reach = number[None, :] * size <= last[:, None]  # (queries, blocks): the block holds a far key
         sink = reach & (number[None, :] < selection.sinks)
-        candidate = reach & ~sink
-        chosen = far_selection.select(far_selection.bounds(q_far[:, :, s:e], mn, mx),
-                                      candidate.expand(batch, n_heads, -1, -1), selection.top_k) | sink
-        if selection.sinks == 0:  # with a sink every query here reads a far key; without, some may read none
-            reads_none = ~chosen.any(-1)
-        # One call per (row, head) over the union of its queries' blocks: heads choose apart, and one
-        # call for all would pad every head to the widest union.
-        # The blocks some query of each (row, head) chose, on the device and as Python ints: the one
-        # read back of the chunk (nonzero's count and its list), no copy back to the device.
-        found = chosen.any(2).flatten(0, 1).nonzero()  # (m, 2): (row * heads + head, block), sorted
-        used = [[] for _ in range(batch * n_heads)]
-        for at, (row_head, c) in enumerate(found.tolist()):
-            used[row_head].append((at, c))
-        for b in range(batch):
-            for h in range(n_heads):
-                entries = used[b * n_heads + h]
-                if not entries:  # no query of this head reads a far key (top_k 0, no sink)
-                    continue
-                blocks_used = [c for _, c in entries]
-                listed = found[entries[0][0]:entries[-1][0] + 1, 1]
-                # their keys, in order; only the last block can run past the row's end
-                keys = (listed[:, None] * size + offsets).flatten()
-                keys = keys[:len(blocks_used) * size - max(0, (blocks_used[-1] + 1) * size - n)]
-                kv = h // (n_heads // kv_heads)  # this head's kv head (any strides: no flat view)
-                ks, vs = k_far[b, kv].index_select(0, keys), v[b, kv].index_select(0, keys)
-                picked = chosen[b, h].index_select(-1, listed).repeat_interleave(size, -1)[:, :keys.shape[0]]
-                read = picked & (keys[None, :] <= last[:, None])  # (queries, keys)
-                pair_count.add(read[None, None], 1)
-                bias = torch.where(read, 0.0, float("-inf")).to(q.dtype)
-                o, part = attention_forward(q_far[b:b + 1, h:h + 1, s:e], ks[None, None], vs[None, None],
-                                            is_causal=False, scale=scale, attn_bias=bias[None, None])
-                if selection.sinks == 0:
-                    part = part.masked_fill(reads_none[b:b + 1, h:h + 1], float("-inf"))
-                merge_into(out[b:b + 1, h:h + 1, s:e], lse[b:b + 1, h:h + 1, s:e], o, part.to(acc))
-    return out.to(q.dtype)
+        chosen = far_selection.select(far_selection.bounds(q_far[None, :, s:e], mn[None], mx[None]),
+                                      (reach & ~sink).expand(1, n_heads, -1, -1), selection.top_k) | sink
+        # (kv head, block, query, head of the group) in that order: each (kv head, block) is a run,
+        # and in it the queries whose band starts inside the block (the earliest) come first
+        found = chosen[0].unflatten(0, (kv_heads, group)).permute(0, 3, 2, 1).contiguous().nonzero()
+        pair = found[:, 0] * n_blocks + found[:, 1]
+        head = found[:, 0] * group + found[:, 3]
+        row = head * (e - s) + found[:, 2]  # (head, query) within the chunk
+        limit = found[:, 2] + (s - band) - found[:, 1] * size  # offset in the block of the last key read
+        if pair_count.TALLY.active:
+            pair_count.TALLY.pairs += int((limit + 1).clamp(max=size).sum())
+        # Per (kv head, block): its rows, and how many of them stop inside it (the block their band
+        # starts in): the one read back of the chunk.
+        partial = (limit < size - 1).long()
+        counts = torch.zeros(2, kv_heads * n_blocks, dtype=torch.long, device=device)
+        counts[0].index_add_(0, pair, torch.ones_like(partial))
+        counts[1].index_add_(0, pair, partial)
+        counts, partials = counts.tolist()
+        q_rows = q_scaled.index_select(0, head * n + found[:, 2] + s)  # (pairs, d)
+        part_out = torch.empty(q_rows.shape, dtype=acc, device=device)  # unnormalised: sum_j e^(s_j - m) v_j
+        part_max = torch.empty(q_rows.shape[0], dtype=acc, device=device)
+        part_sum = torch.empty_like(part_max)
+        at = 0
+        for p, count in enumerate(counts):
+            if not count:
+                continue
+            g, c = divmod(p, n_blocks)
+            rows = slice(at, at + count)
+            lo, hi = c * size, min(n, (c + 1) * size)
+            scores = q_rows[rows] @ k_far[g, lo:hi].to(acc).T
+            if partials[p]:  # the first rows
+                first = slice(at, at + partials[p])
+                scores[:partials[p]].masked_fill_(offsets[None, :hi - lo] > limit[first, None], float("-inf"))
+            top = torch.amax(scores, -1, out=part_max[rows])
+            scores = scores.sub_(top[:, None]).exp_()
+            torch.sum(scores, -1, out=part_sum[rows])
+            torch.mm(scores, v[g, lo:hi].to(acc), out=part_out[rows])
+            at += count
+        # Merge each (head, query)'s blocks: lse = M + log sum_t e^(m_t - M) l_t.
+        n_rows = n_heads * (e - s)
+        top = torch.full((n_rows,), float("-inf"), dtype=acc, device=device).scatter_reduce_(
+            0, row, part_max, "amax")
+        weight = torch.exp(part_max - top.index_select(0, row))
+        total = torch.zeros(n_rows, dtype=acc, device=device).index_add_(0, row, part_sum.mul_(weight))
+        far_out = torch.zeros(n_rows, dim, dtype=acc, device=device).index_add_(0, row, part_out.mul_(weight[:, None]))
+        far_out = (far_out / total[:, None]).nan_to_num_(0.0)  # a row with no block: 0, lse -inf
+        far_lse = top + torch.log(total)
+        merge_into(out[:, s:e], lse[:, s:e], far_out.view(n_heads, e - s, dim), far_lse.view(n_heads, e - s))
