@@ -287,14 +287,33 @@ class _InPlaceCache:
         self.filled += n
         return self.k[:, :, :self.filled], self.v[:, :, :self.filled]
 
+    def crop(self, n):
+        self.filled = n
 
+
+class _ConcatCache:
+    """A cache that concatenates each step's keys into a new tensor, as transformers' DynamicCache does."""
+
+    def __init__(self, k, v, filled):
+        self.k, self.v = k[:, :, :filled].clone(), v[:, :, :filled].clone()
+
+    def append(self, k_new, v_new):
+        self.k, self.v = torch.cat([self.k, k_new], 2), torch.cat([self.v, v_new], 2)
+        return self.k, self.v
+
+    def crop(self, n):
+        self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+
+
+@pytest.mark.parametrize("cache_class", (_InPlaceCache, _ConcatCache), ids=("in_place", "concatenating"))
 @pytest.mark.parametrize("layout", ("plain", "left", "offset"))
 @pytest.mark.parametrize("over", ({}, {"far_group": 1, "far_window": None}, {"far_band": None, "far_sinks": 0},
                                   {"far_top_k": 0, "far_sinks": 2}), ids=("grouped", "own_positions", "k_only", "sinks"))
-def test_decode_steps_match_reference_with_kept_summaries(layout, over):
-    """Steps against a cache that grows in place: each equals the reference of the whole sequence, the
-    summaries are kept in `state` and extended (not rebuilt) between steps and equal rebuilt ones; a
-    rewrite in place of keys before the last (a crop and refill) rebuilds them, still exact."""
+def test_decode_steps_match_reference_with_kept_summaries(layout, over, cache_class):
+    """Steps against a cache that grows in place, or into a new tensor each step (DynamicCache): each
+    equals the reference of the whole sequence, the summaries are kept in `state` and extended (not
+    rebuilt) between steps and equal rebuilt ones; a crop and refill with other keys before the last
+    rebuilds them, still exact."""
     from hf_dilated.kinds import KINDS
     from hf_dilated.ops import sparse_far_decode as decode_module
 
@@ -317,10 +336,10 @@ def test_decode_steps_match_reference_with_kept_summaries(layout, over):
         rebuilds.append(getattr(self, "kv_len", None))
         real_clear(self)
 
-    cache = _InPlaceCache(k, v, 40)
+    cache = cache_class(k, v, 40)
     decode_module.SummaryState.clear = counting_clear
     try:
-        for t in range(40, n):
+        for t in range(40, n - 1):
             keys, values = cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
             kw = dict(is_causal=True, attention_mask=None if mask is None else mask[:, :t + 1],
                       position_ids=None if pos is None else pos[:, :t + 1], scale=None, dropout_p=0.0, group=None,
@@ -336,17 +355,18 @@ def test_decode_steps_match_reference_with_kept_summaries(layout, over):
         assert torch.equal(kept.mn[:, :, :fresh.mn.shape[2]], fresh.mn)
         assert torch.equal(kept.mx[:, :, :fresh.mx.shape[2]], fresh.mx)
         rebuilds.clear()
-        # crop to 20 tokens and refill the same buffer with other keys up to the same length, then step
+        # crop to 20 tokens and refill with other keys up to the same length, then step: the cache
+        # has grown by the step's token since the last, but its keys are not those summarised
         k2 = k.clone()  # other keys from 20 on, the last one kept (the same last token: a check of it alone passes)
         k2[:, :, 20:n - 1] = torch.randn(k2[:, :, 20:n - 1].shape, generator=g, dtype=torch.float64)
-        cache.filled = 20
+        cache.crop(20)
         cache.append(k2[:, :, 20:n - 1], v[:, :, 20:n - 1])
         keys, values = cache.append(k2[:, :, n - 1:], v[:, :, n - 1:])
         ref2 = _decode_reference(q, k2, v, s, inv_freq, mask, pos)
         out = KINDS["dilated"].run(q[:, :, n - 1:], keys, values, s, state=state,
                                    **{**kw, "attention_mask": mask, "position_ids": pos})
         assert (out - ref2[:, :, n - 1:]).abs().max().item() < TOL
-        assert rebuilds == [n]  # the rewrite in place: rebuilt from the state built at n tokens
+        assert rebuilds == [n - 1]  # the rewrite: rebuilt from the state built at n - 1 tokens
     finally:
         decode_module.SummaryState.clear = real_clear
 
@@ -413,10 +433,11 @@ def test_tied_bounds_all_count():
     assert tally.pairs == int((near | far).sum())
 
 
-def test_model_generation_with_a_reserved_cache_keeps_the_summaries_and_matches_reference(tmp_path, monkeypatch):
-    """generate() with hf_dilated.ReservedCache (one buffer written in place): the decode steps keep
-    each layer's summaries between steps (never rebuilt after the first) and still pick the
-    reference's tokens."""
+@pytest.mark.parametrize("cache", ("reserved", "dynamic"))
+def test_model_generation_keeps_the_summaries_and_matches_reference(tmp_path, monkeypatch, cache):
+    """generate() with hf_dilated.ReservedCache (one buffer written in place) or its default
+    DynamicCache (a new tensor each step): the decode steps keep each layer's summaries between
+    steps (never rebuilt after the first) and still pick the reference's tokens."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     from hf_dilated import ReservedCache
@@ -434,7 +455,8 @@ def test_model_generation_with_a_reserved_cache_keeps_the_summaries_and_matches_
     theirs = AutoModelForCausalLM.from_pretrained(path, attn_implementation="test_sparse_far_reference",
                                                   dtype=torch.float64).eval()
     with torch.no_grad():
-        mine = ours.generate(ids, max_new_tokens=10, do_sample=False, cache=ReservedCache(config=ours.config))
+        mine = ours.generate(ids, max_new_tokens=10, do_sample=False,
+                             **({"cache": ReservedCache(config=ours.config)} if cache == "reserved" else {}))
         steps = [theirs(mine[:, :t]).logits[:, -1].argmax(-1) for t in range(20, 30)]
     assert torch.equal(mine[:, 20:], torch.stack(steps, 1))
     kept = [layer.self_attn.__dict__["_hf_dilated_state"]["far_summaries"] for layer in ours.model.layers]

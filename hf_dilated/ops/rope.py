@@ -20,12 +20,10 @@ def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
         raise ValueError(f"inv_freq: {inv_freq.shape[-1]} frequencies rotate {rot} dims, more than head_dim "
                          f"{x.shape[-1]}")
     angle = delta.to(torch.float64)[:, None, :, None] * inv_freq.to(device=x.device, dtype=torch.float64)
-    angle = torch.cat([angle, angle], -1)
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)  # (..., rot / 2): each frequency once
     half = rot // 2
-    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], -1)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], -1)
+    x1, x2 = x[..., :half], x[..., half:rot]  # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], -1)
 
 
 def grouped_far_positions(positions: torch.Tensor, q_len: int, window: int, group: int):

@@ -16,9 +16,12 @@ blocks completed since the last one, which rotates each key once over a generati
 from the cache whenever the cache is not the one it was built on plus this step's tokens: the same
 buffer object (a weak reference), written exactly once since (its version counter: a crop and
 refill, a reset or a rewrite in place count more, or a different length), grown by exactly the
-step's queries. hf_dilated.ReservedCache and StaticCache write in place, one write per step;
-a DynamicCache concatenates into a new tensor each step, so there every step rebuilds: O(N) per
-step, the same result.
+step's queries. hf_dilated.ReservedCache and StaticCache write in place, one write per step.
+A DynamicCache concatenates into a new tensor each step: there the summaries are kept when every
+summarised block's checksum (the sum of its keys, bit for bit) is that of the keys it was built
+on, one pass over the cache without rotating it (a rebuild rotates every key); any other change
+rebuilds. Two different blocks with the same sum bit for bit would pass: a DynamicCache's own
+growth never makes one.
 """
 from __future__ import annotations
 
@@ -40,9 +43,11 @@ class SummaryState:
     def clear(self):
         self.key = None  # the layout, rows and settings the summaries were built for
         self.buffer = None  # weakref to the cache buffer they were built on
+        self.place = None  # the keys' offset and strides in it
         self.version = None  # its version counter then
         self.kv_len = 0
         self.counts = None  # complete blocks summarised per row, from block 0
+        self.checks = None  # per row: _checksums of those blocks' keys (kv_heads, counts[b], d)
         self.mn = self.mx = None  # (batch, kv_heads, max(counts), head_dim); +inf / -inf past a row's count
 
 
@@ -62,25 +67,53 @@ def _far_keys(k, b, lo, hi, shift, rotation):
     return rotate_by(keys, _rotation_delta(positions, rotation, False), rotation[2])[0]
 
 
+def _block_keys(k, b, c0, c1, first, shift, size, rotation, dtype):
+    """Keys of row b's blocks c0 .. c1 - 1 as (kv_heads, c1 - c0, B, d), far keys (rotated) when
+    `rotation` is given; the first block, which may start before the document, padded with its
+    first key."""
+    lo, hi = max(first, c0 * size - shift), c1 * size - shift
+    keys = _far_keys(k, b, lo, hi, shift, rotation) if rotation is not None else k[b, :, lo:hi]
+    keys = keys.to(dtype)
+    lead = lo - (c0 * size - shift)
+    if lead:
+        keys = torch.cat([keys[:, :1].expand(-1, lead, -1), keys], 1)
+    return keys.unflatten(1, (c1 - c0, size))
+
+
+def _checksums(blocks):
+    """(kv_heads, blocks, d): each block's sum of its keys, one pass, summed block by block in one
+    order whatever the number of blocks (the same keys give the same bits)."""
+    return blocks.sum(2)
+
+
 def _summaries(state: SummaryState, k, first, shift, needed: list[int], size: int, rotation, dtype, q_len: int):
     """(mn, mx) (batch, kv_heads, blocks, head_dim) holding at least blocks 0 .. needed[b] - 1 of
     each row b, every one of them complete."""
     batch, kv_heads, kv_len, dim = k.shape
-    key = (k.storage_offset(), k.stride(), batch, kv_heads, dim, k.dtype, tuple(first), tuple(shift), size, dtype,
+    key = (batch, kv_heads, dim, k.dtype, tuple(first), tuple(shift), size, dtype,
            None if rotation is None else (rotation[0], rotation[1], rotation[2].data_ptr()))
+    place = (k.storage_offset(), k.stride())  # where the keys sit in their buffer
     buffer = k if k._base is None else k._base
     try:
         version = k._version  # shared by every view of the buffer; +1 per in-place write
-    except RuntimeError:  # an inference-mode tensor keeps no version: rebuild every step
+    except RuntimeError:  # an inference-mode tensor keeps no version
         version = None
-    # Reuse only the same buffer object, written once since (the cache appending this step's
-    # tokens) and grown by exactly them: a crop, a reset, a rewrite in place or another buffer
-    # (a DynamicCache's cat, a reorder) rebuilds.
-    reuse = (version is not None and state.key == key and state.buffer is not None and state.buffer() is buffer
-             and version == state.version + 1 and kv_len == state.kv_len + q_len)
+    grown = state.key == key and kv_len == state.kv_len + q_len
+    # The same buffer object, written once since (the cache appending this step's tokens) and grown
+    # by exactly them: the summarised keys are the ones summarised.
+    reuse = (grown and version is not None and state.buffer is not None and state.buffer() is buffer
+             and state.place == place and version == state.version + 1)
+    # Another buffer grown by this step's tokens (a DynamicCache concatenates every step): the
+    # summarised blocks are reused when their checksums match, one pass over their keys, unrotated
+    # (a rebuild rotates every key). A crop and refill, a reorder or a rewrite changes them.
+    if grown and not reuse:
+        reuse = all(
+            torch.equal(_checksums(_block_keys(k, b, 0, state.counts[b], first[b], shift[b], size, None, dtype)),
+                        state.checks[b]) for b in range(batch) if state.counts[b])
     if not reuse:
         state.clear()
         state.counts = [0] * batch
+        state.checks = [None] * batch
         state.mn = torch.empty(batch, kv_heads, 0, dim, dtype=dtype, device=k.device)
         state.mx = state.mn
     grow = max(needed) - state.mn.shape[2]
@@ -90,14 +123,12 @@ def _summaries(state: SummaryState, k, first, shift, needed: list[int], size: in
     for b in range(batch):
         if needed[b] > state.counts[b]:
             c0, c1 = state.counts[b], needed[b]
-            lo, hi = max(first[b], c0 * size - shift[b]), c1 * size - shift[b]
-            blocks = _far_keys(k, b, lo, hi, shift[b], rotation).to(dtype)  # (kv_heads, n, d)
-            # blocks c0 .. c1 - 1 from index lo: pad the first (it may start before the document) to whole blocks
-            lead = lo - (c0 * size - shift[b])
-            blocks = torch.cat([blocks[:, :1].expand(-1, lead, -1), blocks], 1).unflatten(1, (c1 - c0, size))
+            blocks = _block_keys(k, b, c0, c1, first[b], shift[b], size, rotation, dtype)  # (kv_heads, n, B, d)
             state.mn[b, :, c0:c1], state.mx[b, :, c0:c1] = blocks.amin(2), blocks.amax(2)
+            checks = _checksums(_block_keys(k, b, c0, c1, first[b], shift[b], size, None, dtype))
+            state.checks[b] = checks if c0 == 0 else torch.cat([state.checks[b], checks], 1)
             state.counts[b] = c1
-    state.key, state.kv_len, state.version = key, kv_len, version
+    state.key, state.place, state.kv_len, state.version = key, place, kv_len, version
     state.buffer = weakref.ref(buffer)
     return state.mn, state.mx
 
@@ -158,9 +189,11 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
         index_of = (listed[..., None] * size + offsets - shift[b]).flatten(1)  # (heads, n * B)
         read = listed_ok.repeat_interleave(size, -1) & (index_of >= first[b]) & (index_of <= last_far)
         index_of = index_of.clamp(first[b], last_far)
-        kv_head = heads // group
-        keys = k[b][kv_head[:, None], index_of]  # (heads, n * B, d)
-        values = v[b][kv_head[:, None], index_of]
+        # (heads, n * B, d): rows of each kv head's keys for its group of query heads (one
+        # index_select per kv head: contiguous rows, and no copy of a cache that is a view)
+        per_kv = index_of.unflatten(0, (kv_heads, group)).flatten(1)
+        keys = torch.stack([k[b, g].index_select(0, per_kv[g]) for g in range(kv_heads)]).view(n_heads, -1, dim)
+        values = torch.stack([v[b, g].index_select(0, per_kv[g]) for g in range(kv_heads)]).view(n_heads, -1, dim)
         if rotation is not None:  # per head: (heads, 1, n, d) moved by (heads, n)
             keys = rotate_by(keys[:, None], _rotation_delta(index_of + shift[b], rotation, False), rotation[2])[:, 0]
         scores = (q_far[0, :, 0, None, :].to(acc_dtype) @ keys.to(acc_dtype).transpose(-1, -2))[:, 0] * scale
