@@ -373,6 +373,20 @@ def test_cli_bench_decode(tmp_path):
 
 
 @pytest.mark.slow
+def test_cli_bench_decode_on_a_cache_filled_at_random(tmp_path):
+    """--gen-fill random: generate() rows without a prefill (the cache filled with random keys and
+    values), decode steps timed one model call each, for both caches and both names."""
+    report, md = _run_bench(tmp_path, "decode", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                            "--contexts", "256", "--gen-fill", "random", "--gen-caches", "reserved,dynamic",
+                            "--gen-new", "4")
+    rows = {(r["spec"]["cache"], r["spec"]["attn_implementation"]): r for r in report["decode"]["generate"]}
+    assert set(rows) == {(c, n) for c in ("reserved", "dynamic") for n in ("sdpa", "dilated")}
+    for r in rows.values():
+        assert r["prefill_s"] is None and r["decode_tokens_per_s"] > 0 and len(r["tokens"]) == 4, r
+    assert "filled with random keys and values" in md
+
+
+@pytest.mark.slow
 def test_cli_bench_distributed(tmp_path):
     report, md = _run_bench(tmp_path, "distributed", "--heads", "2", "--head-dim", "16")
     assert _sections_in(report) == {"distributed"}
@@ -411,6 +425,8 @@ def test_cli_bench_refuses_unknown_settings(capsys):
     assert "not_a_variant" in capsys.readouterr().err
     assert main(["bench", "decode", "--threads", "0"]) == 2
     assert "--threads must be positive" in capsys.readouterr().err
+    assert main(["bench", "decode", "--gen-fill", "random"]) == 2  # the static cache is in the default caches
+    assert "--gen-caches" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["bench", "kernels", "--no-such-option"])
     assert exc.value.code == 2

@@ -51,6 +51,7 @@ DEFAULTS = dict(out="bench-results", device=None, threads=None, batch=1, heads=8
                 block_size=256, block_pattern=None, variants=None, million=False, e2e=True, e2e_impls=None,
                 distributed_length=None, distributed_kernels=None, window=None, gen_new=64, gen_layers=2,
                 gen_intermediate=1024, gen_vocab=32000, gen_caches=["dynamic", "static", "reserved"],
+                gen_fill="prompt",
                 fsdp=True, fsdp_processes=4, fsdp_sp=2, fsdp_length=2048, ops=True)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -163,6 +164,9 @@ def _decode(p):
                    help=f"generate() model: MLP width (default: {DEFAULTS['gen_intermediate']})")
     p.add_argument("--gen-vocab", type=int, help=f"generate() model: vocabulary (default: {DEFAULTS['gen_vocab']})")
     p.add_argument("--gen-caches", type=_names, help="generate() rows: dynamic,static,reserved (default: all)")
+    p.add_argument("--gen-fill", choices=("prompt", "random"),
+                   help="generate() rows: prefill the prompt (default), or fill the cache with random keys and "
+                        "values and time the decode steps only (dynamic and reserved caches)")
 
 
 def _window(p):
@@ -253,6 +257,8 @@ def resolve_settings(args) -> dict:
     bad = sorted(set(s["gen_caches"]) - {"dynamic", "static", "reserved"})
     if bad:
         raise ValueError(f"--gen-caches: unknown {bad}; choose among dynamic, static, reserved")
+    if s["gen_fill"] == "random" and "static" in s["gen_caches"]:
+        raise ValueError("--gen-caches: --gen-fill random fills dynamic and reserved caches only; drop static")
     if s.get("window") is None:
         s["window"] = max(1, min(s["lengths"]) // 4)
     if s["window"] <= 0:

@@ -18,9 +18,14 @@ past it, docs/contract.md 4.2), a prompt of
 --gen-prompt random tokens, --gen-new greedy tokens: prefill seconds (prompt to first token) and
 decode tokens/s (the remaining tokens), with DynamicCache, StaticCache and hf_dilated.ReservedCache
 (a DynamicCache that does not copy itself per step), timed inside `generate()` by a logits processor that stamps each step. One process per (name, cache).
+With --gen-fill random the cache is filled with --gen-prompt random keys and values instead of a
+prefill, and the greedy steps run one model call at a time: the decode rows of a deep model (SmolLM2's
+30 layers) without minutes of prefill. A step's cost does not depend on what the cache holds (the
+sparse far keys read a fixed number of blocks whichever they are).
 """
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 
@@ -141,6 +146,8 @@ def run_generate_case(spec: dict, own_process: bool = False) -> dict:
     clock = _StepClock()
     from ..integrations.cache import ReservedCache
 
+    if spec.get("fill") == "random":
+        return _steps_on_filled_cache(model, config, spec)
     cache = {"static": {"cache_implementation": "static"}, "dynamic": {},
              "reserved": {"cache": ReservedCache(config=config)}}[spec["cache"]]
     with torch.no_grad():
@@ -152,6 +159,42 @@ def run_generate_case(spec: dict, own_process: bool = False) -> dict:
     decode_s = stamps[-1] - stamps[0]
     return {"spec": spec, "prefill_s": stamps[0] - start, "decode_s": decode_s,
             "decode_tokens_per_s": (len(stamps) - 1) / decode_s, "tokens": out[0, spec["prompt"]:].tolist(),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def _steps_on_filled_cache(model, config, spec) -> dict:
+    """generate()'s greedy decode steps, one model call each, on a cache filled with random keys and
+    values (--gen-fill random): decode_tokens_per_s over every step but the first, which builds
+    what later steps keep (the far keys' summaries)."""
+    from transformers import DynamicCache
+
+    from ..integrations.cache import ReservedCache
+
+    prompt, new = spec["prompt"], spec["new"]
+    if new < 2:
+        raise ValueError(f"--gen-new: --gen-fill random times the steps after the first, got {new}")
+    cache = (ReservedCache if spec["cache"] == "reserved" else DynamicCache)(config=config)
+    g = torch.Generator().manual_seed(1)
+    shape = (1, config.num_key_value_heads, prompt, config.head_dim)
+    for layer in range(config.num_hidden_layers):
+        cache.update(torch.randn(shape, generator=g).to(model.dtype), torch.randn(shape, generator=g).to(model.dtype),
+                     layer)
+    # transformers renamed past_key_values to cache (5.x)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    token = torch.zeros(1, 1, dtype=torch.long)
+    tokens, times = [], []
+    with torch.no_grad():
+        for step in range(new):
+            at = prompt + step
+            start = time.perf_counter()
+            logits = model(input_ids=token, attention_mask=torch.ones(1, at + 1, dtype=torch.long),
+                           position_ids=torch.tensor([[at]]), use_cache=True, **{name: cache}).logits
+            token = logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - start)
+            tokens.append(int(token))
+    decode_s = sum(times[1:])
+    return {"spec": spec, "prefill_s": None, "first_step_s": times[0], "decode_s": decode_s,
+            "decode_tokens_per_s": (new - 1) / decode_s, "tokens": tokens,
             "params": sum(p.numel() for p in model.parameters())}
 
 
@@ -181,13 +224,17 @@ def run_section(s, runner, report) -> dict:
             for name in ("sdpa", "dilated"):
                 spec = dict(kind="generate", attn_implementation=name, cache=cache, prompt=s["gen_prompt"],
                             new=s["gen_new"], original=s["original"], dtype=s["dtypes"][0],
-                            model_config=generate_model_config(s), threads=s["threads"])
+                            model_config=generate_model_config(s), threads=s["threads"], fill=s["gen_fill"])
                 r = runner.run(spec, s["case_timeout"])
                 say(f"  generate {name:>8} {cache:>7} cache: " + (
-                    f"prefill {r['prefill_s']:.1f} s, decode {r['decode_tokens_per_s']:.2f} tokens/s"
-                    if "prefill_s" in r else r.get("error", "")))
+                    f"prefill {_seconds(r['prefill_s'])}, decode {r['decode_tokens_per_s']:.2f} tokens/s"
+                    if "decode_tokens_per_s" in r else r.get("error", "")))
                 generated.append(r)
     return {"results": results, "generate": generated}
+
+
+def _seconds(s) -> str:
+    return "- (cache filled at random)" if s is None else f"{s:.1f} s"
 
 
 def _cells(p) -> list[str]:
@@ -234,16 +281,19 @@ def markdown_section(section, s) -> list[str]:
         L += ["", f"### generate(): prompt of {gen[0]['spec']['prompt']} tokens, {gen[0]['spec']['new']} new tokens\n",
               f"LlamaForCausalLM, random weights: {mc['num_hidden_layers']} layers, hidden {mc['hidden_size']}, "
               f"{mc['num_attention_heads']}/{mc['num_key_value_heads']} heads of {mc['head_dim']}, intermediate "
-              f"{mc['intermediate_size']}, vocabulary {mc['vocab_size']}; {gen[0]['spec']['dtype']}; greedy. "
-              "Prefill: prompt to first token. Decode: the other tokens.\n",
+              f"{mc['intermediate_size']}, vocabulary {mc['vocab_size']}; {gen[0]['spec']['dtype']}; greedy. " + (
+                  "The cache filled with random keys and values (--gen-fill random), no prefill; decode: the "
+                  "steps after the first, one model call each.\n" if gen[0]["spec"].get("fill") == "random" else
+                  "Prefill: prompt to first token. Decode: the other tokens.\n"),
               "| cache | attn_implementation | prefill s | decode tokens/s | decode vs sdpa |", "|---|---|---:|---:|---:|"]
         base = {r["spec"]["cache"]: r.get("decode_tokens_per_s") for r in gen if r["spec"]["attn_implementation"] == "sdpa"}
         for r in gen:
             spec = r["spec"]
-            if "prefill_s" not in r:
+            if "decode_tokens_per_s" not in r:
                 L.append(f"| {spec['cache']} | {spec['attn_implementation']} | {r.get('error', '-')} | - | - |")
                 continue
             tps, sdpa_tps = r["decode_tokens_per_s"], base.get(spec["cache"])
             versus = f"{tps / sdpa_tps:.2f}x" if sdpa_tps else "-"
-            L.append(f"| {spec['cache']} | {spec['attn_implementation']} | {r['prefill_s']:.1f} | {tps:.2f} | {versus} |")
+            prefill = "-" if r["prefill_s"] is None else f"{r['prefill_s']:.1f}"
+            L.append(f"| {spec['cache']} | {spec['attn_implementation']} | {prefill} | {tps:.2f} | {versus} |")
     return L + [""]
