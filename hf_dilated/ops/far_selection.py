@@ -100,14 +100,15 @@ def summaries(k_far: torch.Tensor, blocks: Blocks) -> tuple[torch.Tensor, torch.
 def bounds(q_far: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
     """(batch, q_heads, queries, n_blocks): Quest's bound on each query's best score in each block
     (blocks with no key: -inf)."""
-    group = q_far.shape[1] // mn.shape[1]
+    batch, n_heads, n, dim = q_far.shape
+    kv_heads, n_blocks = mn.shape[1], mn.shape[2]
+    group = n_heads // kv_heads
     q = q_far.to(mn.dtype)
-    mx_h = mx.repeat_interleave(group, 1) if group > 1 else mx
-    mn_h = mn.repeat_interleave(group, 1) if group > 1 else mn
-    empty = torch.isinf(mx_h[..., 0])  # no key in the block
-    # one product: [relu(q), min(q, 0)] . [mx, mn]
-    summary = torch.cat([mx_h.nan_to_num(neginf=0.0), mn_h.nan_to_num(posinf=0.0)], -1)
-    up = torch.cat([q.clamp(min=0), q.clamp(max=0)], -1) @ summary.transpose(-1, -2)
+    # one product per kv head for its group of query heads: [relu(q), min(q, 0)] . [mx, mn]
+    summary = torch.cat([mx.nan_to_num(neginf=0.0), mn.nan_to_num(posinf=0.0)], -1)  # (batch, kv, blocks, 2d)
+    q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], -1).reshape(batch, kv_heads, group * n, 2 * dim)
+    up = (q2 @ summary.transpose(-1, -2)).view(batch, n_heads, n, n_blocks)
+    empty = torch.isinf(mx[..., 0]).repeat_interleave(group, 1)  # (batch, q_heads, blocks): no key
     return up.masked_fill_(empty[:, :, None, :], float("-inf"))
 
 
