@@ -492,3 +492,21 @@ def test_sliding_window_on_top_of_sparse_far_keys_matches_reference(layout, slid
     ref = local_band_reference(q, k, v, [64], [1], WINDOW, q_far=far[0], k_far=far[1], attention_mask=mask,
                                position_ids=pos, sliding_window=sliding_window, **ref_kw)
     assert ((out - ref) * real_query[:, None, :, None]).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("size,group", ((64, 8), (4, 2), (6, 3), (8, 8)))
+def test_far_block_turns_equal_rotating_each_key(size, group):
+    """The decode's turn of whole blocks to their grouped positions (one angle per block and one per
+    offset, summed) equals rotate_by with each key's own move p // group - p, partial rotary included."""
+    from hf_dilated.ops.rope import far_block_turns, rotate_by, rotate_with
+
+    g = torch.Generator().manual_seed(5)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 6, 2, dtype=torch.float64) / 6))  # 6 of 8 dims rotate
+    blocks = torch.tensor([[0, 3, 15_000], [7, 1, 2]])  # (heads, blocks), one far into a long context
+    keys = torch.randn(2, 3 * size, 8, generator=g, dtype=torch.float64)
+    positions = (blocks[..., None] * size + torch.arange(size)).flatten(1)  # (heads, 3 * size)
+    expected = rotate_by(keys[:, None], positions // group - positions, inv_freq)[:, 0]
+    cos, sin = far_block_turns(blocks, size, group, inv_freq, torch.float64)
+    assert (rotate_with(keys, cos.flatten(1, 2), sin.flatten(1, 2)) - expected).abs().max().item() < 1e-9
+    with pytest.raises(ValueError, match="must divide the block size"):
+        far_block_turns(blocks, 6, 4, inv_freq, torch.float64)

@@ -20,10 +20,32 @@ def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> t
         raise ValueError(f"inv_freq: {inv_freq.shape[-1]} frequencies rotate {rot} dims, more than head_dim "
                          f"{x.shape[-1]}")
     angle = delta.to(torch.float64)[:, None, :, None] * inv_freq.to(device=x.device, dtype=torch.float64)
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)  # (..., rot / 2): each frequency once
-    half = rot // 2
-    x1, x2 = x[..., :half], x[..., half:rot]  # rotate-half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rot:]], -1)
+    return rotate_with(x, angle.cos().to(x.dtype), angle.sin().to(x.dtype))
+
+
+def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (..., head_dim) turned by the angles whose cos and sin are given (..., rot / 2), one per
+    frequency: rotate-half, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    half = cos.shape[-1]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], -1)
+
+
+def far_block_turns(blocks: torch.Tensor, size: int, group: int, inv_freq: torch.Tensor, dtype):
+    """(cos, sin), each (*blocks.shape, size, rot / 2): the turn that moves a far key at position p
+    to p // group (grouped_far_positions) for every position of the blocks `blocks` (block c holds
+    c * size .. c * size + size - 1), when `group` divides `size`. The move p // group - p is then
+    c (size / group - size) + (t // group - t) at offset t, so the angles split into one per block
+    and one per offset, combined by the angle-sum rule in float64: a few products per key, where
+    rotate_by evaluates cos and sin per key."""
+    if size % group:
+        raise ValueError(f"far_block_turns: group {group} must divide the block size {size}")
+    freq = inv_freq.to(device=blocks.device, dtype=torch.float64)
+    per_block = (blocks.to(torch.float64) * (size // group - size))[..., None, None] * freq  # (..., 1, rot/2)
+    offsets = torch.arange(size, device=blocks.device)
+    per_offset = (offsets // group - offsets).to(torch.float64)[:, None] * freq  # (size, rot/2)
+    cos_b, sin_b, cos_t, sin_t = per_block.cos(), per_block.sin(), per_offset.cos(), per_offset.sin()
+    return (cos_b * cos_t - sin_b * sin_t).to(dtype), (sin_b * cos_t + cos_b * sin_t).to(dtype)
 
 
 def grouped_far_positions(positions: torch.Tensor, q_len: int, window: int, group: int):

@@ -31,7 +31,7 @@ import torch
 
 from .far_selection import FarSelection, bound_dtype, bounds, select
 from .merge import merge_dtype, merge_into
-from .rope import rotate_by
+from .rope import far_block_turns, rotate_by, rotate_with
 
 
 class SummaryState:
@@ -194,7 +194,10 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
         per_kv = index_of.unflatten(0, (kv_heads, group)).flatten(1)
         keys = torch.stack([k[b, g].index_select(0, per_kv[g]) for g in range(kv_heads)]).view(n_heads, -1, dim)
         values = torch.stack([v[b, g].index_select(0, per_kv[g]) for g in range(kv_heads)]).view(n_heads, -1, dim)
-        if rotation is not None:  # per head: (heads, 1, n, d) moved by (heads, n)
+        if rotation is not None and size % rotation[1] == 0:  # whole blocks: one angle per block and offset
+            cos, sin = far_block_turns(listed, size, rotation[1], rotation[2], keys.dtype)
+            keys = rotate_with(keys, cos.flatten(1, 2), sin.flatten(1, 2))
+        elif rotation is not None:  # per head: (heads, 1, n, d) moved by (heads, n)
             keys = rotate_by(keys[:, None], _rotation_delta(index_of + shift[b], rotation, False), rotation[2])[:, 0]
         scores = (q_far[0, :, 0, None, :].to(acc_dtype) @ keys.to(acc_dtype).transpose(-1, -2))[:, 0] * scale
         scores = scores.masked_fill(~read, float("-inf"))
