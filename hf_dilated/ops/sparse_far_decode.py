@@ -160,7 +160,6 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
     if max(needed):
         summaries = _summaries(state if state is not None else SummaryState(), k, first, shift, needed, size,
                                rotation, bound_dtype(k.dtype), q_len)
-    heads = torch.arange(n_heads, device=q.device)
     for b, t, index in queries:
         p, width = index + shift[b], bands[b, t]
         lo = max(first[b], index - width + 1)
