@@ -72,6 +72,7 @@ def _block_keys(k, b, c0, c1, first, shift, size, rotation, dtype):
     `rotation` is given; the first block, which may start before the document, padded with its
     first key."""
     lo, hi = max(first, c0 * size - shift), c1 * size - shift
+    # unrotated keys (the checksums) straight from the cache: _far_keys is the rotation, counted by a test
     keys = _far_keys(k, b, lo, hi, shift, rotation) if rotation is not None else k[b, :, lo:hi]
     keys = keys.to(dtype)
     lead = lo - (c0 * size - shift)
