@@ -80,7 +80,11 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, *, has_bi
             and not (needs_grad and head_dim > 192 and capability in ((8, 6), (8, 9)))):
         return CUDA_FLASH
     efficient_dtypes = (torch.float16, torch.float32) + ((torch.bfloat16,) if capability >= (8, 0) else ())
-    if efficient_enabled and dtype in efficient_dtypes and capability >= (5, 0):
+    # Its kernels load rows in 128-bit vectors: a head_dim off that grid (8 half / 4 float elements)
+    # raises "query is not correctly aligned" (seen on an H100 at 20 and 300). sdpa pads such
+    # heads; they are rare enough here to take the math path instead.
+    aligned = head_dim % (8 if dtype in _HALF else 4) == 0
+    if efficient_enabled and dtype in efficient_dtypes and capability >= (5, 0) and aligned:
         return CUDA_EFFICIENT
     return CUDA_MATH
 
