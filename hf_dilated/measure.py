@@ -43,13 +43,16 @@ def sync(device: torch.device) -> None:
 
 
 def time_calls(step: Callable[[], object], device: torch.device, warmup: int, repeats: int,
-               before: Callable[[], object] | None = None) -> dict:
+               before: Callable[[], object] | None = None, budget_s: float | None = None) -> dict:
     """`warmup` untimed calls, then `repeats` (at least 1) timed ones; `before` runs untimed ahead
-    of each timed call (a barrier of a process group)."""
+    of each timed call (a barrier of a process group). With `budget_s`, the timed calls stop once
+    they took that long in all and at least 3 ran (a 128K case then costs seconds, not a minute)."""
     for _ in range(warmup):
         step()
     times = []
     for _ in range(max(1, repeats)):
+        if budget_s is not None and len(times) >= 3 and sum(times) > budget_s:
+            break
         if before is not None:
             before()
         sync(device)

@@ -639,3 +639,20 @@ def test_gpu_table_measures_every_row_on_cpu_at_tiny_sizes(tmp_path):
         else:
             assert row["ours_t"] > 0 and row["base_t"] > 0 and row["speed"] > 0 and not row["why"], row
     assert not [line for line in lines if "not run" in line and not line.startswith("| CUDA tests")]
+
+
+def test_time_calls_stops_at_its_budget_after_three_calls():
+    import time
+
+    from hf_dilated import measure
+
+    calls = []
+
+    def step():
+        calls.append(1)
+        time.sleep(0.05)
+
+    timed = measure.time_calls(step, torch.device("cpu"), warmup=1, repeats=10, budget_s=0.12)
+    assert len(timed["times_s"]) == 3 and len(calls) == 4
+    calls.clear()
+    assert len(measure.time_calls(step, torch.device("cpu"), warmup=0, repeats=5)["times_s"]) == 5 == len(calls)

@@ -510,3 +510,102 @@ def test_far_block_turns_equal_rotating_each_key(size, group):
     assert (rotate_with(keys, cos.flatten(1, 2), sin.flatten(1, 2)) - expected).abs().max().item() < 1e-9
     with pytest.raises(ValueError, match="must divide the block size"):
         far_block_turns(blocks, 6, 4, inv_freq, torch.float64)
+
+
+# The FlexAttention far path (ops/sparse_far_flex.py: the CUDA default), run eagerly here: the
+# same BlockMask and mask_mod the compiled kernel gets. Rows of 300 keys span three 128-key tiles,
+# one partial; block sizes below, dividing and above the tile.
+FLEX_SETTINGS = [(None, 2, 4, 1), (24, 3, 16, 1), (40, 2, 48, 2), (32, 1, 200, 0), (20, 0, 8, 1), (16, 50, 32, 1)]
+
+
+@pytest.mark.parametrize("setting", FLEX_SETTINGS, ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
+@pytest.mark.parametrize("heads", ((4, 2), (2, 2)), ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("chunked", (False, True), ids=("one_call", "calls_of_128"))
+def test_flex_far_path_matches_reference_and_counts_its_pairs(setting, heads, chunked, monkeypatch):
+    from hf_dilated.ops import sparse_far_flex, sparse_far_plain
+
+    if chunked:
+        monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)  # 128 queries per call
+    window = 64
+    case = replace(BASE, layout="plain", kv_len=300, q_heads=heads[0], kv_heads=heads[1], batch=2)
+    q, k, v, _, _, _ = make_inputs(case, torch.float64)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    q_far, k_far = (t.detach() for t in far_inputs(q, k, 5))
+    kernel, ref_kw = sparse(setting)
+    scale = q.shape[-1] ** -0.5
+    with pair_count.counting() as tally:
+        out = sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, window, setting[0], kernel["far_selection"],
+                                                  scale, far_kernel="flex")
+    ref = local_band_reference(q, k, v, [512], [1], window, q_far=q_far, k_far=k_far, **ref_kw)
+    near, far_read = local_band_key_sets(q, k, [512], [1], window, q_far=q_far, k_far=k_far, **ref_kw)
+    assert (out - ref).abs().max().item() < TOL
+    assert tally.pairs == int((near | far_read).sum())
+
+
+@pytest.mark.parametrize("block_size", (16, 48, 200))
+def test_flex_block_mask_lists_every_tile_its_mask_reads(block_size, monkeypatch):
+    """FlexAttention computes only the tiles its BlockMask lists (the eager form used above applies
+    the mask_mod alone, so this is checked here): every (query, key) the mask_mod allows lies in a
+    listed tile, and with small blocks most tiles are not listed. Leaving out the selected tiles fails this test."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from hf_dilated.ops import far_selection, sparse_far_flex
+
+    case = replace(BASE, layout="plain", kv_len=700, q_heads=4, kv_heads=2, batch=2)
+    q, k, _, _, _, _ = make_inputs(case, torch.float64)
+    q_far, k_far = (t.detach() for t in far_inputs(q, k, 6))
+    n, selection, s = 700, FarSelection(2, block_size, 1), 300
+    blocks = far_selection.Blocks(torch.arange(n).div(block_size, rounding_mode="floor").expand(2, n), None,
+                                  -(-n // block_size))
+    mn, mx = far_selection.summaries(k_far, blocks)
+
+    def listed_and_read(block_mask):
+        allowed = create_mask(block_mask.mask_mod, 2, 4, n - s, n, device="cpu")  # (b, h, q, k)
+        tiles = block_mask.to_dense().bool()  # (b, h, q tiles, k tiles)
+        tiles = tiles.repeat_interleave(128, 2).repeat_interleave(128, 3)[:, :, :n - s, :n]
+        return tiles, allowed
+
+    tiles, allowed = listed_and_read(sparse_far_flex.chunk_block_mask(q_far[:, :, s:], mn, mx, s, n, 64, selection))
+    assert allowed.any() and not (allowed & ~tiles).any()
+    if block_size < 128:  # 3 blocks of 200 cover most of 700 keys
+        assert tiles.float().mean() < 0.8
+    overlap = sparse_far_flex._tile_overlap
+    monkeypatch.setattr(sparse_far_flex, "_tile_overlap", lambda *a: torch.zeros_like(overlap(*a)))
+    tiles, allowed = listed_and_read(sparse_far_flex.chunk_block_mask(q_far[:, :, s:], mn, mx, s, n, 64, selection))
+    assert (allowed & ~tiles).any()
+
+
+def test_far_kernel_is_checked():
+    from hf_dilated.ops import sparse_far_plain
+
+    q = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="far_kernel"):
+        sparse_far_plain.sparse_far_forward(q, q, q, q, q, 4, None, FarSelection(1, 2, 1), 0.5, far_kernel="dense")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("chunked", (False, True), ids=("one_call", "calls_of_128"))
+def test_cuda_inference_matches_reference(dtype, chunked, monkeypatch):
+    """The CUDA inference path of sparse far keys (the band on flash's sliding window, the far keys
+    on compiled FlexAttention) against the float64 reference, on inputs rounded to `dtype` first
+    (so both rank the same blocks): 1,000 keys, bands of 256 inside and 128 past the window."""
+    from hf_dilated.ops import sparse_far_flex
+
+    if chunked:
+        monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)
+    calls = []
+    real = sparse_far_flex.far_attention
+    monkeypatch.setattr(sparse_far_flex, "far_attention", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(21)
+    shapes = [(2, 4, 1000, 64), (2, 2, 1000, 64), (2, 2, 1000, 64), (2, 4, 1000, 64), (2, 2, 1000, 64)]
+    q, k, v, q_far, k_far = (torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes)
+    kw = dict(local_window=256, far_band=128)
+    with torch.no_grad():
+        out = dilated_attention(*(t.cuda() for t in (q, k, v)), [1024], [1], q_far=q_far.cuda(), k_far=k_far.cuda(),
+                                far_selection=FarSelection(4, 64, 1), **kw)
+        torch.cuda.synchronize()
+    ref = local_band_reference(*(t.double() for t in (q, k, v)), [1024], [1], 256, q_far=q_far.double(),
+                               k_far=k_far.double(), far_band=128, far_top_k=4, far_block_size=64, far_sinks=1)
+    err = (out.cpu().double() - ref).abs().max().item() / ref.abs().max().item()
+    assert calls and err < (1e-4 if dtype == torch.float32 else 2e-2), err

@@ -133,6 +133,23 @@ def attention_backward(dout, q, k, v, out, lse, *, is_causal: bool, scale: float
     )
 
 
+def band_forward(q, k, v, *, window: int, scale: float):
+    """(out, lse) of a band in one call, or None where no kernel has one (the CPU): queries are the
+    last q_len of the kv_len keys (bottom-right aligned, q_len <= kv_len) and query i reads the keys
+    j with i - window < j <= i. On CUDA flash's sliding window (window_size_left = window - 1, and
+    is_causal, which sets window_size_right to 0)."""
+    if q.device.type != "cuda" or q.shape[2] > k.shape[2] or q.shape[2] == 0:
+        return None
+    if _choose(q, k, is_causal=False, attn_bias=None, needs_grad=False) != CUDA_FLASH:
+        return None
+    n, m = q.shape[2], k.shape[2]
+    qt, kt, vt = (_flash_operand(t.transpose(1, 2)) for t in (q, k, v))
+    out, lse = _aten._flash_attention_forward(
+        qt, kt, vt, None, None, n, m, 0.0, True, False, scale=scale, window_size_left=window - 1, window_size_right=0
+    )[:2]
+    return out.transpose(1, 2), lse
+
+
 def forward_with(kernel: str, q, k, v, *, is_causal: bool, scale: float, attn_bias=None):
     """attention_forward on a named kernel (tests force each path with it)."""
     if kernel == CUDA_FLASH:

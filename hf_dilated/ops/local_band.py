@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import far_selection, pair_count
+from . import backend, far_selection, pair_count
 from .backend import attention_backward, attention_forward
 from .far_selection import FarSelection, band_widths
 from .merge import merge_dtype, merge_into
@@ -332,8 +332,14 @@ def _offset_causal(q, k, v, d: int, scale: float):
 def near_plain(q, k, v, out, lse, window: int, start: int, scale: float) -> None:
     """Merge into out/lse (float32 accumulators) the band of the queries from `start` on, for plain
     layouts: every key j with i - window < j <= i. Query blocks of `window` tokens: the diagonal
-    block is causal, the block's band before it, with queries and keys reversed, offset-causal."""
+    block is causal, the block's band before it, with queries and keys reversed, offset-causal.
+    On CUDA one call of flash's sliding window instead (backend.band_forward)."""
     n = q.shape[2]
+    lo = max(0, start - window + 1)
+    band = backend.band_forward(q[:, :, start:], k[:, :, lo:], v[:, :, lo:], window=window, scale=scale)
+    if band is not None:
+        merge_into(out[:, :, start:], lse[:, :, start:], band[0], band[1].to(lse.dtype))
+        return
     block = min(window, n)
     for s in range(start, n, block):
         e = min(n, s + block)

@@ -9,14 +9,16 @@ rows that chose the block against its B keys. The work is the pairs the selectio
 over the union of a chunk's blocks would read every block any of its queries chose (CPU flash
 attention does not skip masked keys; 38 blocks per 64 queries on SmolLM2, for 9 chosen each).
 Queries before `window` read every key exactly (one causal call); the band of the others is
-local_band.near_plain's. Used for prefill without autograd (inference); training takes
+local_band.near_plain's. On CUDA the far keys go to sparse_far_flex instead (one FlexAttention
+call per chunk of queries, same set): there a launch per block is the cost. Used for prefill
+without autograd (inference); training takes
 local_band's masked calls, which compute the same set.
 """
 from __future__ import annotations
 
 import torch
 
-from . import far_selection, pair_count
+from . import far_selection, pair_count, sparse_far_flex
 from .backend import attention_forward
 from .far_selection import FarSelection
 from .local_band import near_plain
@@ -39,7 +41,14 @@ def applies(plain: bool, q, k, segment_lengths, dilation_rates, is_causal, slidi
 
 
 def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None, selection: FarSelection,
-                       scale: float):
+                       scale: float, far_kernel: str | None = None):
+    """far_kernel: "blocks" (the products below) or "flex" (sparse_far_flex: one FlexAttention
+    call per chunk of queries); None: flex on CUDA (where torch has it), blocks elsewhere. Both
+    compute the same set."""
+    if far_kernel is None:
+        far_kernel = "flex" if q.device.type == "cuda" and sparse_far_flex.AVAILABLE else "blocks"
+    if far_kernel not in ("blocks", "flex"):
+        raise ValueError(f"far_kernel must be 'blocks' or 'flex', got {far_kernel!r}")
     batch, n_heads, n, dim = q.shape
     acc = merge_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -60,6 +69,9 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
     blocks = far_selection.Blocks(torch.arange(n, device=q.device).div(size, rounding_mode="floor").expand(batch, n),
                                   None, n_blocks)
     mn, mx = far_selection.summaries(k_far, blocks)
+    if far_kernel == "flex":
+        sparse_far_flex.far_attention(q_far, k_far, v, out, lse, head, band, selection, scale, mn, mx)
+        return out.to(q.dtype)
     for b in range(batch):
         _far_by_block(q_far[b], k_far[b], v[b], out[b], lse[b], head, band, selection, scale,
                       mn[b], mx[b])

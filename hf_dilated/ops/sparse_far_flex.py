@@ -1,0 +1,121 @@
+"""Sparse far keys (docs/contract.md 4.2) on plain layouts, on FlexAttention: the CUDA path.
+
+The same set as sparse_far_plain's block-by-block products (every query reads the far keys of its
+sink blocks and of its selected blocks, j <= i - band), computed the way a GPU wants it: per chunk
+of queries, the selection (bounds, top-k) as a few batched operations, then ONE FlexAttention call
+whose BlockMask lists, per (head, 128 queries), the 128-key tiles some query of the tile selected
+and whose mask_mod reads each query's own selection. FlexAttention skips every tile not listed, so
+the work is the union of a query tile's selections (not every far key), and nothing is read back
+to the host: the plan is built on the device.
+
+The block-by-block loop is right for the CPU (its flash kernel does not skip masked keys), but on
+a GPU it is one small launch per (kv head, block) and two reads back per chunk: 1.07 s for a
+16K prefill of two layers on an H100, where sdpa took 21 ms (gpu-check, 2026-11-26).
+
+Compiled on CUDA (torch.compile of flex_attention, once per shape); elsewhere the eager
+FlexAttention, which computes the same set from the same BlockMask (tests run it on the CPU,
+whose compiled FlexAttention returns no log-sum-exp).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # torch >= 2.5
+    from torch.nn.attention import flex_attention as _flex
+except ImportError:  # pragma: no cover - the package's oldest torch
+    _flex = None
+
+from . import far_selection, pair_count
+from .far_selection import FarSelection
+from .merge import merge_into
+
+AVAILABLE = _flex is not None
+TILE = 128  # FlexAttention's default tile (queries x keys) of a BlockMask
+_BOUND_ELEMENTS = 1 << 27  # bounds per chunk of queries (heads x queries x blocks) at most
+_MAX_CHUNK = 8192
+
+
+def query_chunk(n_heads: int, n_blocks: int) -> int:
+    """Queries per FlexAttention call: a multiple of TILE whose bounds stay under _BOUND_ELEMENTS."""
+    fit = _BOUND_ELEMENTS // (n_heads * n_blocks)
+    return max(TILE, min(_MAX_CHUNK, fit // TILE * TILE))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    return torch.compile(_flex.flex_attention, dynamic=False)
+
+
+def _flex_call(q, k, v, block_mask, scale):
+    """(out, lse) of one FlexAttention call; lse natural-log, -inf (out 0) for a row with no key."""
+    fn = _compiled() if q.device.type == "cuda" else _flex.flex_attention
+    aux = getattr(_flex, "AuxRequest", None)
+    if aux is not None:
+        out, extra = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=aux(lse=True))
+        return out, extra.lse
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
+
+
+def _tile_overlap(n_blocks: int, n_tiles: int, block_size: int, device) -> torch.Tensor:
+    """float (n_blocks, n_tiles): 1 where selection block c shares a key with key tile t."""
+    c = torch.arange(n_blocks, device=device)[:, None]
+    t = torch.arange(n_tiles, device=device)[None, :]
+    return ((c * block_size < (t + 1) * TILE) & (t * TILE < (c + 1) * block_size)).float()
+
+
+def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: FarSelection, scale: float,
+                  mn, mx) -> None:
+    """Merge into out/lse ((batch, heads, n, d) / (batch, heads, n), float32) the far keys every
+    query from `start` on selects: keys j <= i - band in its sink blocks and its top_k blocks by
+    Quest's bound from the summaries (mn, mx) (far_selection)."""
+    n_heads, n = q_far.shape[1], q_far.shape[2]
+    chunk = query_chunk(n_heads, mn.shape[2])
+    lo = start
+    while lo < n:
+        e = min(n, lo + chunk)
+        # Every call of a row has one shape (one compile per sequence length): the last chunk is
+        # moved back to end at n, and merges only the rows not merged yet.
+        s = max(start, e - chunk)
+        block_mask = chunk_block_mask(q_far[:, :, s:e], mn, mx, s, n, band, selection, tally_from=lo - s)
+        o, part = _flex_call(q_far[:, :, s:e], k_far, v, block_mask, scale)
+        merge_into(out[:, :, lo:e], lse[:, :, lo:e], o[:, :, lo - s:], part[:, :, lo - s:].to(lse.dtype))
+        lo = e
+
+
+def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarSelection, tally_from: int = 0):
+    """The BlockMask of queries s .. s + len - 1 over n keys: its mask_mod reads each query's own
+    selection (sink blocks and top_k blocks, keys j <= i - band); its tiles are those some query of
+    a 128-query tile selected a block of. pair_count tallies its rows from `tally_from` on."""
+    batch, n_heads, queries, _ = q_chunk.shape
+    size, n_blocks, device = selection.block_size, mn.shape[2], q_chunk.device
+    # Captured tensors are indexed by every (query, key) of the padded tiles: pad them so that no
+    # index past the sequence reads outside them.
+    n_tiles = -(-n // TILE)
+    rows = -(-queries // TILE) * TILE
+    padded_blocks = (n_tiles * TILE - 1) // size + 1
+    number = torch.arange(padded_blocks, device=device)
+    last = torch.arange(s, s + rows, device=device) - band  # the last far key of each query
+    reach = number[None, :] * size <= last[:, None]  # (rows, blocks): the block holds a far key
+    reach[queries:] = False
+    sink = reach & (number[None, :] < selection.sinks)
+    bound = far_selection.bounds(q_chunk, mn, mx)  # (batch, heads, queries, n_blocks)
+    bound = torch.nn.functional.pad(bound, (0, padded_blocks - n_blocks, 0, rows - queries), value=float("-inf"))
+    chosen = far_selection.select(bound, (reach & ~sink).expand(batch, n_heads, -1, -1), selection.top_k) | sink
+    if pair_count.TALLY.active:  # per chosen block, its keys up to the query's last far key
+        keys = (last[:, None] - number[None, :] * size + 1).clamp(0, size)
+        pair_count.TALLY.pairs += int((chosen * keys)[:, :, tally_from:].sum())
+    # Per (query tile, key tile): whether some query of the tile chose a block overlapping the key
+    # tile; the listed tiles first, in key order.
+    per_tile = chosen.unflatten(2, (rows // TILE, TILE)).any(3)  # (batch, heads, q tiles, blocks)
+    listed = (per_tile.float() @ _tile_overlap(padded_blocks, n_tiles, size, device)) > 0
+    kv_indices = torch.argsort((~listed).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
+    kv_count = listed.sum(-1, dtype=torch.int32)
+    first = torch.tensor(s - band, device=device)  # key <= query + first; a tensor: one compile per shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return chosen[b, h, q_idx, kv_idx // size] & (kv_idx <= q_idx + first)
+
+    return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
+                                          seq_lengths=(queries, n))
