@@ -19,6 +19,7 @@ whose compiled FlexAttention returns no log-sum-exp).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -35,6 +36,7 @@ AVAILABLE = _flex is not None
 TILE = 128  # FlexAttention's default tile (queries x keys) of a BlockMask
 _BOUND_ELEMENTS = 1 << 27  # bounds per chunk of queries (heads x queries x blocks) at most
 _MAX_CHUNK = 8192
+_FAILED: str | None = None  # why FlexAttention could not run in this process, once it failed
 
 
 def query_chunk(n_heads: int, n_blocks: int) -> int:
@@ -66,10 +68,15 @@ def _tile_overlap(n_blocks: int, n_tiles: int, block_size: int, device) -> torch
 
 
 def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: FarSelection, scale: float,
-                  mn, mx) -> None:
+                  mn, mx) -> bool:
     """Merge into out/lse ((batch, heads, n, d) / (batch, heads, n), float32) the far keys every
     query from `start` on selects: keys j <= i - band in its sink blocks and its top_k blocks by
-    Quest's bound from the summaries (mn, mx) (far_selection)."""
+    Quest's bound from the summaries (mn, mx) (far_selection). Returns False, having merged
+    nothing, where FlexAttention failed to build its kernel in this process (warned once): the
+    caller then takes the block-by-block path."""
+    global _FAILED
+    if _FAILED is not None:
+        return False
     n_heads, n = q_far.shape[1], q_far.shape[2]
     chunk = query_chunk(n_heads, mn.shape[2])
     lo = start
@@ -79,9 +86,20 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
         # moved back to end at n, and merges only the rows not merged yet.
         s = max(start, e - chunk)
         block_mask = chunk_block_mask(q_far[:, :, s:e], mn, mx, s, n, band, selection, tally_from=lo - s)
-        o, part = _flex_call(q_far[:, :, s:e], k_far, v, block_mask, scale)
+        try:
+            o, part = _flex_call(q_far[:, :, s:e], k_far, v, block_mask, scale)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # the first call compiles (every call has its shape): a build failure
+            if lo != start:
+                raise
+            _FAILED = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"hf_dilated: FlexAttention failed here ({_FAILED[:500]}); sparse far keys take the "
+                          "block-by-block path from now on (correct, but slow on a GPU)", RuntimeWarning, stacklevel=2)
+            return False
         merge_into(out[:, :, lo:e], lse[:, :, lo:e], o[:, :, lo - s:], part[:, :, lo - s:].to(lse.dtype))
         lo = e
+    return True
 
 
 def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarSelection, tally_from: int = 0):

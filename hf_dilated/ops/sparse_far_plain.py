@@ -69,8 +69,8 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
     blocks = far_selection.Blocks(torch.arange(n, device=q.device).div(size, rounding_mode="floor").expand(batch, n),
                                   None, n_blocks)
     mn, mx = far_selection.summaries(k_far, blocks)
-    if far_kernel == "flex":
-        sparse_far_flex.far_attention(q_far, k_far, v, out, lse, head, band, selection, scale, mn, mx)
+    if far_kernel == "flex" and sparse_far_flex.far_attention(q_far, k_far, v, out, lse, head, band, selection,
+                                                               scale, mn, mx):
         return out.to(q.dtype)
     for b in range(batch):
         _far_by_block(q_far[b], k_far[b], v[b], out[b], lse[b], head, band, selection, scale,
