@@ -322,3 +322,19 @@ def test_sparse_far_prefill_reads_back_twice_per_query_chunk(monkeypatch):
     chunks = -(-(1024 - 256) // sparse_far_plain.query_chunk(heads, blocks))
     assert chunks == 12
     assert 0 < fwd.total <= 2 * chunks, dict(fwd.sites)
+
+
+def test_sparse_far_flex_plan_reads_nothing_back():
+    """The CUDA prefill path of sparse far keys (ops/sparse_far_flex.py) builds each call's
+    selection and BlockMask on the device: no read back and no copy from the host (it had two
+    host-made scalars)."""
+    from hf_dilated.ops import far_selection, sparse_far_flex
+    from hf_dilated.ops.far_selection import FarSelection
+
+    q, k, _ = _qkv(n=1024, grad=False)
+    blocks = far_selection.Blocks(torch.arange(1024).div(16, rounding_mode="floor").expand(q.shape[0], 1024), None, 64)
+    mn, mx = far_selection.summaries(k, blocks)
+    plan, block_mask = count_syncs(lambda: sparse_far_flex.chunk_block_mask(q[:, :, 256:], mn, mx, 256, 1024, 128,
+                                                                           FarSelection(2, 16, 1)))
+    assert block_mask.kv_num_blocks.shape[-1] == (1024 - 256) // 128
+    assert_no_syncs(plan, "sparse far flex plan")

@@ -116,7 +116,7 @@ def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarS
     number = torch.arange(padded_blocks, device=device)
     last = torch.arange(s, s + rows, device=device) - band  # the last far key of each query
     reach = number[None, :] * size <= last[:, None]  # (rows, blocks): the block holds a far key
-    reach[queries:] = False
+    reach[queries:].fill_(False)
     sink = reach & (number[None, :] < selection.sinks)
     bound = far_selection.bounds(q_chunk, mn, mx)  # (batch, heads, queries, n_blocks)
     bound = torch.nn.functional.pad(bound, (0, padded_blocks - n_blocks, 0, rows - queries), value=float("-inf"))
@@ -130,7 +130,8 @@ def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarS
     listed = (per_tile.float() @ _tile_overlap(padded_blocks, n_tiles, size, device)) > 0
     kv_indices = torch.argsort((~listed).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
     kv_count = listed.sum(-1, dtype=torch.int32)
-    first = torch.tensor(s - band, device=device)  # key <= query + first; a tensor: one compile per shape
+    # key <= query + first; a tensor (filled on the device: no copy from the host): one compile per shape
+    first = torch.full((), s - band, dtype=torch.long, device=device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return chosen[b, h, q_idx, kv_idx // size] & (kv_idx <= q_idx + first)
