@@ -4,7 +4,6 @@ against a float64 reference (marked `cuda`: skipped without a GPU)."""
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch

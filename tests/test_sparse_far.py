@@ -596,6 +596,29 @@ def test_flex_build_failure_falls_back_to_blocks_with_a_warning(monkeypatch):
     assert sparse_far_flex._FAILED.startswith("RuntimeError")
 
 
+def test_flex_calls_have_one_shape_per_power_of_two(monkeypatch):
+    """Rows of 300 and 400 keys call FlexAttention with the same shapes (keys padded to 512, query
+    rows to one chunk), so a compiled kernel serves both; the results stay the reference's."""
+    from hf_dilated.ops import sparse_far_flex, sparse_far_plain
+
+    shapes = []
+    real = sparse_far_flex._flex_call
+    monkeypatch.setattr(sparse_far_flex, "_flex_call",
+                        lambda q, k, v, bm, sc: shapes.append((q.shape, k.shape, bm.shape)) or real(q, k, v, bm, sc))
+    for n in (300, 400):
+        case = replace(BASE, layout="plain", kv_len=n)
+        q, k, v, _, _, _ = make_inputs(case, torch.float64)
+        q, k, v = q.detach(), k.detach(), v.detach()
+        q_far, k_far = (t.detach() for t in far_inputs(q, k, 5))
+        out = sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, 64, 32, FarSelection(2, 16, 1),
+                                                  q.shape[-1] ** -0.5, far_kernel="flex")
+        ref = local_band_reference(q, k, v, [512], [1], 64, q_far=q_far, k_far=k_far, far_band=32, far_top_k=2,
+                                   far_block_size=16, far_sinks=1)
+        assert (out - ref).abs().max().item() < TOL
+    assert len(shapes) == 2 and shapes[0] == shapes[1], shapes
+    assert shapes[0][1][2] == 512
+
+
 def test_far_kernel_is_checked():
     from hf_dilated.ops import sparse_far_plain
 

@@ -12,7 +12,8 @@ The block-by-block loop is right for the CPU (its flash kernel does not skip mas
 a GPU it is one small launch per (kv head, block) and two reads back per chunk: 1.07 s for a
 16K prefill of two layers on an H100, where sdpa took 21 ms (gpu-check, 2026-11-26).
 
-Compiled on CUDA (torch.compile of flex_attention, once per shape); elsewhere the eager
+Compiled on CUDA (torch.compile of flex_attention, once per power of two of the length: keys and
+query rows are padded to one shape per bucket); elsewhere the eager
 FlexAttention, which computes the same set from the same BlockMask (tests run it on the CPU,
 whose compiled FlexAttention returns no log-sum-exp).
 """
@@ -60,6 +61,11 @@ def _flex_call(q, k, v, block_mask, scale):
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
 
 
+def _length_bucket(n: int) -> int:
+    """The key length a FlexAttention call is compiled for: the power of two at or above n."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _tile_overlap(n_blocks: int, n_tiles: int, block_size: int, device) -> torch.Tensor:
     """float (n_blocks, n_tiles): 1 where selection block c shares a key with key tile t."""
     c = torch.arange(n_blocks, device=device)[:, None]
@@ -78,16 +84,25 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     if _FAILED is not None:
         return False
     n_heads, n = q_far.shape[1], q_far.shape[2]
-    chunk = query_chunk(n_heads, mn.shape[2])
+    # Every call has one shape per power of two of the length (one compile for all the lengths in
+    # it, where one per length would recompile at each new prompt): the keys are padded to it (no
+    # query reaches a padded key, and no tile of them is listed: they cost memory, not work), every
+    # call takes `chunk` query rows, the last chunk moved back to end at n (merging only the rows
+    # not merged yet), a row shorter than a chunk padded with queries that read nothing.
+    n_keys = _length_bucket(n)
+    if n_keys > n:
+        k_far, v = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) for t in (k_far, v))
+    chunk = min(query_chunk(n_heads, -(-n_keys // selection.block_size)), max(TILE, n_keys))
     lo = start
     while lo < n:
         e = min(n, lo + chunk)
-        # Every call of a row has one shape (one compile per sequence length): the last chunk is
-        # moved back to end at n, and merges only the rows not merged yet.
         s = max(start, e - chunk)
-        block_mask = chunk_block_mask(q_far[:, :, s:e], mn, mx, s, n, band, selection, tally_from=lo - s)
+        q_chunk = q_far[:, :, s:e]
+        if e - s < chunk:
+            q_chunk = torch.nn.functional.pad(q_chunk, (0, 0, 0, chunk - (e - s)))
+        block_mask = chunk_block_mask(q_chunk, mn, mx, s, n_keys, band, selection, tally_from=lo - s, queries=e - s)
         try:
-            o, part = _flex_call(q_far[:, :, s:e], k_far, v, block_mask, scale)
+            o, part = _flex_call(q_chunk, k_far, v, block_mask, scale)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # the first call compiles (every call has its shape): a build failure
@@ -97,21 +112,24 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
             warnings.warn(f"hf_dilated: FlexAttention failed here ({_FAILED[:500]}); sparse far keys take the "
                           "block-by-block path from now on (correct, but slow on a GPU)", RuntimeWarning, stacklevel=2)
             return False
-        merge_into(out[:, :, lo:e], lse[:, :, lo:e], o[:, :, lo - s:], part[:, :, lo - s:].to(lse.dtype))
+        merge_into(out[:, :, lo:e], lse[:, :, lo:e], o[:, :, lo - s:e - s], part[:, :, lo - s:e - s].to(lse.dtype))
         lo = e
     return True
 
 
-def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarSelection, tally_from: int = 0):
-    """The BlockMask of queries s .. s + len - 1 over n keys: its mask_mod reads each query's own
+def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarSelection, tally_from: int = 0,
+                     queries: int | None = None):
+    """The BlockMask of the queries s, s + 1, ... (rows of q_chunk; the first `queries` of them
+    real, the others padding that reads nothing) over n keys: its mask_mod reads each query's own
     selection (sink blocks and top_k blocks, keys j <= i - band); its tiles are those some query of
     a 128-query tile selected a block of. pair_count tallies its rows from `tally_from` on."""
-    batch, n_heads, queries, _ = q_chunk.shape
+    batch, n_heads, length, _ = q_chunk.shape
+    queries = length if queries is None else queries
     size, n_blocks, device = selection.block_size, mn.shape[2], q_chunk.device
     # Captured tensors are indexed by every (query, key) of the padded tiles: pad them so that no
     # index past the sequence reads outside them.
     n_tiles = -(-n // TILE)
-    rows = -(-queries // TILE) * TILE
+    rows = -(-length // TILE) * TILE
     padded_blocks = (n_tiles * TILE - 1) // size + 1
     number = torch.arange(padded_blocks, device=device)
     last = torch.arange(s, s + rows, device=device) - band  # the last far key of each query
@@ -119,7 +137,7 @@ def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarS
     reach[queries:].fill_(False)
     sink = reach & (number[None, :] < selection.sinks)
     bound = far_selection.bounds(q_chunk, mn, mx)  # (batch, heads, queries, n_blocks)
-    bound = torch.nn.functional.pad(bound, (0, padded_blocks - n_blocks, 0, rows - queries), value=float("-inf"))
+    bound = torch.nn.functional.pad(bound, (0, padded_blocks - n_blocks, 0, rows - length), value=float("-inf"))
     chosen = far_selection.select(bound, (reach & ~sink).expand(batch, n_heads, -1, -1), selection.top_k) | sink
     if pair_count.TALLY.active:  # per chosen block, its keys up to the query's last far key
         keys = (last[:, None] - number[None, :] * size + 1).clamp(0, size)
@@ -137,4 +155,4 @@ def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarS
         return chosen[b, h, q_idx, kv_idx // size] & (kv_idx <= q_idx + first)
 
     return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
-                                          seq_lengths=(queries, n))
+                                          seq_lengths=(length, n))
