@@ -334,7 +334,7 @@ def test_sparse_far_flex_plan_reads_nothing_back():
     q, k, _ = _qkv(n=1024, grad=False)
     blocks = far_selection.Blocks(torch.arange(1024).div(16, rounding_mode="floor").expand(q.shape[0], 1024), None, 64)
     mn, mx = far_selection.summaries(k, blocks)
-    plan, block_mask = count_syncs(lambda: sparse_far_flex.chunk_block_mask(q[:, :, 256:], mn, mx, 256, 1024, 128,
-                                                                           FarSelection(2, 16, 1)))
+    plan, (block_mask, _) = count_syncs(lambda: sparse_far_flex.chunk_block_mask(q[:, :, 256:], mn, mx, 256, 1024,
+                                                                                128, FarSelection(2, 16, 1)))
     assert block_mask.kv_num_blocks.shape[-1] == (1024 - 256) // 128
     assert_no_syncs(plan, "sparse far flex plan")

@@ -565,13 +565,13 @@ def test_flex_block_mask_lists_every_tile_its_mask_reads(block_size, monkeypatch
         tiles = tiles.repeat_interleave(128, 2).repeat_interleave(128, 3)[:, :, :n - s, :n]
         return tiles, allowed
 
-    tiles, allowed = listed_and_read(sparse_far_flex.chunk_block_mask(q_far[:, :, s:], mn, mx, s, n, 64, selection))
+    tiles, allowed = listed_and_read(sparse_far_flex.chunk_block_mask(q_far[:, :, s:], mn, mx, s, n, 64, selection)[0])
     assert allowed.any() and not (allowed & ~tiles).any()
     if block_size < 128:  # 3 blocks of 200 cover most of 700 keys
         assert tiles.float().mean() < 0.8
     overlap = sparse_far_flex._tile_overlap
     monkeypatch.setattr(sparse_far_flex, "_tile_overlap", lambda *a: torch.zeros_like(overlap(*a)))
-    tiles, allowed = listed_and_read(sparse_far_flex.chunk_block_mask(q_far[:, :, s:], mn, mx, s, n, 64, selection))
+    tiles, allowed = listed_and_read(sparse_far_flex.chunk_block_mask(q_far[:, :, s:], mn, mx, s, n, 64, selection)[0])
     assert (allowed & ~tiles).any()
 
 
@@ -587,12 +587,14 @@ def test_flex_build_failure_falls_back_to_blocks_with_a_warning(monkeypatch):
     q, k, v, _, _, _ = make_inputs(case, torch.float64)
     q, k, v = q.detach(), k.detach(), v.detach()
     q_far, k_far = (t.detach() for t in far_inputs(q, k, 5))
-    with pytest.warns(RuntimeWarning, match="no kernel for this device"):
+    with pytest.warns(RuntimeWarning, match="no kernel for this device"), pair_count.counting() as tally:
         out = sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, 64, 32, FarSelection(2, 16, 1),
                                                   q.shape[-1] ** -0.5, far_kernel="flex")
-    ref = local_band_reference(q, k, v, [512], [1], 64, q_far=q_far, k_far=k_far, far_band=32, far_top_k=2,
-                               far_block_size=16, far_sinks=1)
+    ref_kw = dict(far_band=32, far_top_k=2, far_block_size=16, far_sinks=1)
+    ref = local_band_reference(q, k, v, [512], [1], 64, q_far=q_far, k_far=k_far, **ref_kw)
+    near, far_read = local_band_key_sets(q, k, [512], [1], 64, q_far=q_far, k_far=k_far, **ref_kw)
     assert (out - ref).abs().max().item() < TOL
+    assert tally.pairs == int((near | far_read).sum())  # the failed chunk's pairs are not counted too
     assert sparse_far_flex._FAILED.startswith("RuntimeError")
 
 
@@ -617,6 +619,35 @@ def test_flex_calls_have_one_shape_per_power_of_two(monkeypatch):
         assert (out - ref).abs().max().item() < TOL
     assert len(shapes) == 2 and shapes[0] == shapes[1], shapes
     assert shapes[0][1][2] == 512
+
+
+def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):
+    """Compiled (dynamic=False, as on CUDA; here with the eager backend, which the CPU runs), rows
+    of 300, 400 and 500 keys in calls of 128 queries trace one graph: every operand has one shape
+    and one set of strides per power of two (a slice of a longer row traced one graph per length)."""
+    from hf_dilated.ops import sparse_far_flex, sparse_far_plain
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(sparse_far_flex._flex.flex_attention, backend=counting, dynamic=False)
+    monkeypatch.setattr(sparse_far_flex, "_kernel", lambda device: compiled)
+    monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)  # 128 queries per call
+    for n in (300, 400, 500):
+        case = replace(BASE, layout="plain", kv_len=n)
+        q, k, v, _, _, _ = make_inputs(case, torch.float64)
+        q_far, k_far = (t.detach() for t in far_inputs(q, k, 5))
+        out = sparse_far_plain.sparse_far_forward(q.detach(), k.detach(), v.detach(), q_far, k_far, 64, 32,
+                                                  FarSelection(2, 16, 1), q.shape[-1] ** -0.5, far_kernel="flex")
+        ref = local_band_reference(q.detach(), k.detach(), v.detach(), [512], [1], 64, q_far=q_far, k_far=k_far,
+                                   far_band=32, far_top_k=2, far_block_size=16, far_sinks=1)
+        assert (out - ref).abs().max().item() < TOL
+    torch._dynamo.reset()
+    assert len(graphs) == 1, len(graphs)
 
 
 def test_far_kernel_is_checked():

@@ -40,9 +40,10 @@ _MAX_CHUNK = 8192
 _FAILED: str | None = None  # why FlexAttention could not run in this process, once it failed
 
 
-def query_chunk(n_heads: int, n_blocks: int) -> int:
-    """Queries per FlexAttention call: a multiple of TILE whose bounds stay under _BOUND_ELEMENTS."""
-    fit = _BOUND_ELEMENTS // (n_heads * n_blocks)
+def query_chunk(rows: int, n_blocks: int) -> int:
+    """Queries per FlexAttention call: a multiple of TILE whose bounds (`rows` = batch x heads of
+    them per query) stay under _BOUND_ELEMENTS."""
+    fit = _BOUND_ELEMENTS // (rows * n_blocks)
     return max(TILE, min(_MAX_CHUNK, fit // TILE * TILE))
 
 
@@ -51,9 +52,14 @@ def _compiled():
     return torch.compile(_flex.flex_attention, dynamic=False)
 
 
+def _kernel(device: torch.device):
+    """FlexAttention compiled on CUDA; eager elsewhere (the CPU's compiled form returns no lse)."""
+    return _compiled() if device.type == "cuda" else _flex.flex_attention
+
+
 def _flex_call(q, k, v, block_mask, scale):
     """(out, lse) of one FlexAttention call; lse natural-log, -inf (out 0) for a row with no key."""
-    fn = _compiled() if q.device.type == "cuda" else _flex.flex_attention
+    fn = _kernel(q.device)
     aux = getattr(_flex, "AuxRequest", None)
     if aux is not None:
         out, extra = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=aux(lse=True))
@@ -83,24 +89,27 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     global _FAILED
     if _FAILED is not None:
         return False
-    n_heads, n = q_far.shape[1], q_far.shape[2]
+    batch, n_heads, n = q_far.shape[:3]
     # Every call has one shape per power of two of the length (one compile for all the lengths in
     # it, where one per length would recompile at each new prompt): the keys are padded to it (no
     # query reaches a padded key, and no tile of them is listed: they cost memory, not work), every
     # call takes `chunk` query rows, the last chunk moved back to end at n (merging only the rows
-    # not merged yet), a row shorter than a chunk padded with queries that read nothing.
+    # not merged yet), a row shorter than a chunk padded with queries that read nothing. Every
+    # operand is contiguous: a compiled call specialises on strides too, and a slice of a longer
+    # row has other strides.
     n_keys = _length_bucket(n)
-    if n_keys > n:
-        k_far, v = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) for t in (k_far, v))
-    chunk = min(query_chunk(n_heads, -(-n_keys // selection.block_size)), max(TILE, n_keys))
+    k_far, v = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else t.contiguous()
+                for t in (k_far, v))
+    chunk = min(query_chunk(batch * n_heads, -(-n_keys // selection.block_size)), max(TILE, n_keys))
     lo = start
     while lo < n:
         e = min(n, lo + chunk)
         s = max(start, e - chunk)
-        q_chunk = q_far[:, :, s:e]
+        q_chunk = q_far[:, :, s:e].contiguous()
         if e - s < chunk:
             q_chunk = torch.nn.functional.pad(q_chunk, (0, 0, 0, chunk - (e - s)))
-        block_mask = chunk_block_mask(q_chunk, mn, mx, s, n_keys, band, selection, tally_from=lo - s, queries=e - s)
+        block_mask, pairs = chunk_block_mask(q_chunk, mn, mx, s, n_keys, band, selection, tally_from=lo - s,
+                                             queries=e - s)
         try:
             o, part = _flex_call(q_chunk, k_far, v, block_mask, scale)
         except torch.OutOfMemoryError:
@@ -113,6 +122,8 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
                           "block-by-block path from now on (correct, but slow on a GPU)", RuntimeWarning, stacklevel=2)
             return False
         merge_into(out[:, :, lo:e], lse[:, :, lo:e], o[:, :, lo - s:e - s], part[:, :, lo - s:e - s].to(lse.dtype))
+        if pairs is not None:  # counted once merged: a fallback counts its own
+            pair_count.TALLY.pairs += pairs
         lo = e
     return True
 
@@ -122,7 +133,8 @@ def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarS
     """The BlockMask of the queries s, s + 1, ... (rows of q_chunk; the first `queries` of them
     real, the others padding that reads nothing) over n keys: its mask_mod reads each query's own
     selection (sink blocks and top_k blocks, keys j <= i - band); its tiles are those some query of
-    a 128-query tile selected a block of. pair_count tallies its rows from `tally_from` on."""
+    a 128-query tile selected a block of. Returns (block_mask, pairs): the pairs its rows from
+    `tally_from` on read, counted while pair_count is tallying (else None)."""
     batch, n_heads, length, _ = q_chunk.shape
     queries = length if queries is None else queries
     size, n_blocks, device = selection.block_size, mn.shape[2], q_chunk.device
@@ -139,9 +151,10 @@ def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarS
     bound = far_selection.bounds(q_chunk, mn, mx)  # (batch, heads, queries, n_blocks)
     bound = torch.nn.functional.pad(bound, (0, padded_blocks - n_blocks, 0, rows - length), value=float("-inf"))
     chosen = far_selection.select(bound, (reach & ~sink).expand(batch, n_heads, -1, -1), selection.top_k) | sink
+    pairs = None
     if pair_count.TALLY.active:  # per chosen block, its keys up to the query's last far key
         keys = (last[:, None] - number[None, :] * size + 1).clamp(0, size)
-        pair_count.TALLY.pairs += int((chosen * keys)[:, :, tally_from:].sum())
+        pairs = int((chosen * keys)[:, :, tally_from:].sum())
     # Per (query tile, key tile): whether some query of the tile chose a block overlapping the key
     # tile; the listed tiles first, in key order.
     per_tile = chosen.unflatten(2, (rows // TILE, TILE)).any(3)  # (batch, heads, q tiles, blocks)
@@ -155,4 +168,4 @@ def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarS
         return chosen[b, h, q_idx, kv_idx // size] & (kv_idx <= q_idx + first)
 
     return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
-                                          seq_lengths=(length, n))
+                                          seq_lengths=(length, n)), pairs
