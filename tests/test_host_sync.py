@@ -338,3 +338,32 @@ def test_sparse_far_flex_plan_reads_nothing_back():
                                                                                 128, FarSelection(2, 16, 1)))
     assert block_mask.kv_num_blocks.shape[-1] == (1024 - 256) // 128
     assert_no_syncs(plan, "sparse far flex plan")
+
+
+def test_sparse_far_flex_prefill_steady_state_has_no_sync(monkeypatch):
+    """The CUDA inference path of sparse far keys (selection, BlockMasks, merges) reads nothing
+    back in a second call. The FlexAttention call itself runs outside the counter: on CUDA it is
+    one compiled kernel, and the eager form used here compiles its own wrapper, which no dispatch
+    mode may watch."""
+    import warnings
+
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from hf_dilated.ops import sparse_far_flex, sparse_far_plain
+    from hf_dilated.ops.far_selection import FarSelection
+
+    flex_call = sparse_far_flex._flex_call
+
+    def unwatched(*args):
+        with _disable_current_modes():
+            return flex_call(*args)
+
+    monkeypatch.setattr(sparse_far_flex, "_flex_call", unwatched)
+    q, k, v = _qkv(n=1024, grad=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to the block path would warn
+        call = lambda: sparse_far_plain.sparse_far_forward(q, k, v, q, k, 256, 128, FarSelection(2, 16, 1), 0.125,
+                                                           far_kernel="flex")
+        call()
+        fwd, _ = count_syncs(call)
+    assert_no_syncs(fwd, "sparse far flex prefill")

@@ -121,3 +121,18 @@ def select(bound: torch.Tensor, candidate: torch.Tensor, top_k: int) -> torch.Te
     k = min(top_k, scores.shape[-1])
     kth = scores.topk(k, dim=-1).values[..., -1:]
     return candidate & (scores >= kth)
+
+
+def plain_choice(q_far: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, first_query: int, band: int,
+                 selection: FarSelection) -> torch.Tensor:
+    """bool (batch, heads, queries, blocks of mn): on a plain row (one document, positions the
+    indices, block c the keys c * B .. c * B + B - 1), the blocks that query i = first_query + t
+    reads beyond its band: its sink blocks and its top_k other blocks, among those holding a far
+    key j <= i - band. The one rule of the plain inference paths (sparse_far_plain, sparse_far_flex)."""
+    batch, n_heads, queries, _ = q_far.shape
+    number = torch.arange(mn.shape[2], device=q_far.device)
+    last = torch.arange(first_query, first_query + queries, device=q_far.device) - band  # each query's last far key
+    reach = number[None, :] * selection.block_size <= last[:, None]  # (queries, blocks): the block holds a far key
+    sink = reach & (number[None, :] < selection.sinks)
+    candidate = (reach & ~sink).expand(batch, n_heads, -1, -1)
+    return select(bounds(q_far, mn, mx), candidate, selection.top_k) | sink

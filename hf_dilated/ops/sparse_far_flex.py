@@ -135,7 +135,7 @@ def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarS
     selection (sink blocks and top_k blocks, keys j <= i - band); its tiles are those some query of
     a 128-query tile selected a block of. Returns (block_mask, pairs): the pairs its rows from
     `tally_from` on read, counted while pair_count is tallying (else None)."""
-    batch, n_heads, length, _ = q_chunk.shape
+    length = q_chunk.shape[2]
     queries = length if queries is None else queries
     size, n_blocks, device = selection.block_size, mn.shape[2], q_chunk.device
     # Captured tensors are indexed by every (query, key) of the padded tiles: pad them so that no
@@ -143,18 +143,14 @@ def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarS
     n_tiles = -(-n // TILE)
     rows = -(-length // TILE) * TILE
     padded_blocks = (n_tiles * TILE - 1) // size + 1
-    number = torch.arange(padded_blocks, device=device)
-    last = torch.arange(s, s + rows, device=device) - band  # the last far key of each query
-    reach = number[None, :] * size <= last[:, None]  # (rows, blocks): the block holds a far key
-    reach[queries:].fill_(False)
-    sink = reach & (number[None, :] < selection.sinks)
-    bound = far_selection.bounds(q_chunk, mn, mx)  # (batch, heads, queries, n_blocks)
-    bound = torch.nn.functional.pad(bound, (0, padded_blocks - n_blocks, 0, rows - length), value=float("-inf"))
-    chosen = far_selection.select(bound, (reach & ~sink).expand(batch, n_heads, -1, -1), selection.top_k) | sink
+    chosen = far_selection.plain_choice(q_chunk[:, :, :queries], mn, mx, s, band, selection)
     pairs = None
     if pair_count.TALLY.active:  # per chosen block, its keys up to the query's last far key
-        keys = (last[:, None] - number[None, :] * size + 1).clamp(0, size)
+        last = torch.arange(s, s + queries, device=device) - band
+        keys = (last[:, None] - torch.arange(n_blocks, device=device)[None, :] * size + 1).clamp(0, size)
         pairs = int((chosen * keys)[:, :, tally_from:].sum())
+    # padding rows and blocks read nothing
+    chosen = torch.nn.functional.pad(chosen, (0, padded_blocks - n_blocks, 0, rows - queries), value=False)
     # Per (query tile, key tile): whether some query of the tile chose a block overlapping the key
     # tile; the listed tiles first, in key order.
     per_tile = chosen.unflatten(2, (rows // TILE, TILE)).any(3)  # (batch, heads, q tiles, blocks)

@@ -91,17 +91,12 @@ def _far_by_block(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     size = selection.block_size
     acc = out.dtype
     device = q_far.device
-    number = torch.arange(n_blocks, device=device)
     offsets = torch.arange(size, device=device)
     q_scaled = (q_far.to(acc) * scale).reshape(n_heads * n, dim)  # row h * n + i
     chunk = query_chunk(n_heads, n_blocks)
     for s in range(start, n, chunk):
         e = min(n, s + chunk)
-        last = torch.arange(s, e, device=device) - band  # the last far key of each query
-        reach = number[None, :] * size <= last[:, None]  # (queries, blocks): the block holds a far key
-        sink = reach & (number[None, :] < selection.sinks)
-        chosen = far_selection.select(far_selection.bounds(q_far[None, :, s:e], mn[None], mx[None]),
-                                      (reach & ~sink).expand(1, n_heads, -1, -1), selection.top_k) | sink
+        chosen = far_selection.plain_choice(q_far[None, :, s:e], mn[None], mx[None], s, band, selection)
         # (kv head, block, query, head of the group) in that order: each (kv head, block) is a run,
         # and in it the queries whose band starts inside the block (the earliest) come first
         found = chosen[0].unflatten(0, (kv_heads, group)).permute(0, 3, 2, 1).contiguous().nonzero()
