@@ -326,18 +326,25 @@ def test_sparse_far_prefill_reads_back_twice_per_query_chunk(monkeypatch):
 
 def test_sparse_far_flex_plan_reads_nothing_back():
     """The CUDA prefill path of sparse far keys (ops/sparse_far_flex.py) builds each call's
-    selection and BlockMask on the device: no read back and no copy from the host (it had two
-    host-made scalars)."""
+    selection and BlockMasks (by block and by query) on the device: no read back and no copy from
+    the host (it had two host-made scalars)."""
     from hf_dilated.ops import far_selection, sparse_far_flex
     from hf_dilated.ops.far_selection import FarSelection
 
     q, k, _ = _qkv(n=1024, grad=False)
     blocks = far_selection.Blocks(torch.arange(1024).div(16, rounding_mode="floor").expand(q.shape[0], 1024), None, 64)
     mn, mx = far_selection.summaries(k, blocks)
-    plan, (block_mask, _) = count_syncs(lambda: sparse_far_flex.chunk_block_mask(q[:, :, 256:], mn, mx, 256, 1024,
-                                                                                128, FarSelection(2, 16, 1)))
+    selection = FarSelection(2, 16, 1)
+
+    def plan():
+        chosen = far_selection.plain_choice(q[:, :, 256:], mn, mx, 256, 128, selection)
+        by_block = sparse_far_flex.by_block_plan(chosen, k.shape[1], 3, 256, 128, 16, 1024)
+        return sparse_far_flex.by_query_mask(chosen, 256, 1024, 128, 16), by_block
+
+    syncs, (block_mask, (_, by_block_mask, _)) = count_syncs(plan)
     assert block_mask.kv_num_blocks.shape[-1] == (1024 - 256) // 128
-    assert_no_syncs(plan, "sparse far flex plan")
+    assert by_block_mask.kv_num_blocks.shape[-1] == -(-q.shape[1] // k.shape[1] * (1024 - 256) * 3 // 128)
+    assert_no_syncs(syncs, "sparse far flex plan")
 
 
 def test_sparse_far_flex_prefill_steady_state_has_no_sync(monkeypatch):

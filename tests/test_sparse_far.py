@@ -414,6 +414,20 @@ def test_selection_settings_without_a_selection_are_an_error():
             DilatedConfig(segment_lengths=[32], dilation_rates=[1], local_window=16, **{name: 2})
 
 
+@pytest.mark.parametrize("k", (1, 3, 8))
+def test_kth_by_maxima_is_topks_last_value(k):
+    """The GPU's k-th largest (passes of max and count) equals topk's, ties and -inf included."""
+    from hf_dilated.ops.far_selection import kth_by_maxima
+
+    g = torch.Generator().manual_seed(k)
+    scores = torch.randn(6, 40, 12, generator=g)
+    scores[0] = scores[0].round()  # many ties
+    scores[1, :, 5:] = float("-inf")  # fewer than k candidates in some rows
+    scores[2] = float("-inf")
+    scores[3, :, :4] = scores[3, :, :1]  # ties at the top
+    assert torch.equal(kth_by_maxima(scores, k), scores.topk(k, dim=-1).values[..., -1:])
+
+
 def test_tied_bounds_all_count():
     """Blocks whose bounds tie at the k-th largest are all read (docs/contract.md 4.2), in the kernel as
     in the reference: key blocks repeated exactly give equal summaries, hence equal bounds."""
@@ -522,8 +536,18 @@ FLEX_SETTINGS = [(None, 2, 4, 1), (24, 3, 16, 1), (40, 2, 48, 2), (32, 1, 200, 0
 @pytest.mark.parametrize("heads", ((4, 2), (2, 2)), ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("chunked", (False, True), ids=("one_call", "calls_of_128"))
 def test_flex_far_path_matches_reference_and_counts_its_pairs(setting, heads, chunked, monkeypatch):
+    check_flex_far_path(setting, heads, chunked, "by_block", monkeypatch)
+
+
+@pytest.mark.parametrize("setting", FLEX_SETTINGS[:4], ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
+def test_flex_far_path_by_query_matches_reference_and_counts_its_pairs(setting, monkeypatch):
+    check_flex_far_path(setting, (4, 2), True, "by_query", monkeypatch)
+
+
+def check_flex_far_path(setting, heads, chunked, layout, monkeypatch):
     from hf_dilated.ops import sparse_far_flex, sparse_far_plain
 
+    monkeypatch.setattr(sparse_far_flex, "LAYOUT", layout)
     if chunked:
         monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)  # 128 queries per call
     window = 64
@@ -542,11 +566,14 @@ def test_flex_far_path_matches_reference_and_counts_its_pairs(setting, heads, ch
     assert tally.pairs == int((near | far_read).sum())
 
 
+@pytest.mark.parametrize("layout", ("by_query", "by_block"))
 @pytest.mark.parametrize("block_size", (16, 48, 200))
-def test_flex_block_mask_lists_every_tile_its_mask_reads(block_size, monkeypatch):
+def test_flex_block_mask_lists_every_tile_its_mask_reads(block_size, layout, monkeypatch):
     """FlexAttention computes only the tiles its BlockMask lists (the eager form used above applies
-    the mask_mod alone, so this is checked here): every (query, key) the mask_mod allows lies in a
-    listed tile, and with small blocks most tiles are not listed. Leaving out the selected tiles fails this test."""
+    the mask_mod alone, so this is checked here): every (row, key) the mask_mod allows lies in a
+    listed tile, the allowed pairs are the chosen ones, and with small blocks most tiles are not
+    listed (by block, a few: a tile of rows holds one block or neighbours). Leaving out the
+    selected tiles fails this test."""
     from torch.nn.attention.flex_attention import create_mask
 
     from hf_dilated.ops import far_selection, sparse_far_flex
@@ -554,25 +581,59 @@ def test_flex_block_mask_lists_every_tile_its_mask_reads(block_size, monkeypatch
     case = replace(BASE, layout="plain", kv_len=700, q_heads=4, kv_heads=2, batch=2)
     q, k, _, _, _, _ = make_inputs(case, torch.float64)
     q_far, k_far = (t.detach() for t in far_inputs(q, k, 6))
-    n, selection, s = 700, FarSelection(2, block_size, 1), 300
+    n, selection, s, band = 700, FarSelection(2, block_size, 1), 300, 64
     blocks = far_selection.Blocks(torch.arange(n).div(block_size, rounding_mode="floor").expand(2, n), None,
                                   -(-n // block_size))
     mn, mx = far_selection.summaries(k_far, blocks)
+    chosen = far_selection.plain_choice(q_far[:, :, s:], mn, mx, s, band, selection)
 
-    def listed_and_read(block_mask):
-        allowed = create_mask(block_mask.mask_mod, 2, 4, n - s, n, device="cpu")  # (b, h, q, k)
-        tiles = block_mask.to_dense().bool()  # (b, h, q tiles, k tiles)
-        tiles = tiles.repeat_interleave(128, 2).repeat_interleave(128, 3)[:, :, :n - s, :n]
+    def listed_and_read():
+        if layout == "by_query":
+            block_mask, heads = sparse_far_flex.by_query_mask(chosen, s, n, band, block_size), 4
+        else:
+            block_mask = sparse_far_flex.by_block_plan(chosen, 2, selection.top_k + selection.sinks, s, band,
+                                                       block_size, n)[1]
+            heads = 2
+        rows = block_mask.seq_lengths[0]
+        allowed = create_mask(block_mask.mask_mod, 2, heads, rows, n, device="cpu")  # (b, h, rows, k)
+        tiles = block_mask.to_dense().bool()  # (b, h, row tiles, k tiles)
+        tiles = tiles.repeat_interleave(128, 2).repeat_interleave(128, 3)[:, :, :rows, :n]
         return tiles, allowed
 
-    tiles, allowed = listed_and_read(sparse_far_flex.chunk_block_mask(q_far[:, :, s:], mn, mx, s, n, 64, selection)[0])
+    tiles, allowed = listed_and_read()
     assert allowed.any() and not (allowed & ~tiles).any()
+    assert int(allowed.sum()) == sparse_far_flex.pairs_read(chosen, s, band, block_size)
     if block_size < 128:  # 3 blocks of 200 cover most of 700 keys
-        assert tiles.float().mean() < 0.8
-    overlap = sparse_far_flex._tile_overlap
-    monkeypatch.setattr(sparse_far_flex, "_tile_overlap", lambda *a: torch.zeros_like(overlap(*a)))
-    tiles, allowed = listed_and_read(sparse_far_flex.chunk_block_mask(q_far[:, :, s:], mn, mx, s, n, 64, selection)[0])
-    assert (allowed & ~tiles).any()
+        assert tiles.float().mean() < (0.8 if layout == "by_query" else 0.3)
+    if layout == "by_query":
+        overlap = sparse_far_flex._tile_overlap
+        monkeypatch.setattr(sparse_far_flex, "_tile_overlap", lambda *a: torch.zeros_like(overlap(*a)))
+        tiles, allowed = listed_and_read()
+        assert (allowed & ~tiles).any()
+
+
+def test_flex_by_block_reads_tied_blocks_beyond_its_slots():
+    """Ties at the k-th bound all count (docs/contract.md 4.2): where a query chose more blocks than
+    the by-block layout has slots (top_k + sinks), the rest go to the by-query call, and the result
+    and the pairs are the reference's (key blocks repeated exactly tie every bound)."""
+    from hf_dilated.ops import far_selection, sparse_far_flex, sparse_far_plain
+
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 400, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 1, 4, 4, generator=g, dtype=torch.float64).repeat(1, 1, 100, 1)  # 100 equal blocks of 4
+    v = torch.randn(1, 1, 400, 4, generator=g, dtype=torch.float64)
+    selection = FarSelection(2, 4, 0)
+    blocks = far_selection.Blocks(torch.arange(400).div(4, rounding_mode="floor")[None], None, 100)
+    chosen = far_selection.plain_choice(q[:, :, 200:], *far_selection.summaries(k, blocks), 200, 16, selection)
+    extra = sparse_far_flex.by_block_plan(chosen, 1, 2, 200, 16, 4, 512)[2]
+    assert extra.any() and int((chosen & ~extra).sum(-1).max()) == 2
+    with pair_count.counting() as tally:
+        out = sparse_far_plain.sparse_far_forward(q, k, v, q, k, 32, 16, selection, 0.5, far_kernel="flex")
+    ref_kw = dict(far_band=16, far_top_k=2, far_block_size=4, far_sinks=0)
+    ref = local_band_reference(q, k, v, [512], [1], 32, scale=0.5, **ref_kw)
+    near, far = local_band_key_sets(q, k, [512], [1], 32, **ref_kw)
+    assert (out - ref).abs().max().item() < TOL
+    assert tally.pairs == int((near | far).sum())
 
 
 def test_flex_build_failure_falls_back_to_blocks_with_a_warning(monkeypatch):
@@ -617,14 +678,15 @@ def test_flex_calls_have_one_shape_per_power_of_two(monkeypatch):
         ref = local_band_reference(q, k, v, [512], [1], 64, q_far=q_far, k_far=k_far, far_band=32, far_top_k=2,
                                    far_block_size=16, far_sinks=1)
         assert (out - ref).abs().max().item() < TOL
-    assert len(shapes) == 2 and shapes[0] == shapes[1], shapes
+    assert len(shapes) == 4 and shapes[:2] == shapes[2:], shapes  # by block, then the ties by query
     assert shapes[0][1][2] == 512
 
 
 def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):
     """Compiled (dynamic=False, as on CUDA; here with the eager backend, which the CPU runs), rows
-    of 300, 400 and 500 keys in calls of 128 queries trace one graph: every operand has one shape
-    and one set of strides per power of two (a slice of a longer row traced one graph per length)."""
+    of 300, 400 and 500 keys in calls of 128 queries trace one graph per kind of call (by block, and
+    the ties' call by query): every operand has one shape and one set of strides per power of two
+    (a slice of a longer row traced one graph per length)."""
     from hf_dilated.ops import sparse_far_flex, sparse_far_plain
 
     graphs = []
@@ -647,7 +709,7 @@ def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):
                                    far_band=32, far_top_k=2, far_block_size=16, far_sinks=1)
         assert (out - ref).abs().max().item() < TOL
     torch._dynamo.reset()
-    assert len(graphs) == 1, len(graphs)
+    assert len(graphs) == 2, len(graphs)
 
 
 def test_far_kernel_is_checked():
@@ -661,12 +723,15 @@ def test_far_kernel_is_checked():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("chunked", (False, True), ids=("one_call", "calls_of_128"))
-def test_cuda_inference_matches_reference(dtype, chunked, monkeypatch):
+@pytest.mark.parametrize("layout", ("by_block", "by_query"))
+def test_cuda_inference_matches_reference(dtype, chunked, layout, monkeypatch):
     """The CUDA inference path of sparse far keys (the band on flash's sliding window, the far keys
-    on compiled FlexAttention) against the float64 reference, on inputs rounded to `dtype` first
-    (so both rank the same blocks): 1,000 keys, bands of 256 inside and 128 past the window."""
+    on compiled FlexAttention, both row layouts) against the float64 reference, on inputs rounded
+    to `dtype` first (so both rank the same blocks): 1,000 keys, bands of 256 inside and 128 past
+    the window."""
     from hf_dilated.ops import sparse_far_flex
 
+    monkeypatch.setattr(sparse_far_flex, "LAYOUT", layout)
     if chunked:
         monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)
     calls = []

@@ -2,11 +2,18 @@
 
 The same set as sparse_far_plain's block-by-block products (every query reads the far keys of its
 sink blocks and of its selected blocks, j <= i - band), computed the way a GPU wants it: per chunk
-of queries, the selection (bounds, top-k) as a few batched operations, then ONE FlexAttention call
-whose BlockMask lists, per (head, 128 queries), the 128-key tiles some query of the tile selected
-and whose mask_mod reads each query's own selection. FlexAttention skips every tile not listed, so
-the work is the union of a query tile's selections (not every far key), and nothing is read back
-to the host: the plan is built on the device.
+of queries, the selection (bounds, top-k) as a few batched operations, then one FlexAttention call
+whose rows are the chosen (query, head, block) entries, per kv head sorted by block (by_block_plan):
+a tile of 128 rows then holds one block or a few neighbours and lists one or two 128-key tiles,
+so the work is the pairs chosen. Each query's entries are merged by log-sum-exp. Nothing is read
+back to the host: the plan is built on the device.
+
+The other layout, rows = the queries (by_query_mask, LAYOUT = "by_query"), lists per 128 queries
+every key tile one of them chose: nearly every far key where queries choose apart (random
+weights: 0.94 of them; SmolLM2's layer 2: 0.44). On an H200 at 16K / 64K tokens (2-layer Llama
+of 32/8 heads x 128, random weights) by_block took 100 / 578 ms, by_query 109 / 941 (sdpa's
+best 20 / 164; scripts/profile_prefill.py, 2026-11-26). It serves the blocks tied beyond a
+query's top_k + sinks slots (usually none: that call lists no tile).
 
 The block-by-block loop is right for the CPU (its flash kernel does not skip masked keys), but on
 a GPU it is one small launch per (kv head, block) and two reads back per chunk: 1.07 s for a
@@ -31,13 +38,17 @@ except ImportError:  # pragma: no cover - the package's oldest torch
 
 from . import far_selection, pair_count
 from .far_selection import FarSelection
-from .merge import merge_into
+from .merge import merge_dtype, merge_into
 
 AVAILABLE = _flex is not None
 TILE = 128  # FlexAttention's default tile (queries x keys) of a BlockMask
 _BOUND_ELEMENTS = 1 << 27  # bounds per chunk of queries (heads x queries x blocks) at most
 _MAX_CHUNK = 8192
 _FAILED: str | None = None  # why FlexAttention could not run in this process, once it failed
+# How a chunk's (query, head, block) pairs become FlexAttention rows: "by_block" (rows are the
+# pairs, sorted by block: the work is the pairs chosen) or "by_query" (rows are the queries: the
+# work is every key tile some query of a tile chose). Both compute the same set.
+LAYOUT = "by_block"
 
 
 def query_chunk(rows: int, n_blocks: int) -> int:
@@ -108,10 +119,16 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
         q_chunk = q_far[:, :, s:e].contiguous()
         if e - s < chunk:
             q_chunk = torch.nn.functional.pad(q_chunk, (0, 0, 0, chunk - (e - s)))
-        block_mask, pairs = chunk_block_mask(q_chunk, mn, mx, s, n_keys, band, selection, tally_from=lo - s,
-                                             queries=e - s)
+        # padding queries (rows past e - s) choose nothing
+        chosen = far_selection.plain_choice(q_chunk[:, :, :e - s], mn, mx, s, band, selection)
+        chosen = torch.nn.functional.pad(chosen, (0, 0, 0, chunk - (e - s)), value=False)
+        pairs = pairs_read(chosen, s, band, selection.block_size, lo - s) if pair_count.TALLY.active else None
         try:
-            o, part = _flex_call(q_chunk, k_far, v, block_mask, scale)
+            if LAYOUT == "by_block":
+                o, part = _by_block_call(q_chunk, k_far, v, chosen, s, band, selection, scale)
+            else:
+                o, part = _flex_call(q_chunk, k_far, v, by_query_mask(chosen, s, n_keys, band, selection.block_size),
+                                     scale)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # the first call compiles (every call has its shape): a build failure
@@ -128,32 +145,31 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     return True
 
 
-def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarSelection, tally_from: int = 0,
-                     queries: int | None = None):
-    """The BlockMask of the queries s, s + 1, ... (rows of q_chunk; the first `queries` of them
-    real, the others padding that reads nothing) over n keys: its mask_mod reads each query's own
-    selection (sink blocks and top_k blocks, keys j <= i - band); its tiles are those some query of
-    a 128-query tile selected a block of. Returns (block_mask, pairs): the pairs its rows from
-    `tally_from` on read, counted while pair_count is tallying (else None)."""
-    length = q_chunk.shape[2]
-    queries = length if queries is None else queries
-    size, n_blocks, device = selection.block_size, mn.shape[2], q_chunk.device
+def pairs_read(chosen, s: int, band: int, size: int, tally_from: int = 0) -> int:
+    """The (query, key) pairs the rows from `tally_from` on of `chosen` (queries s, s + 1, ...)
+    read: per chosen block, its keys up to the query's last far key (one read back: counting only)."""
+    last = torch.arange(s, s + chosen.shape[2], device=chosen.device) - band
+    keys = (last[:, None] - torch.arange(chosen.shape[3], device=chosen.device)[None, :] * size + 1).clamp(0, size)
+    return int((chosen * keys)[:, :, tally_from:].sum())
+
+
+# --- by query: FlexAttention's rows are the queries ------------------------------------------
+
+def by_query_mask(chosen, s: int, n: int, band: int, size: int):
+    """The BlockMask of queries s, s + 1, ... (rows of chosen: (batch, heads, rows, blocks)) over n
+    keys, rows as they are: its mask_mod reads each query's own selection (keys j <= i - band of its
+    chosen blocks); its tiles are those some query of a 128-query tile chose a block of."""
+    batch, n_heads, rows, n_blocks = chosen.shape
+    device = chosen.device
     # Captured tensors are indexed by every (query, key) of the padded tiles: pad them so that no
     # index past the sequence reads outside them.
     n_tiles = -(-n // TILE)
-    rows = -(-length // TILE) * TILE
+    q_rows = -(-rows // TILE) * TILE
     padded_blocks = (n_tiles * TILE - 1) // size + 1
-    chosen = far_selection.plain_choice(q_chunk[:, :, :queries], mn, mx, s, band, selection)
-    pairs = None
-    if pair_count.TALLY.active:  # per chosen block, its keys up to the query's last far key
-        last = torch.arange(s, s + queries, device=device) - band
-        keys = (last[:, None] - torch.arange(n_blocks, device=device)[None, :] * size + 1).clamp(0, size)
-        pairs = int((chosen * keys)[:, :, tally_from:].sum())
-    # padding rows and blocks read nothing
-    chosen = torch.nn.functional.pad(chosen, (0, padded_blocks - n_blocks, 0, rows - queries), value=False)
+    chosen = torch.nn.functional.pad(chosen, (0, max(0, padded_blocks - n_blocks), 0, q_rows - rows), value=False)
     # Per (query tile, key tile): whether some query of the tile chose a block overlapping the key
     # tile; the listed tiles first, in key order.
-    per_tile = chosen.unflatten(2, (rows // TILE, TILE)).any(3)  # (batch, heads, q tiles, blocks)
+    per_tile = chosen[..., :padded_blocks].unflatten(2, (q_rows // TILE, TILE)).any(3)  # (batch, heads, q tiles, blocks)
     listed = (per_tile.float() @ _tile_overlap(padded_blocks, n_tiles, size, device)) > 0
     kv_indices = torch.argsort((~listed).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
     kv_count = listed.sum(-1, dtype=torch.int32)
@@ -164,4 +180,84 @@ def chunk_block_mask(q_chunk, mn, mx, s: int, n: int, band: int, selection: FarS
         return chosen[b, h, q_idx, kv_idx // size] & (kv_idx <= q_idx + first)
 
     return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
-                                          seq_lengths=(length, n)), pairs
+                                          seq_lengths=(rows, n))
+
+
+# --- by block: FlexAttention's rows are (query, head, chosen block), sorted by block ----------
+
+def by_block_plan(chosen, kv_heads: int, slots: int, s: int, band: int, size: int, n: int):
+    """How one chunk's chosen (query, head, block) entries meet FlexAttention's tiles when its rows
+    are the entries themselves, per kv head sorted by block: a 128-row tile then holds entries of
+    one block or of a few neighbours and lists one or two key tiles, whatever the queries chose
+    (by query, a tile lists every key tile any of its 128 queries chose: nearly all of them where
+    the queries choose apart).
+
+    chosen: (batch, heads, rows, blocks) for queries s, s + 1, ...; n keys (padded). Each (query,
+    head) gets `slots` entries (top_k + sinks: every block it chose, unless more tie at the k-th
+    bound), in block order. Returns (order, block_mask, extra): order (batch, kv_heads,
+    entries) the entry of each FlexAttention row, entry ((head in group) * rows + query) * slots +
+    slot of its kv head; block_mask over (entries padded to a tile, n); extra (like chosen) the
+    chosen blocks no slot holds (ties beyond top_k: usually none)."""
+    batch, n_heads, rows, n_blocks = chosen.shape
+    device = chosen.device
+    slots = min(slots, n_blocks)
+    # Each (query, head)'s chosen blocks in block order, compacted into its slots by a running count
+    # (one scan and one scatter; a topk of the flags took as long as the selection's own topk).
+    slot = chosen.cumsum(-1) - 1
+    extra = chosen & (slot >= slots)
+    slot = torch.where(chosen & ~extra, slot, slots)  # the others to a spare slot, dropped
+    block = torch.full((batch, n_heads, rows, slots + 1), n_blocks, dtype=torch.long, device=device)
+    block.scatter_(-1, slot, torch.arange(n_blocks, device=device).expand_as(slot))
+    block = block[..., :slots]
+    taken = block < n_blocks
+    block = block.clamp(max=n_blocks - 1)
+    entries = n_heads // kv_heads * rows * slots
+    taken, block = taken.reshape(batch, kv_heads, entries), block.reshape(batch, kv_heads, entries)
+    order = torch.argsort(torch.where(taken, block, n_blocks), dim=-1, stable=True)
+    taken, block = taken.gather(-1, order), block.gather(-1, order)
+    query = s + (order // slots) % rows
+    padded = -(-entries // TILE) * TILE
+    row_block = torch.nn.functional.pad(torch.where(taken, block, -1), (0, padded - entries), value=-1)
+    row_last = torch.nn.functional.pad(query - band, (0, padded - entries), value=-1)  # its last far key
+    # Per 128-row tile: its entries' blocks are a sorted run lo .. hi; list the key tiles they overlap.
+    n_tiles = -(-n // TILE)
+    per_tile = row_block.unflatten(-1, (padded // TILE, TILE))
+    hi = per_tile.amax(-1)
+    lo = torch.where(per_tile >= 0, per_tile, n_blocks).amin(-1)
+    first = (lo * size // TILE).clamp(max=n_tiles - 1)
+    last = (((hi + 1) * size - 1) // TILE).clamp(max=n_tiles - 1)
+    kv_count = torch.where(hi >= 0, last - first + 1, 0).to(torch.int32)
+    kv_indices = (first[..., None] + torch.arange(n_tiles, device=device)).clamp(max=n_tiles - 1).to(torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx // size == row_block[b, h, q_idx]) & (kv_idx <= row_last[b, h, q_idx])
+
+    block_mask = _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
+                                                seq_lengths=(padded, n))
+    return order, block_mask, extra
+
+
+def _by_block_call(q_chunk, k_far, v, chosen, s: int, band: int, selection: FarSelection, scale: float):
+    """(out, lse) of one chunk, like _flex_call's, from FlexAttention over by_block_plan's rows: the
+    rows gathered from q_chunk, each entry's (out, lse) put back and merged per (query, head); the
+    chosen blocks beyond the slots (ties) by one more call, by query (empty: its tiles cost nothing)."""
+    batch, n_heads, rows, dim = q_chunk.shape
+    kv_heads, n = k_far.shape[1], k_far.shape[2]
+    order, block_mask, extra = by_block_plan(chosen, kv_heads, selection.top_k + selection.sinks, s, band,
+                                             selection.block_size, n)
+    entries = order.shape[-1]
+    slots = entries // (n_heads // kv_heads * rows)
+    q_entries = q_chunk.view(batch, kv_heads, -1, dim).gather(2, (order // slots)[..., None].expand(-1, -1, -1, dim))
+    q_entries = torch.nn.functional.pad(q_entries, (0, 0, 0, block_mask.seq_lengths[0] - entries))
+    o, part = _flex_call(q_entries, k_far, v, block_mask, scale)
+    # back to entry order, then (batch, heads, rows, slots): one softmax over a query's slots
+    o_e = torch.empty_like(o[:, :, :entries]).scatter_(2, order[..., None].expand(-1, -1, -1, dim), o[:, :, :entries])
+    lse_e = torch.empty_like(part[:, :, :entries]).scatter_(2, order, part[:, :, :entries])
+    acc = merge_dtype(q_chunk.dtype)
+    o_e, lse_e = o_e.view(batch, n_heads, rows, slots, dim), lse_e.view(batch, n_heads, rows, slots).to(acc)
+    far_lse = torch.logsumexp(lse_e, -1)
+    weight = torch.exp(lse_e - far_lse[..., None]).nan_to_num_(0.0)  # a query with no entry: 0, lse -inf
+    far_out = (weight[..., None, :] @ o_e.to(acc)).squeeze(-2)
+    o2, part2 = _flex_call(q_chunk, k_far, v, by_query_mask(extra, s, n, band, selection.block_size), scale)
+    merge_into(far_out, far_lse, o2.to(acc), part2.to(acc))
+    return far_out, far_lse
