@@ -189,11 +189,9 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
         index_of = (listed[..., None] * size + offsets - shift[b]).flatten(1)  # (heads, n * B)
         read = listed_ok.repeat_interleave(size, -1) & (index_of >= first[b]) & (index_of <= last_far)
         index_of = index_of.clamp(first[b], last_far)
-        # (heads, n * B, d): rows of each kv head's keys for its group of query heads (one
-        # index_select per kv head: contiguous rows, and no copy of a cache that is a view)
+        # (heads, n * B, d): rows of each kv head's keys for its group of query heads
         per_kv = index_of.unflatten(0, (kv_heads, group)).flatten(1)
-        keys = torch.stack([k[b, g].index_select(0, per_kv[g]) for g in range(kv_heads)]).view(n_heads, -1, dim)
-        values = torch.stack([v[b, g].index_select(0, per_kv[g]) for g in range(kv_heads)]).view(n_heads, -1, dim)
+        keys, values = (_rows(t[b], per_kv).view(n_heads, -1, dim) for t in (k, v))
         if rotation is not None and size % rotation[1] == 0:  # whole blocks: one angle per block and offset
             cos, sin = far_block_turns(listed, size, rotation[1], rotation[2], keys.dtype)
             keys = rotate_with(keys, cos.flatten(1, 2), sin.flatten(1, 2))
@@ -206,6 +204,15 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
         part = (probs[:, None, :] @ values.to(acc_dtype))[:, 0]
         merge_into(out[b, :, t], lse[b, :, t], part, part_lse)
     return out.to(q.dtype)
+
+
+def _rows(x, index):
+    """x (kv_heads, n, d) at rows index (kv_heads, m), per kv head: one gather on a GPU (where a
+    launch per kv head is the cost); an index_select per kv head elsewhere (contiguous rows, 2-4x
+    faster than the gather on the CPU, and no copy of a cache that is a view)."""
+    if x.device.type == "cuda":
+        return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
+    return torch.stack([x[g].index_select(0, index[g]) for g in range(x.shape[0])])
 
 
 def _attend(out, lse, q, k, v, scale, group):
