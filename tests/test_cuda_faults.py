@@ -17,7 +17,6 @@
 """
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import re
 import sys
 import time

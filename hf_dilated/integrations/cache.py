@@ -14,7 +14,6 @@ at most 50% more memory than the tokens held).
 """
 from __future__ import annotations
 
-import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 

@@ -447,7 +447,6 @@ def _band_calls(k_index, q_index, tq, window, is_causal, r, n_heads):
     k_index (R, P, L) key-sequence index of each key slot (-1: empty); q_index (R, Hc, Lq) that of
     each query slot (int64 max where no real query); tq (R, Hc, Lq) key-slot coordinate of each
     query slot (the last key slot a causal query may read)."""
-    device = k_index.device
     n_rows, n_q, n_k = k_index.shape[0], q_index.shape[-1], k_index.shape[-1]
     # Query-slot chunk: about a window of slots, smaller when the bias of one row would not fit.
     reach = -(-window // r) + 1  # key slots one query's window spans, at most (plain rows)
