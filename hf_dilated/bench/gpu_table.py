@@ -120,7 +120,7 @@ def sdpa_kernel_case(spec: dict, own_process: bool = False) -> dict:
     from .kernels import DTYPES, _backward_step, _random_qkv
 
     device, dtype = torch.device(spec["device"]), DTYPES[spec["dtype"]]
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = _random_qkv(spec, device, dtype, gen)
     group = spec["heads"] // spec["kv_heads"]
     forms = [("gqa", k, v)] if group == 1 else [

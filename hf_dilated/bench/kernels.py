@@ -37,8 +37,10 @@ MILLION_TARGET = 1.5
 # --------------------------------------------------------------------------------------------
 
 def _random_qkv(spec, device, dtype, gen=None, requires_grad=False):
+    """q, k, v drawn on `device` (gen: a generator of that device): drawn on the host and copied, a
+    GPU case's 10^8-10^9 numbers took seconds of every case."""
     b, n, d = spec["batch"], spec["n"], spec["head_dim"]
-    return [torch.randn(b, h, n, d, generator=gen, dtype=dtype).to(device).requires_grad_(requires_grad)
+    return [torch.randn(b, h, n, d, generator=gen, dtype=dtype, device=device).requires_grad_(requires_grad)
             for h in (spec["heads"], spec["kv_heads"], spec["kv_heads"])]
 
 
@@ -60,7 +62,7 @@ def _prewarm(spec, device, dtype) -> None:
 
 def _backward_step(fn, q, k, v, gen):
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    grad_out = torch.randn(q.shape, generator=gen, dtype=q.dtype).to(q.device)
+    grad_out = torch.randn(q.shape, generator=gen, dtype=q.dtype, device=q.device)
 
     def step():
         fn(*leaves).backward(grad_out)
@@ -77,7 +79,7 @@ def run_kernel_case(spec: dict, own_process: bool = False) -> dict:
     if spec.get("prewarm"):
         _prewarm(spec, device, dtype)
     measure.limit_memory(spec.get("budget_bytes"), device)  # the budget covers the inputs too
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     q, k, v = _random_qkv(spec, device, dtype, gen)
     result["qkvo_bytes"] = 2 * q.nbytes + k.nbytes + v.nbytes
     try:
