@@ -457,13 +457,21 @@ def test_model_generation_keeps_the_summaries_and_matches_reference(tmp_path, mo
     from hf_dilated import ReservedCache
     from hf_dilated.ops.sparse_far_decode import SummaryState
 
+    from hf_dilated.ops import sparse_far_decode
+
     rebuilt = []
     real_clear = SummaryState.clear
     monkeypatch.setattr(SummaryState, "clear", lambda self: (rebuilt.append(getattr(self, "kv_len", 0)),
                                                              real_clear(self))[1])
+    made = {"bounds": 0, "turns": 0}  # what a step keeps: the bounds' operands, the offsets' turns
+    for name, fn in (("bounds", "bound_operands"), ("turns", "offset_turns")):
+        real = getattr(sparse_far_decode, fn)
+        monkeypatch.setattr(sparse_far_decode, fn, lambda *a, name=name, real=real: made.__setitem__(
+            name, made[name] + 1) or real(*a))
 
-    path = _tiny("llama", tmp_path, dict(ENTRY))
-    AttentionInterface.register("test_sparse_far_reference", _reference_attention(ENTRY))
+    entry = dict(ENTRY, far_block_size=4)  # whole blocks of the group of 2: the turns per block and offset
+    path = _tiny("llama", tmp_path, entry)
+    AttentionInterface.register("test_sparse_far_reference", _reference_attention(entry))
     ids = torch.randint(3, 99, (1, 20), generator=torch.Generator().manual_seed(1))
     ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dilated", dtype=torch.float64).eval()
     theirs = AutoModelForCausalLM.from_pretrained(path, attn_implementation="test_sparse_far_reference",
@@ -476,6 +484,10 @@ def test_model_generation_keeps_the_summaries_and_matches_reference(tmp_path, mo
     kept = [layer.self_attn.__dict__["_hf_dilated_state"]["far_summaries"] for layer in ours.model.layers]
     assert all(state.kv_len == 29 and state.counts for state in kept)
     assert all(n == 0 for n in rebuilt)  # each state built once (from empty), then extended by every step
+    layers = len(ours.model.layers)
+    assert made["turns"] == layers  # once per layer: they depend on the frequencies only
+    # the bounds' operands once per layer and summary change, not once per decode step
+    assert layers <= made["bounds"] < 9 * layers, made  # 9 steps after the prefill
 
 
 def test_inference_path_takes_strided_inputs():

@@ -97,18 +97,25 @@ def summaries(k_far: torch.Tensor, blocks: Blocks) -> tuple[torch.Tensor, torch.
     return mn[:, :, :n], mx[:, :, :n]
 
 
-def bounds(q_far: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:
+def bound_operands(mn: torch.Tensor, mx: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What bounds() needs of the summaries, for query heads in groups of `group` per kv head:
+    [mx, mn] side by side (batch, kv_heads, blocks, 2 d), and (batch, q_heads, blocks) whether a
+    block holds no key. A decode step keeps them with the summaries (sparse_far_decode)."""
+    summary = torch.cat([mx.nan_to_num(neginf=0.0), mn.nan_to_num(posinf=0.0)], -1)
+    return summary, torch.isinf(mx[..., 0]).repeat_interleave(group, 1)
+
+
+def bounds(q_far: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, operands=None) -> torch.Tensor:
     """(batch, q_heads, queries, n_blocks): Quest's bound on each query's best score in each block
-    (blocks with no key: -inf)."""
+    (blocks with no key: -inf). operands: bound_operands(mn, mx, group), when at hand."""
     batch, n_heads, n, dim = q_far.shape
     kv_heads, n_blocks = mn.shape[1], mn.shape[2]
     group = n_heads // kv_heads
     q = q_far.to(mn.dtype)
     # one product per kv head for its group of query heads: [relu(q), min(q, 0)] . [mx, mn]
-    summary = torch.cat([mx.nan_to_num(neginf=0.0), mn.nan_to_num(posinf=0.0)], -1)  # (batch, kv, blocks, 2d)
+    summary, empty = bound_operands(mn, mx, group) if operands is None else operands
     q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], -1).reshape(batch, kv_heads, group * n, 2 * dim)
     up = (q2 @ summary.transpose(-1, -2)).view(batch, n_heads, n, n_blocks)
-    empty = torch.isinf(mx[..., 0]).repeat_interleave(group, 1)  # (batch, q_heads, blocks): no key
     return up.masked_fill_(empty[:, :, None, :], float("-inf"))
 
 

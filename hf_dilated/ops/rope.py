@@ -31,20 +31,36 @@ def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], -1)
 
 
-def far_block_turns(blocks: torch.Tensor, size: int, group: int, inv_freq: torch.Tensor, dtype):
+def turn_by(delta: int, inv_freq: torch.Tensor, dtype, device):
+    """(cos, sin), each (rot / 2,): the turn by `delta` positions, a Python int; rotate_by's angles
+    (the same float64 products) without making the delta a tensor first."""
+    angle = inv_freq.to(device=device, dtype=torch.float64) * delta
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def offset_turns(size: int, group: int, inv_freq: torch.Tensor, device):
+    """far_block_turns' per-offset angles' (cos, sin), float64 (size, rot / 2): they depend on the
+    block size, the group and the frequencies only, so a decode step may keep them."""
+    offsets = torch.arange(size, device=device)
+    per_offset = (offsets // group - offsets).to(torch.float64)[:, None] * inv_freq.to(device=device,
+                                                                                       dtype=torch.float64)
+    return per_offset.cos(), per_offset.sin()
+
+
+def far_block_turns(blocks: torch.Tensor, size: int, group: int, inv_freq: torch.Tensor, dtype, offsets=None):
     """(cos, sin), each (*blocks.shape, size, rot / 2): the turn that moves a far key at position p
     to p // group (grouped_far_positions) for every position of the blocks `blocks` (block c holds
     c * size .. c * size + size - 1), when `group` divides `size`. The move p // group - p is then
     c (size / group - size) + (t // group - t) at offset t, so the angles split into one per block
     and one per offset, combined by the angle-sum rule in float64: a few products per key, where
-    rotate_by evaluates cos and sin per key."""
+    rotate_by evaluates cos and sin per key. offsets: offset_turns(size, group, inv_freq), when at
+    hand."""
     if size % group:
         raise ValueError(f"far_block_turns: group {group} must divide the block size {size}")
     freq = inv_freq.to(device=blocks.device, dtype=torch.float64)
     per_block = (blocks.to(torch.float64) * (size // group - size))[..., None, None] * freq  # (..., 1, rot/2)
-    offsets = torch.arange(size, device=blocks.device)
-    per_offset = (offsets // group - offsets).to(torch.float64)[:, None] * freq  # (size, rot/2)
-    cos_b, sin_b, cos_t, sin_t = per_block.cos(), per_block.sin(), per_offset.cos(), per_offset.sin()
+    cos_t, sin_t = offset_turns(size, group, inv_freq, blocks.device) if offsets is None else offsets
+    cos_b, sin_b = per_block.cos(), per_block.sin()
     return (cos_b * cos_t - sin_b * sin_t).to(dtype), (sin_b * cos_t + cos_b * sin_t).to(dtype)
 
 

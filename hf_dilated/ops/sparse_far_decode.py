@@ -8,7 +8,7 @@ p - shift, so block c is a run of indices and everything is arithmetic on Python
 keys are the positions <= p - W; Quest's bound (ops/far_selection.bounds) of the query's far
 projection against each candidate block's summary picks its blocks, and only the sinks' and the
 chosen blocks' keys are rotated to their grouped positions and read. One softmax spans both parts
-(merged by log-sum-exp, merge.py). Cost per step: O(W + (k + sinks) B) keys and O(N / B) bounds.
+(the band's scores and the far keys' side by side). Cost per step: O(W + (k + sinks) B) keys and O(N / B) bounds.
 
 The summaries (min/max of each complete block's far keys) live in a `SummaryState` the caller
 keeps per layer (the transformers glue: one per attention module). A step extends it by the
@@ -29,9 +29,9 @@ import weakref
 
 import torch
 
-from .far_selection import FarSelection, bound_dtype, bounds, select
-from .merge import merge_dtype, merge_into
-from .rope import far_block_turns, rotate_by, rotate_with
+from .far_selection import FarSelection, bound_dtype, bound_operands, bounds, select
+from .merge import merge_dtype
+from .rope import far_block_turns, offset_turns, rotate_by, rotate_with, turn_by
 
 
 class SummaryState:
@@ -49,6 +49,23 @@ class SummaryState:
         self.counts = None  # complete blocks summarised per row, from block 0
         self.checks = None  # per row: _checksums of those blocks' keys (kv_heads, counts[b], d)
         self.mn = self.mx = None  # (batch, kv_heads, max(counts), head_dim); +inf / -inf past a row's count
+        self.kept = {}  # _kept: values derived from tensors, while those tensors stay as they are
+
+
+def _kept(state: SummaryState, name: str, tensors: tuple, extra, make):
+    """make(), kept in `state` under `name` while `tensors` are the same objects, unwritten since
+    (version counters) and `extra` is equal: a step reuses what depends only on the summaries or
+    the frequencies (a few launches each). Inference-mode tensors keep no version: made each time."""
+    try:
+        versions = tuple(t._version for t in tensors)
+    except RuntimeError:
+        return make()
+    held = state.kept.get(name)
+    if held is not None and all(a is b for a, b in zip(held[0], tensors)) and held[1] == (versions, extra):
+        return held[2]
+    value = make()
+    state.kept[name] = (tensors, (versions, extra), value)
+    return value
 
 
 def _rotation_delta(positions: torch.Tensor, rotation, query: bool) -> torch.Tensor:
@@ -144,8 +161,7 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
     group = n_heads // kv_heads
     size = selection.block_size
     acc_dtype = merge_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=acc_dtype, device=q.device)
     queries = [(b, t, kv_len - q_len + t) for b in range(batch) for t in range(q_len)]
     bands = {}
     for b, t, index in queries:
@@ -158,25 +174,33 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
         if p - width >= first[b] + shift[b]:
             needed[b] = max(needed[b], (p - width) // size + 1)
     summaries = None
+    state = SummaryState() if state is None else state
     if max(needed):
-        summaries = _summaries(state if state is not None else SummaryState(), k, first, shift, needed, size,
-                               rotation, bound_dtype(k.dtype), q_len)
+        summaries = _summaries(state, k, first, shift, needed, size, rotation, bound_dtype(k.dtype), q_len)
+        operands = _kept(state, "bounds", summaries, group, lambda: bound_operands(*summaries, group))
+    if rotation is not None and size % rotation[1] == 0:  # whole blocks: one angle per block and offset
+        offset_turn = _kept(state, "turns", (rotation[2],), (size, rotation[1], q.device),
+                            lambda: offset_turns(size, rotation[1], rotation[2], q.device))
     for b, t, index in queries:
         p, width = index + shift[b], bands[b, t]
         lo = max(first[b], index - width + 1)
         qb = q[b:b + 1, :, t:t + 1]  # (1, heads, 1, d)
-        _attend(out[b:b + 1, :, t:t + 1], lse[b:b + 1, :, t:t + 1], qb, k[b:b + 1, :, lo:index + 1],
-                v[b:b + 1, :, lo:index + 1], scale, group)
+        # The band's scores (heads, W); with the far keys' after them, one softmax over both.
+        near = (qb[0, :, 0].view(kv_heads, group, dim).to(acc_dtype) * scale) @ k[b, :, lo:index + 1].to(
+            acc_dtype).transpose(-1, -2)
         last_far = index - width  # the last far key's index
         if last_far < first[b]:
+            out[b, :, t] = (torch.softmax(near, -1) @ v[b, :, lo:index + 1].to(acc_dtype)).view(n_heads, dim)
             continue
         n_blocks = (p - width) // size + 1
-        q_far = qb if rotation is None else rotate_by(
-            qb, _rotation_delta(torch.tensor([[p]], device=q.device), rotation, True), rotation[2])
+        # the query's move to its grouped position, a Python int (_rotation_delta's for a query)
+        window, group_far = (rotation[0], rotation[1]) if rotation is not None else (0, 1)
+        q_far = qb if rotation is None else rotate_with(
+            qb, *turn_by(p // group_far + window - window // group_far - p, rotation[2], qb.dtype, qb.device))
         number = torch.arange(n_blocks, device=q.device)
         sink = number < selection.sinks
         mn, mx = summaries[0][b:b + 1, :, :n_blocks], summaries[1][b:b + 1, :, :n_blocks]
-        bound = bounds(q_far, mn, mx)[0, :, 0]  # (heads, blocks)
+        bound = bounds(q_far, mn, mx, tuple(t[b:b + 1, :, :n_blocks] for t in operands))[0, :, 0]  # (heads, blocks)
         has_key = torch.ones(n_blocks, dtype=torch.bool, device=q.device)
         # a block that starts before the document's first position holds keys only from there
         has_key &= (number + 1) * size - shift[b] > first[b]
@@ -193,16 +217,15 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
         per_kv = index_of.unflatten(0, (kv_heads, group)).flatten(1)
         keys, values = (_rows(t[b], per_kv).view(n_heads, -1, dim) for t in (k, v))
         if rotation is not None and size % rotation[1] == 0:  # whole blocks: one angle per block and offset
-            cos, sin = far_block_turns(listed, size, rotation[1], rotation[2], keys.dtype)
+            cos, sin = far_block_turns(listed, size, rotation[1], rotation[2], keys.dtype, offset_turn)
             keys = rotate_with(keys, cos.flatten(1, 2), sin.flatten(1, 2))
         elif rotation is not None:  # per head: (heads, 1, n, d) moved by (heads, n)
             keys = rotate_by(keys[:, None], _rotation_delta(index_of + shift[b], rotation, False), rotation[2])[:, 0]
-        scores = (q_far[0, :, 0, None, :].to(acc_dtype) @ keys.to(acc_dtype).transpose(-1, -2))[:, 0] * scale
-        scores = scores.masked_fill(~read, float("-inf"))
-        part_lse = torch.logsumexp(scores, -1)  # (heads,)
-        probs = torch.exp(scores - part_lse[:, None]).nan_to_num(0.0)
-        part = (probs[:, None, :] @ values.to(acc_dtype))[:, 0]
-        merge_into(out[b, :, t], lse[b, :, t], part, part_lse)
+        far = (q_far[0, :, 0, None, :].to(acc_dtype) * scale @ keys.to(acc_dtype).transpose(-1, -2))[:, 0]
+        probs = torch.softmax(torch.cat([near.view(n_heads, -1), far.masked_fill(~read, float("-inf"))], -1), -1)
+        band = near.shape[-1]  # the band always holds the query's own key: no row without a key
+        out[b, :, t] = ((probs[:, :band].view(kv_heads, group, band) @ v[b, :, lo:index + 1].to(acc_dtype)).view(
+            n_heads, dim) + (probs[:, None, band:] @ values.to(acc_dtype))[:, 0])
     return out.to(q.dtype)
 
 
@@ -213,17 +236,6 @@ def _rows(x, index):
     if x.device.type == "cuda":
         return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
     return torch.stack([x[g].index_select(0, index[g]) for g in range(x.shape[0])])
-
-
-def _attend(out, lse, q, k, v, scale, group):
-    """Merge dense attention of q (1, heads, 1, d) over k, v (1, kv_heads, n, d) into out/lse."""
-    n_heads, dim = q.shape[1], q.shape[-1]
-    kv_heads = k.shape[1]
-    qh = q.reshape(kv_heads, group, dim).to(out.dtype)
-    scores = (qh @ k[0].to(out.dtype).transpose(-1, -2)) * scale  # (kv_heads, group, n)
-    part_lse = torch.logsumexp(scores, -1)
-    part = torch.exp(scores - part_lse[..., None]) @ v[0].to(out.dtype)
-    merge_into(out[0, :, 0], lse[0, :, 0], part.reshape(n_heads, dim), part_lse.reshape(n_heads))
 
 
 # --- the same with static shapes, for torch.compile ------------------------------------------
