@@ -119,7 +119,7 @@ for ((i = 0; i < ${#parts[@]}; i++)); do
     part=${parts[i]%%:*} base=${parts[i]#*:}
     limit=$((deadline - $(date +%s) - $(reserve_after $i)))
     if [ "$base" -gt 0 ] && [ $limit -gt $((2 * base)) ]; then limit=$((2 * base)); fi
-    least=$([ "$base" -gt 0 ] && echo 10 || echo $static_min)
+    least=$([ "$part" = static ] && echo $static_min || echo 10)  # static compiles: it needs more to start
     if [ $limit -lt $least ]; then
         echo "== table-$part skipped: ${limit} s left of the ${total} s, under the ${least} s it needs" \
             | tee -a "$out/summary.txt" "$out/table-$part.log"

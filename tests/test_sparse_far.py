@@ -679,7 +679,8 @@ def test_flex_calls_have_one_shape_per_power_of_two(monkeypatch):
     shapes = []
     real = sparse_far_flex._flex_call
     monkeypatch.setattr(sparse_far_flex, "_flex_call",
-                        lambda q, k, v, bm, sc: shapes.append((q.shape, k.shape, bm.shape)) or real(q, k, v, bm, sc))
+                        lambda q, k, v, bm, sc, *kind: shapes.append((q.shape, k.shape, bm.shape)) or real(
+                            q, k, v, bm, sc, *kind))
     for n in (300, 400):
         case = replace(BASE, layout="plain", kv_len=n)
         q, k, v, _, _, _ = make_inputs(case, torch.float64)
@@ -698,7 +699,9 @@ def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):
     """Compiled (dynamic=False, as on CUDA; here with the eager backend, which the CPU runs), rows
     of 300, 400 and 500 keys in calls of 128 queries trace one graph per kind of call (by block, and
     the ties' call by query): every operand has one shape and one set of strides per power of two
-    (a slice of a longer row traced one graph per length)."""
+    (a slice of a longer row traced one graph per length). Each kind is a function of its own, so
+    dynamo's limit of graphs per function counts each kind's buckets apart: with a limit of 1 both
+    kinds still compile (sharing one function, the second ran eagerly, its full scores)."""
     from hf_dilated.ops import sparse_far_flex, sparse_far_plain
 
     graphs = []
@@ -708,9 +711,11 @@ def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):
         return gm.forward
 
     torch._dynamo.reset()
-    compiled = torch.compile(sparse_far_flex._flex.flex_attention, backend=counting, dynamic=False)
-    monkeypatch.setattr(sparse_far_flex, "_kernel", lambda device: compiled)
+    compiled = {kind: torch.compile(fn, backend=counting, dynamic=False) for kind, fn in (
+        ("by_block", sparse_far_flex._flex_by_block), ("by_query", sparse_far_flex._flex_by_query))}
+    monkeypatch.setattr(sparse_far_flex, "_kernel", lambda device, kind: compiled[kind])
     monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)  # 128 queries per call
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     for n in (300, 400, 500):
         case = replace(BASE, layout="plain", kv_len=n)
         q, k, v, _, _, _ = make_inputs(case, torch.float64)
@@ -722,6 +727,34 @@ def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):
         assert (out - ref).abs().max().item() < TOL
     torch._dynamo.reset()
     assert len(graphs) == 2, len(graphs)
+
+
+def test_flex_path_without_far_blocks_reads_only_the_band(monkeypatch):
+    """far_top_k 0 and far_sinks 0: no far key is read, and FlexAttention is not called (an empty
+    call failed, which turned it off for the process)."""
+    from hf_dilated.ops import sparse_far_flex, sparse_far_plain
+
+    monkeypatch.setattr(sparse_far_flex, "_FAILED", None)
+    case = replace(BASE, layout="plain", kv_len=300)
+    q, k, v, _, _, _ = make_inputs(case, torch.float64)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    q_far, k_far = (t.detach() for t in far_inputs(q, k, 5))
+    out = sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, 64, 32, FarSelection(0, 16, 0),
+                                              q.shape[-1] ** -0.5, far_kernel="flex")
+    ref = local_band_reference(q, k, v, [512], [1], 64, q_far=q_far, k_far=k_far, far_band=32, far_top_k=0,
+                               far_block_size=16, far_sinks=0)
+    assert (out - ref).abs().max().item() < TOL
+    assert sparse_far_flex._FAILED is None
+
+
+def test_flex_chunk_holds_its_by_block_rows_under_the_budget():
+    from hf_dilated.ops import sparse_far_flex
+
+    for rows, blocks, slots, dim in ((32, 256, 9, 128), (128, 256, 9, 128), (8, 2048, 33, 64)):
+        chunk = sparse_far_flex.query_chunk(rows, blocks, rows * slots * dim)
+        assert chunk % sparse_far_flex.TILE == 0
+        assert chunk == sparse_far_flex.TILE or chunk * rows * slots * dim <= sparse_far_flex._ENTRY_ELEMENTS
+        assert chunk * rows * blocks <= sparse_far_flex._BOUND_ELEMENTS or chunk == sparse_far_flex.TILE
 
 
 def test_far_kernel_is_checked():

@@ -126,15 +126,20 @@ def select(bound: torch.Tensor, candidate: torch.Tensor, top_k: int) -> torch.Te
         return torch.zeros_like(candidate)
     scores = bound.masked_fill(~candidate, float("-inf"))
     k = min(top_k, scores.shape[-1])
-    kth = kth_by_maxima(scores, k) if scores.is_cuda else scores.topk(k, dim=-1).values[..., -1:]
+    many = scores[..., 0].numel() >= _MANY_ROWS
+    kth = kth_by_maxima(scores, k) if scores.is_cuda and many else scores.topk(k, dim=-1).values[..., -1:]
     return candidate & (scores >= kth)
+
+
+_MANY_ROWS = 4096  # a prefill chunk's (query, head) rows; a decode step has a few (one topk launch)
 
 
 def kth_by_maxima(scores: torch.Tensor, k: int) -> torch.Tensor:
     """(..., 1): the k-th largest of each row of scores, counted with multiplicity (topk(k)'s last
-    value), from at most k passes of max and count. On a GPU, with a few hundred thousand rows of a
-    few hundred blocks, torch.topk's radix select took 41% of the default conversion's prefill
-    (4.9 ms a call at 16K on an H200, gpu-check 2026-11-26); a pass here is a row reduction."""
+    value; rows without NaN), from at most k passes of max and count. On a GPU, with a few hundred
+    thousand rows of a few hundred blocks, torch.topk's radix select took 41% of the default
+    conversion's prefill (4.9 ms a call at 16K on an H200, 2026-11-26); a pass here is a row
+    reduction. With a few rows (a decode step) one topk is fewer launches: select() keeps it there."""
     kth = torch.full_like(scores[..., :1], float("-inf"))
     done = torch.zeros_like(kth, dtype=torch.bool)
     rest = scores

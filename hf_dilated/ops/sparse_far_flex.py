@@ -43,6 +43,7 @@ from .merge import merge_dtype, merge_into
 AVAILABLE = _flex is not None
 TILE = 128  # FlexAttention's default tile (queries x keys) of a BlockMask
 _BOUND_ELEMENTS = 1 << 27  # bounds per chunk of queries (heads x queries x blocks) at most
+_ENTRY_ELEMENTS = 1 << 27  # by-block rows per chunk (heads x queries x slots) x head_dim at most
 _MAX_CHUNK = 8192
 _FAILED: str | None = None  # why FlexAttention could not run in this process, once it failed
 # How a chunk's (query, head, block) pairs become FlexAttention rows: "by_block" (rows are the
@@ -51,26 +52,43 @@ _FAILED: str | None = None  # why FlexAttention could not run in this process, o
 LAYOUT = "by_block"
 
 
-def query_chunk(rows: int, n_blocks: int) -> int:
+def query_chunk(rows: int, n_blocks: int, entry_elements: int = 0) -> int:
     """Queries per FlexAttention call: a multiple of TILE whose bounds (`rows` = batch x heads of
-    them per query) stay under _BOUND_ELEMENTS."""
+    them per query) stay under _BOUND_ELEMENTS, and whose by-block entries (`entry_elements` per
+    query: rows x slots x head_dim) under _ENTRY_ELEMENTS."""
     fit = _BOUND_ELEMENTS // (rows * n_blocks)
+    if entry_elements:
+        fit = min(fit, _ENTRY_ELEMENTS // entry_elements)
     return max(TILE, min(_MAX_CHUNK, fit // TILE * TILE))
 
 
+# One function per kind of call, each compiled on its own: dynamo keeps at most recompile_limit (8)
+# graphs per function, and each kind compiles one per length bucket; sharing one function, the two
+# kinds would reach the limit at 4 buckets, past which FlexAttention runs eagerly (its full scores).
+def _flex_by_block(*args, **kwargs):
+    return _flex.flex_attention(*args, **kwargs)
+
+
+def _flex_by_query(*args, **kwargs):
+    return _flex.flex_attention(*args, **kwargs)
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled():
-    return torch.compile(_flex.flex_attention, dynamic=False)
+def _compiled(fn):
+    return torch.compile(fn, dynamic=False)
 
 
-def _kernel(device: torch.device):
-    """FlexAttention compiled on CUDA; eager elsewhere (the CPU's compiled form returns no lse)."""
-    return _compiled() if device.type == "cuda" else _flex.flex_attention
+def _kernel(device: torch.device, kind: str):
+    """FlexAttention compiled on CUDA, one function per kind ("by_block", "by_query"); eager
+    elsewhere (the CPU's compiled form returns no lse)."""
+    if device.type != "cuda":
+        return _flex.flex_attention
+    return _compiled(_flex_by_block if kind == "by_block" else _flex_by_query)
 
 
-def _flex_call(q, k, v, block_mask, scale):
+def _flex_call(q, k, v, block_mask, scale, kind: str = "by_query"):
     """(out, lse) of one FlexAttention call; lse natural-log, -inf (out 0) for a row with no key."""
-    fn = _kernel(q.device)
+    fn = _kernel(q.device, kind)
     aux = getattr(_flex, "AuxRequest", None)
     if aux is not None:
         out, extra = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=aux(lse=True))
@@ -111,7 +129,11 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     n_keys = _length_bucket(n)
     k_far, v = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else t.contiguous()
                 for t in (k_far, v))
-    chunk = min(query_chunk(batch * n_heads, -(-n_keys // selection.block_size)), max(TILE, n_keys))
+    slots = selection.top_k + selection.sinks
+    if slots == 0:  # no far key is read
+        return True
+    entry_elements = batch * n_heads * slots * q_far.shape[-1] if LAYOUT == "by_block" else 0
+    chunk = min(query_chunk(batch * n_heads, -(-n_keys // selection.block_size), entry_elements), max(TILE, n_keys))
     lo = start
     while lo < n:
         e = min(n, lo + chunk)
@@ -249,7 +271,7 @@ def _by_block_call(q_chunk, k_far, v, chosen, s: int, band: int, selection: FarS
     slots = entries // (n_heads // kv_heads * rows)
     q_entries = q_chunk.view(batch, kv_heads, -1, dim).gather(2, (order // slots)[..., None].expand(-1, -1, -1, dim))
     q_entries = torch.nn.functional.pad(q_entries, (0, 0, 0, block_mask.seq_lengths[0] - entries))
-    o, part = _flex_call(q_entries, k_far, v, block_mask, scale)
+    o, part = _flex_call(q_entries, k_far, v, block_mask, scale, "by_block")
     # back to entry order, then (batch, heads, rows, slots): one softmax over a query's slots
     o_e = torch.empty_like(o[:, :, :entries]).scatter_(2, order[..., None].expand(-1, -1, -1, dim), o[:, :, :entries])
     lse_e = torch.empty_like(part[:, :, :entries]).scatter_(2, order, part[:, :, :entries])
