@@ -347,6 +347,17 @@ def test_sparse_far_flex_plan_reads_nothing_back():
     assert_no_syncs(syncs, "sparse far flex plan")
 
 
+def test_kth_by_maxima_reads_nothing_back():
+    """The CUDA prefill's k-th bound (far_selection.kth_by_maxima, instead of topk there): its k
+    passes read nothing back (the CPU takes topk, so it is called here directly)."""
+    from hf_dilated.ops.far_selection import kth_by_maxima
+
+    scores = torch.randn(4, 64, 256, generator=torch.Generator().manual_seed(0))
+    syncs, kth = count_syncs(lambda: kth_by_maxima(scores, 8))
+    assert torch.equal(kth, scores.topk(8, dim=-1).values[..., -1:])
+    assert_no_syncs(syncs, "kth_by_maxima")
+
+
 def test_sparse_far_flex_prefill_steady_state_has_no_sync(monkeypatch):
     """The CUDA inference path of sparse far keys (selection, BlockMasks, merges) reads nothing
     back in a second call. The FlexAttention call itself runs outside the counter: on CUDA it is

@@ -649,32 +649,42 @@ def test_flex_by_block_reads_tied_blocks_beyond_its_slots():
 
 
 def test_flex_build_failure_falls_back_to_blocks_with_a_warning(monkeypatch):
-    from hf_dilated.ops import sparse_far_flex, sparse_far_plain
+    from hf_dilated.ops import sparse_far_flex
 
     def broken(*a):
         raise RuntimeError("no kernel for this device")
 
     monkeypatch.setattr(sparse_far_flex, "_flex_call", broken)
     monkeypatch.setattr(sparse_far_flex, "_FAILED", None)
-    case = replace(BASE, layout="plain", kv_len=300)
+    with pytest.warns(RuntimeWarning, match="no kernel for this device"), pair_count.counting() as tally:
+        q, k, q_far, k_far, ref_kw = flex_row_matches_reference(300)
+    near, far_read = local_band_key_sets(q, k, [512], [1], 64, q_far=q_far, k_far=k_far, **ref_kw)
+    assert tally.pairs == int((near | far_read).sum())  # the failed chunk's pairs are not counted too
+    assert sparse_far_flex._FAILED.startswith("RuntimeError")
+
+
+def flex_row_matches_reference(n, selection=FarSelection(2, 16, 1), far_band=32, window=64):
+    """The FlexAttention far path on one plain row of n keys against the float64 reference; returns
+    (q, k, q_far, k_far, the reference's far settings) for the caller's own checks."""
+    from hf_dilated.ops import sparse_far_plain
+
+    case = replace(BASE, layout="plain", kv_len=n)
     q, k, v, _, _, _ = make_inputs(case, torch.float64)
     q, k, v = q.detach(), k.detach(), v.detach()
     q_far, k_far = (t.detach() for t in far_inputs(q, k, 5))
-    with pytest.warns(RuntimeWarning, match="no kernel for this device"), pair_count.counting() as tally:
-        out = sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, 64, 32, FarSelection(2, 16, 1),
-                                                  q.shape[-1] ** -0.5, far_kernel="flex")
-    ref_kw = dict(far_band=32, far_top_k=2, far_block_size=16, far_sinks=1)
-    ref = local_band_reference(q, k, v, [512], [1], 64, q_far=q_far, k_far=k_far, **ref_kw)
-    near, far_read = local_band_key_sets(q, k, [512], [1], 64, q_far=q_far, k_far=k_far, **ref_kw)
+    out = sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, window, far_band, selection,
+                                              q.shape[-1] ** -0.5, far_kernel="flex")
+    far = dict(far_band=far_band, far_top_k=selection.top_k, far_block_size=selection.block_size,
+               far_sinks=selection.sinks)
+    ref = local_band_reference(q, k, v, [512], [1], window, q_far=q_far, k_far=k_far, **far)
     assert (out - ref).abs().max().item() < TOL
-    assert tally.pairs == int((near | far_read).sum())  # the failed chunk's pairs are not counted too
-    assert sparse_far_flex._FAILED.startswith("RuntimeError")
+    return q, k, q_far, k_far, far
 
 
 def test_flex_calls_have_one_shape_per_power_of_two(monkeypatch):
     """Rows of 300 and 400 keys call FlexAttention with the same shapes (keys padded to 512, query
     rows to one chunk), so a compiled kernel serves both; the results stay the reference's."""
-    from hf_dilated.ops import sparse_far_flex, sparse_far_plain
+    from hf_dilated.ops import sparse_far_flex
 
     shapes = []
     real = sparse_far_flex._flex_call
@@ -682,15 +692,7 @@ def test_flex_calls_have_one_shape_per_power_of_two(monkeypatch):
                         lambda q, k, v, bm, sc, *kind: shapes.append((q.shape, k.shape, bm.shape)) or real(
                             q, k, v, bm, sc, *kind))
     for n in (300, 400):
-        case = replace(BASE, layout="plain", kv_len=n)
-        q, k, v, _, _, _ = make_inputs(case, torch.float64)
-        q, k, v = q.detach(), k.detach(), v.detach()
-        q_far, k_far = (t.detach() for t in far_inputs(q, k, 5))
-        out = sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, 64, 32, FarSelection(2, 16, 1),
-                                                  q.shape[-1] ** -0.5, far_kernel="flex")
-        ref = local_band_reference(q, k, v, [512], [1], 64, q_far=q_far, k_far=k_far, far_band=32, far_top_k=2,
-                                   far_block_size=16, far_sinks=1)
-        assert (out - ref).abs().max().item() < TOL
+        flex_row_matches_reference(n)
     assert len(shapes) == 4 and shapes[:2] == shapes[2:], shapes  # by block, then the ties by query
     assert shapes[0][1][2] == 512
 
@@ -702,7 +704,7 @@ def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):
     (a slice of a longer row traced one graph per length). Each kind is a function of its own, so
     dynamo's limit of graphs per function counts each kind's buckets apart: with a limit of 1 both
     kinds still compile (sharing one function, the second ran eagerly, its full scores)."""
-    from hf_dilated.ops import sparse_far_flex, sparse_far_plain
+    from hf_dilated.ops import sparse_far_flex
 
     graphs = []
 
@@ -717,14 +719,7 @@ def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):
     monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)  # 128 queries per call
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     for n in (300, 400, 500):
-        case = replace(BASE, layout="plain", kv_len=n)
-        q, k, v, _, _, _ = make_inputs(case, torch.float64)
-        q_far, k_far = (t.detach() for t in far_inputs(q, k, 5))
-        out = sparse_far_plain.sparse_far_forward(q.detach(), k.detach(), v.detach(), q_far, k_far, 64, 32,
-                                                  FarSelection(2, 16, 1), q.shape[-1] ** -0.5, far_kernel="flex")
-        ref = local_band_reference(q.detach(), k.detach(), v.detach(), [512], [1], 64, q_far=q_far, k_far=k_far,
-                                   far_band=32, far_top_k=2, far_block_size=16, far_sinks=1)
-        assert (out - ref).abs().max().item() < TOL
+        flex_row_matches_reference(n)
     torch._dynamo.reset()
     assert len(graphs) == 2, len(graphs)
 
@@ -732,18 +727,10 @@ def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):
 def test_flex_path_without_far_blocks_reads_only_the_band(monkeypatch):
     """far_top_k 0 and far_sinks 0: no far key is read, and FlexAttention is not called (an empty
     call failed, which turned it off for the process)."""
-    from hf_dilated.ops import sparse_far_flex, sparse_far_plain
+    from hf_dilated.ops import sparse_far_flex
 
     monkeypatch.setattr(sparse_far_flex, "_FAILED", None)
-    case = replace(BASE, layout="plain", kv_len=300)
-    q, k, v, _, _, _ = make_inputs(case, torch.float64)
-    q, k, v = q.detach(), k.detach(), v.detach()
-    q_far, k_far = (t.detach() for t in far_inputs(q, k, 5))
-    out = sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, 64, 32, FarSelection(0, 16, 0),
-                                              q.shape[-1] ** -0.5, far_kernel="flex")
-    ref = local_band_reference(q, k, v, [512], [1], 64, q_far=q_far, k_far=k_far, far_band=32, far_top_k=0,
-                               far_block_size=16, far_sinks=0)
-    assert (out - ref).abs().max().item() < TOL
+    flex_row_matches_reference(300, FarSelection(0, 16, 0))
     assert sparse_far_flex._FAILED is None
 
 

@@ -68,7 +68,8 @@ def _kept(state: SummaryState, name: str, tensors: tuple, extra, make):
     return value
 
 
-def _rotation_delta(positions: torch.Tensor, rotation, query: bool) -> torch.Tensor:
+def _rotation_delta(positions, rotation, query: bool):
+    """How far positions (a tensor or an int) move to their grouped far positions."""
     window, group, _ = rotation
     if query:
         return positions // group + window - window // group - positions
@@ -193,10 +194,8 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
             out[b, :, t] = (torch.softmax(near, -1) @ v[b, :, lo:index + 1].to(acc_dtype)).view(n_heads, dim)
             continue
         n_blocks = (p - width) // size + 1
-        # the query's move to its grouped position, a Python int (_rotation_delta's for a query)
-        window, group_far = (rotation[0], rotation[1]) if rotation is not None else (0, 1)
-        q_far = qb if rotation is None else rotate_with(
-            qb, *turn_by(p // group_far + window - window // group_far - p, rotation[2], qb.dtype, qb.device))
+        q_far = qb if rotation is None else rotate_with(  # the query's move, a Python int here
+            qb, *turn_by(_rotation_delta(p, rotation, True), rotation[2], qb.dtype, qb.device))
         number = torch.arange(n_blocks, device=q.device)
         sink = number < selection.sinks
         mn, mx = summaries[0][b:b + 1, :, :n_blocks], summaries[1][b:b + 1, :, :n_blocks]
