@@ -332,16 +332,16 @@ def test_sparse_far_flex_plan_reads_nothing_back():
     from hf_dilated.ops.far_selection import FarSelection
 
     q, k, _ = _qkv(n=1024, grad=False)
-    blocks = far_selection.Blocks(torch.arange(1024).div(16, rounding_mode="floor").expand(q.shape[0], 1024), None, 64)
-    mn, mx = far_selection.summaries(k, blocks)
     selection = FarSelection(2, 16, 1)
 
     def plan():
-        chosen = far_selection.plain_choice(q[:, :, 256:], mn, mx, 256, 128, selection)
-        by_block = sparse_far_flex.by_block_plan(chosen, k.shape[1], 3, 256, 128, 16, 1024)
-        return sparse_far_flex.by_query_mask(chosen, 256, 1024, 128, 16), by_block
+        operands = far_selection.bound_operands(*far_selection.plain_summaries(k, 16, 64), q.shape[1] // k.shape[1])
+        last = torch.arange(256, 1024) - 128
+        chosen = far_selection.plain_choice(q[:, :, 256:], None, None, 256, 128, selection, operands)
+        _, *by_block, _, _ = sparse_far_flex.by_block_plan(q[:, :, 256:], *operands, last, 2, 1, 16, 1024)
+        return sparse_far_flex.by_query_mask(chosen, last, 1024, 16), sparse_far_flex.by_block_mask(*by_block, 16, 1024)
 
-    syncs, (block_mask, (_, by_block_mask, _)) = count_syncs(plan)
+    syncs, (block_mask, by_block_mask) = count_syncs(plan)
     assert block_mask.kv_num_blocks.shape[-1] == (1024 - 256) // 128
     assert by_block_mask.kv_num_blocks.shape[-1] == -(-q.shape[1] // k.shape[1] * (1024 - 256) * 3 // 128)
     assert_no_syncs(syncs, "sparse far flex plan")

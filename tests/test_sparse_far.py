@@ -428,6 +428,62 @@ def test_kth_by_maxima_is_topks_last_value(k):
     assert torch.equal(kth_by_maxima(scores, k), scores.topk(k, dim=-1).values[..., -1:])
 
 
+@pytest.mark.parametrize("k", (0, 1, 3, 8))
+def test_top_picks_and_their_ties_are_selects_set(k):
+    """The CUDA prefill's selection (far_selection.top_picks: k row maxima, then the ties at the
+    k-th) reads select()'s set, ties and -inf included, with one pick per slot."""
+    from hf_dilated.ops.far_selection import select, top_picks
+
+    g = torch.Generator().manual_seed(k)
+    scores = torch.randn(6, 40, 12, generator=g)
+    scores[0] = scores[0].round()  # many ties
+    scores[1, :, 5:] = float("-inf")  # fewer than k candidates in some rows
+    scores[2] = float("-inf")
+    scores[3, :, :4] = scores[3, :, :1]  # ties at the top
+    picks, tied = top_picks(scores, k)
+    picked = (torch.nn.functional.one_hot(picks.clamp(min=0), 12) * (picks >= 0)[..., None]).sum(-2) > 0
+    assert picks.shape[-1] == k and not (picked & tied).any()
+    assert torch.equal((picks >= 0).sum(-1), (scores > float("-inf")).sum(-1).clamp(max=k))
+    assert torch.equal(picked | tied, select(scores, scores > float("-inf"), k))
+    assert tied[0].any() == (k > 0)
+
+
+def test_plain_summaries_are_the_blocks_min_and_max():
+    from hf_dilated.ops import far_selection
+
+    k = torch.randn(2, 3, 50, 4, generator=torch.Generator().manual_seed(1))
+    blocks = far_selection.Blocks(torch.arange(50).div(16, rounding_mode="floor").expand(2, 50), None, 4)
+    mn, mx = far_selection.plain_summaries(k, 16, 6)  # two blocks past the keys
+    ref_mn, ref_mx = far_selection.summaries(k, blocks)
+    assert torch.equal(mn[:, :, :4], ref_mn) and torch.equal(mx[:, :, :4], ref_mx)
+    assert torch.isinf(mn[:, :, 4:]).all() and torch.isinf(mx[:, :, 4:]).all()
+
+
+def test_flex_plan_and_merge_compile_to_the_eager_results():
+    """sparse_far_flex compiles its plan and merge on CUDA (torch.compile, inductor); compiled here
+    for the CPU, they return the eager functions' results (the rows' order may differ only where
+    blocks are equal: the plan's sort is stable)."""
+    from hf_dilated.ops import far_selection, sparse_far_flex
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 256, 8, generator=g)
+    k = torch.randn(1, 2, 512, 8, generator=g)
+    operands = far_selection.bound_operands(*far_selection.plain_summaries(k, 16, 32), 2)
+    last = torch.where(torch.arange(256) < 200, torch.arange(256) + 200, -1)
+    args = (q, *operands, last, 3, 1, 16, 512)
+    torch._dynamo.reset()
+    eager, compiled = sparse_far_flex.by_block_plan(*args), torch.compile(sparse_far_flex.by_block_plan)(*args)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+    o = torch.randn(1, 2, eager[0].shape[2], 8, generator=g).to(torch.bfloat16)
+    part = torch.randn(1, 2, eager[0].shape[2], generator=g).masked_fill(eager[1] < 0, float("-inf"))
+    merge_args = (o, part, eager[-2], 4, 256, torch.randn(1, 4, 256, 8, generator=g), torch.full((1, 4, 256), -1e9))
+    out, lse = sparse_far_flex.merge_entries(*merge_args)
+    out_c, lse_c = torch.compile(sparse_far_flex.merge_entries)(*merge_args)
+    torch._dynamo.reset()
+    assert torch.allclose(out, out_c, atol=1e-5) and torch.allclose(lse, lse_c, atol=1e-5)
+
+
 def test_tied_bounds_all_count():
     """Blocks whose bounds tie at the k-th largest are all read (docs/contract.md 4.2), in the kernel as
     in the reference: key blocks repeated exactly give equal summaries, hence equal bounds."""
@@ -594,18 +650,17 @@ def test_flex_block_mask_lists_every_tile_its_mask_reads(block_size, layout, mon
     q, k, _, _, _, _ = make_inputs(case, torch.float64)
     q_far, k_far = (t.detach() for t in far_inputs(q, k, 6))
     n, selection, s, band = 700, FarSelection(2, block_size, 1), 300, 64
-    blocks = far_selection.Blocks(torch.arange(n).div(block_size, rounding_mode="floor").expand(2, n), None,
-                                  -(-n // block_size))
-    mn, mx = far_selection.summaries(k_far, blocks)
-    chosen = far_selection.plain_choice(q_far[:, :, s:], mn, mx, s, band, selection)
+    operands = far_selection.bound_operands(*far_selection.plain_summaries(k_far, block_size, -(-768 // block_size)), 2)
+    chosen = far_selection.plain_choice(q_far[:, :, s:], None, None, s, band, selection, operands)
+    last = torch.arange(s, n) - band
 
     def listed_and_read():
         if layout == "by_query":
-            block_mask, heads = sparse_far_flex.by_query_mask(chosen, s, n, band, block_size), 4
+            block_mask, heads = sparse_far_flex.by_query_mask(chosen, last, n, block_size), 4
         else:
-            block_mask = sparse_far_flex.by_block_plan(chosen, 2, selection.top_k + selection.sinks, s, band,
-                                                       block_size, n)[1]
-            heads = 2
+            _, *plan, _, tied = sparse_far_flex.by_block_plan(q_far[:, :, s:], *operands, last, 2, 1, block_size, n)
+            assert not tied.any()
+            block_mask, heads = sparse_far_flex.by_block_mask(*plan, block_size, n), 2
         rows = block_mask.seq_lengths[0]
         allowed = create_mask(block_mask.mask_mod, 2, heads, rows, n, device="cpu")  # (b, h, rows, k)
         tiles = block_mask.to_dense().bool()  # (b, h, row tiles, k tiles)
@@ -635,10 +690,10 @@ def test_flex_by_block_reads_tied_blocks_beyond_its_slots():
     k = torch.randn(1, 1, 4, 4, generator=g, dtype=torch.float64).repeat(1, 1, 100, 1)  # 100 equal blocks of 4
     v = torch.randn(1, 1, 400, 4, generator=g, dtype=torch.float64)
     selection = FarSelection(2, 4, 0)
-    blocks = far_selection.Blocks(torch.arange(400).div(4, rounding_mode="floor")[None], None, 100)
-    chosen = far_selection.plain_choice(q[:, :, 200:], *far_selection.summaries(k, blocks), 200, 16, selection)
-    extra = sparse_far_flex.by_block_plan(chosen, 1, 2, 200, 16, 4, 512)[2]
-    assert extra.any() and int((chosen & ~extra).sum(-1).max()) == 2
+    operands = far_selection.bound_operands(*far_selection.plain_summaries(k, 4, 128), 2)
+    chosen = far_selection.plain_choice(q[:, :, 200:], None, None, 200, 16, selection, operands)
+    tied = sparse_far_flex.by_block_plan(q[:, :, 200:], *operands, torch.arange(200, 400) - 16, 2, 0, 4, 512)[-1]
+    assert tied.any() and not (tied & ~chosen).any() and int((chosen & ~tied).sum(-1).max()) == 2
     with pair_count.counting() as tally:
         out = sparse_far_plain.sparse_far_forward(q, k, v, q, k, 32, 16, selection, 0.5, far_kernel="flex")
     ref_kw = dict(far_band=16, far_top_k=2, far_block_size=4, far_sinks=0)

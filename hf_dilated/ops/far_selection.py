@@ -76,6 +76,17 @@ def blocks_of(positions: torch.Tensor, real: torch.Tensor, doc: torch.Tensor, bl
     return Blocks(ids, numbers[:, :count], count)
 
 
+def plain_summaries(k_far: torch.Tensor, block_size: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """summaries() of plain rows (block c: keys c * B .. c * B + B - 1), by one reshape instead of
+    a scatter; n_blocks * B >= the keys, blocks past the last key (+inf / -inf) never selected."""
+    batch, kv_heads, n, dim = k_far.shape
+    src = k_far.to(bound_dtype(k_far.dtype))
+    pad = (0, 0, 0, n_blocks * block_size - n)
+    return tuple(getattr(torch.nn.functional.pad(src, pad, value=fill).view(batch, kv_heads, n_blocks, block_size,
+                                                                              dim), op)(3)
+                 for fill, op in ((float("inf"), "amin"), (float("-inf"), "amax")))
+
+
 def bound_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype every path computes summaries and bounds in (float64 inputs: float64, else float32),
     so that they rank blocks alike."""
@@ -105,15 +116,18 @@ def bound_operands(mn: torch.Tensor, mx: torch.Tensor, group: int) -> tuple[torc
     return summary, torch.isinf(mx[..., 0]).repeat_interleave(group, 1)
 
 
-def bounds(q_far: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, operands=None) -> torch.Tensor:
+def bounds(q_far: torch.Tensor, mn: torch.Tensor | None, mx: torch.Tensor | None, operands=None) -> torch.Tensor:
     """(batch, q_heads, queries, n_blocks): Quest's bound on each query's best score in each block
-    (blocks with no key: -inf). operands: bound_operands(mn, mx, group), when at hand."""
+    (blocks with no key: -inf). operands: bound_operands(mn, mx, group), when at hand (then mn and
+    mx may be None)."""
     batch, n_heads, n, dim = q_far.shape
-    kv_heads, n_blocks = mn.shape[1], mn.shape[2]
-    group = n_heads // kv_heads
-    q = q_far.to(mn.dtype)
+    if operands is None:
+        operands = bound_operands(mn, mx, n_heads // mn.shape[1])
     # one product per kv head for its group of query heads: [relu(q), min(q, 0)] . [mx, mn]
-    summary, empty = bound_operands(mn, mx, group) if operands is None else operands
+    summary, empty = operands
+    kv_heads, n_blocks = summary.shape[1], summary.shape[2]
+    group = n_heads // kv_heads
+    q = q_far.to(summary.dtype)
     q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], -1).reshape(batch, kv_heads, group * n, 2 * dim)
     up = (q2 @ summary.transpose(-1, -2)).view(batch, n_heads, n, n_blocks)
     return up.masked_fill_(empty[:, :, None, :], float("-inf"))
@@ -129,6 +143,25 @@ def select(bound: torch.Tensor, candidate: torch.Tensor, top_k: int) -> torch.Te
     many = scores[..., 0].numel() >= _MANY_ROWS
     kth = kth_by_maxima(scores, k) if scores.is_cuda and many else scores.topk(k, dim=-1).values[..., -1:]
     return candidate & (scores >= kth)
+
+
+def top_picks(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """select()'s set as top_k picks and the rest: picks (..., top_k) the index of each row's
+    largest, second largest, ... score (ties: the first index; -1 where fewer than top_k scores are
+    above -inf), and tied (bool like scores) the others that reach the top_k-th (the ties select()
+    also reads: usually none). Picks plus tied is select(scores, scores > -inf, top_k). Each pick is
+    one row max (argmax) and a mask: written so that torch.compile fuses them into a few
+    reductions over each row (sparse_far_flex, on CUDA), where a topk is one slow radix select."""
+    index = torch.arange(scores.shape[-1], device=scores.device)
+    rest, picks = scores, []
+    kth = torch.full_like(scores[..., 0], float("inf"))
+    for _ in range(top_k):
+        kth, at = rest.max(-1)
+        picks.append(torch.where(kth > float("-inf"), at, -1))
+        rest = rest.masked_fill(index == at[..., None], float("-inf"))
+    if not picks:
+        return scores.new_empty(scores.shape[:-1] + (0,), dtype=torch.long), torch.zeros_like(scores, dtype=torch.bool)
+    return torch.stack(picks, -1), (rest >= kth[..., None]) & (rest > float("-inf"))
 
 
 _MANY_ROWS = 4096  # a prefill chunk's (query, head) rows; a decode step has a few (one topk launch)
@@ -152,16 +185,25 @@ def kth_by_maxima(scores: torch.Tensor, k: int) -> torch.Tensor:
     return kth
 
 
-def plain_choice(q_far: torch.Tensor, mn: torch.Tensor, mx: torch.Tensor, first_query: int, band: int,
-                 selection: FarSelection) -> torch.Tensor:
-    """bool (batch, heads, queries, blocks of mn): on a plain row (one document, positions the
-    indices, block c the keys c * B .. c * B + B - 1), the blocks that query i = first_query + t
-    reads beyond its band: its sink blocks and its top_k other blocks, among those holding a far
-    key j <= i - band. The one rule of the plain inference paths (sparse_far_plain, sparse_far_flex)."""
+def plain_candidates(last: torch.Tensor, n_blocks: int, block_size: int, sinks: int):
+    """On a plain row (one document, positions the indices, block c the keys c * B .. c * B + B - 1),
+    for queries whose last far key is last (queries,) (i - band; below 0: none): (candidate, sink),
+    bool (queries, n_blocks), the blocks holding a far key of the query beyond the first `sinks`
+    (ranked by their bounds), and its sink blocks (read always)."""
+    number = torch.arange(n_blocks, device=last.device)
+    reach = number * block_size <= last[:, None]
+    sink = reach & (number < sinks)
+    return reach & ~sink, sink
+
+
+def plain_choice(q_far: torch.Tensor, mn: torch.Tensor | None, mx: torch.Tensor | None, first_query: int,
+                 band: int, selection: FarSelection, operands=None) -> torch.Tensor:
+    """bool (batch, heads, queries, blocks of mn): on a plain row, the blocks that query
+    i = first_query + t reads beyond its band: its sink blocks and its top_k other blocks
+    (plain_candidates). The one rule of the plain inference paths (sparse_far_plain, sparse_far_flex,
+    whose by_block_plan picks the same set by top_picks). operands: bound_operands(mn, mx, group)."""
     batch, n_heads, queries, _ = q_far.shape
-    number = torch.arange(mn.shape[2], device=q_far.device)
+    n_blocks = (mn if operands is None else operands[0]).shape[2]
     last = torch.arange(first_query, first_query + queries, device=q_far.device) - band  # each query's last far key
-    reach = number[None, :] * selection.block_size <= last[:, None]  # (queries, blocks): the block holds a far key
-    sink = reach & (number[None, :] < selection.sinks)
-    candidate = (reach & ~sink).expand(batch, n_heads, -1, -1)
-    return select(bounds(q_far, mn, mx), candidate, selection.top_k) | sink
+    candidate, sink = plain_candidates(last, n_blocks, selection.block_size, selection.sinks)
+    return select(bounds(q_far, mn, mx, operands), candidate.expand(batch, n_heads, -1, -1), selection.top_k) | sink

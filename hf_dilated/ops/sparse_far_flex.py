@@ -12,7 +12,7 @@ The other layout, rows = the queries (by_query_mask, LAYOUT = "by_query"), lists
 every key tile one of them chose: nearly every far key where queries choose apart (random
 weights: 0.94 of them; SmolLM2's layer 2: 0.44). On an H200 at 16K / 64K tokens (2-layer Llama
 of 32/8 heads x 128, random weights) by_block took 100 / 578 ms, by_query 109 / 941 (sdpa's
-best 20 / 164; scripts/profile_prefill.py, 2026-11-26). It serves the blocks tied beyond a
+best 20 / 164; scripts/profile_model.py, 2026-11-26). It serves the blocks tied beyond a
 query's top_k + sinks slots (usually none: that call lists no tile).
 
 The block-by-block loop is right for the CPU (its flash kernel does not skip masked keys), but on
@@ -108,32 +108,35 @@ def _tile_overlap(n_blocks: int, n_tiles: int, block_size: int, device) -> torch
     return ((c * block_size < (t + 1) * TILE) & (t * TILE < (c + 1) * block_size)).float()
 
 
-def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: FarSelection, scale: float,
-                  mn, mx) -> bool:
+def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: FarSelection, scale: float) -> bool:
     """Merge into out/lse ((batch, heads, n, d) / (batch, heads, n), float32) the far keys every
     query from `start` on selects: keys j <= i - band in its sink blocks and its top_k blocks by
-    Quest's bound from the summaries (mn, mx) (far_selection). Returns False, having merged
+    Quest's bound from the blocks' summaries (far_selection). Returns False, having merged
     nothing, where FlexAttention failed to build its kernel in this process (warned once): the
     caller then takes the block-by-block path."""
     global _FAILED
     if _FAILED is not None:
         return False
     batch, n_heads, n = q_far.shape[:3]
-    # Every call has one shape per power of two of the length (one compile for all the lengths in
-    # it, where one per length would recompile at each new prompt): the keys are padded to it (no
-    # query reaches a padded key, and no tile of them is listed: they cost memory, not work), every
-    # call takes `chunk` query rows, the last chunk moved back to end at n (merging only the rows
-    # not merged yet), a row shorter than a chunk padded with queries that read nothing. Every
-    # operand is contiguous: a compiled call specialises on strides too, and a slice of a longer
-    # row has other strides.
-    n_keys = _length_bucket(n)
-    k_far, v = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else t.contiguous()
-                for t in (k_far, v))
     slots = selection.top_k + selection.sinks
     if slots == 0:  # no far key is read
         return True
+    # Every call has one shape per power of two of the length (one compile for all the lengths in
+    # it, where one per length would recompile at each new prompt): the keys are padded to it (no
+    # query reaches a padded key, and no tile of them is listed: they cost memory, not work), the
+    # blocks' summaries to the blocks of its tiles (empty ones: never chosen), every call takes
+    # `chunk` query rows, the last chunk moved back to end at n (merging only the rows not merged
+    # yet), a row shorter than a chunk padded with queries that read nothing. Every operand is
+    # contiguous: a compiled call specialises on strides too, and a slice of a longer row has others.
+    n_keys = _length_bucket(n)
+    size = selection.block_size
+    n_blocks = -(-(-(-n_keys // TILE) * TILE) // size)
+    operands = far_selection.bound_operands(*far_selection.plain_summaries(k_far, size, n_blocks),
+                                            n_heads // k_far.shape[1])
+    k_far, v = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else t.contiguous()
+                for t in (k_far, v))
     entry_elements = batch * n_heads * slots * q_far.shape[-1] if LAYOUT == "by_block" else 0
-    chunk = min(query_chunk(batch * n_heads, -(-n_keys // selection.block_size), entry_elements), max(TILE, n_keys))
+    chunk = min(query_chunk(batch * n_heads, n_blocks, entry_elements), max(TILE, n_keys))
     lo = start
     while lo < n:
         e = min(n, lo + chunk)
@@ -141,16 +144,20 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
         q_chunk = q_far[:, :, s:e].contiguous()
         if e - s < chunk:
             q_chunk = torch.nn.functional.pad(q_chunk, (0, 0, 0, chunk - (e - s)))
-        # padding queries (rows past e - s) choose nothing
-        chosen = far_selection.plain_choice(q_chunk[:, :, :e - s], mn, mx, s, band, selection)
-        chosen = torch.nn.functional.pad(chosen, (0, 0, 0, chunk - (e - s)), value=False)
-        pairs = pairs_read(chosen, s, band, selection.block_size, lo - s) if pair_count.TALLY.active else None
+        # each query's last far key, on the device; padding queries (rows past e - s) read nothing
+        index = torch.arange(chunk, device=q_far.device)
+        last = torch.where(index < e - s, index + (s - band), -1)
+        pairs = None
+        if pair_count.TALLY.active or LAYOUT != "by_block":
+            chosen = far_selection.plain_choice(q_chunk[:, :, :e - s], None, None, s, band, selection, operands)
+            chosen = torch.nn.functional.pad(chosen, (0, 0, 0, chunk - (e - s)), value=False)
+            if pair_count.TALLY.active:
+                pairs = pairs_read(chosen, s, band, size, lo - s)
         try:
             if LAYOUT == "by_block":
-                o, part = _by_block_call(q_chunk, k_far, v, chosen, s, band, selection, scale)
+                o, part = _by_block_call(q_chunk, k_far, v, operands, last, selection, scale)
             else:
-                o, part = _flex_call(q_chunk, k_far, v, by_query_mask(chosen, s, n_keys, band, selection.block_size),
-                                     scale)
+                o, part = _flex_call(q_chunk, k_far, v, by_query_mask(chosen, last, n_keys, size), scale)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # the first call compiles (every call has its shape): a build failure
@@ -177,10 +184,10 @@ def pairs_read(chosen, s: int, band: int, size: int, tally_from: int = 0) -> int
 
 # --- by query: FlexAttention's rows are the queries ------------------------------------------
 
-def by_query_mask(chosen, s: int, n: int, band: int, size: int):
-    """The BlockMask of queries s, s + 1, ... (rows of chosen: (batch, heads, rows, blocks)) over n
-    keys, rows as they are: its mask_mod reads each query's own selection (keys j <= i - band of its
-    chosen blocks); its tiles are those some query of a 128-query tile chose a block of."""
+def by_query_mask(chosen, last, n: int, size: int):
+    """The BlockMask of a chunk's queries (rows of chosen: (batch, heads, rows, blocks)) over n
+    keys, rows as they are: its mask_mod reads each query's own selection (keys j <= last[query]
+    of its chosen blocks); its tiles are those some query of a 128-query tile chose a block of."""
     batch, n_heads, rows, n_blocks = chosen.shape
     device = chosen.device
     # Captured tensors are indexed by every (query, key) of the padded tiles: pad them so that no
@@ -188,18 +195,18 @@ def by_query_mask(chosen, s: int, n: int, band: int, size: int):
     n_tiles = -(-n // TILE)
     q_rows = -(-rows // TILE) * TILE
     padded_blocks = (n_tiles * TILE - 1) // size + 1
-    chosen = torch.nn.functional.pad(chosen, (0, max(0, padded_blocks - n_blocks), 0, q_rows - rows), value=False)
+    if padded_blocks > n_blocks or q_rows > rows:
+        chosen = torch.nn.functional.pad(chosen, (0, max(0, padded_blocks - n_blocks), 0, q_rows - rows), value=False)
+        last = torch.nn.functional.pad(last, (0, q_rows - rows), value=-1)
     # Per (query tile, key tile): whether some query of the tile chose a block overlapping the key
     # tile; the listed tiles first, in key order.
     per_tile = chosen[..., :padded_blocks].unflatten(2, (q_rows // TILE, TILE)).any(3)  # (batch, heads, q tiles, blocks)
     listed = (per_tile.float() @ _tile_overlap(padded_blocks, n_tiles, size, device)) > 0
     kv_indices = torch.argsort((~listed).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
     kv_count = listed.sum(-1, dtype=torch.int32)
-    # key <= query + first; a tensor (filled on the device: no copy from the host): one compile per shape
-    first = torch.full((), s - band, dtype=torch.long, device=device)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return chosen[b, h, q_idx, kv_idx // size] & (kv_idx <= q_idx + first)
+        return chosen[b, h, q_idx, kv_idx // size] & (kv_idx <= last[q_idx])
 
     return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
                                           seq_lengths=(rows, n))
@@ -207,79 +214,117 @@ def by_query_mask(chosen, s: int, n: int, band: int, size: int):
 
 # --- by block: FlexAttention's rows are (query, head, chosen block), sorted by block ----------
 
-def by_block_plan(chosen, kv_heads: int, slots: int, s: int, band: int, size: int, n: int):
-    """How one chunk's chosen (query, head, block) entries meet FlexAttention's tiles when its rows
-    are the entries themselves, per kv head sorted by block: a 128-row tile then holds entries of
-    one block or of a few neighbours and lists one or two key tiles, whatever the queries chose
-    (by query, a tile lists every key tile any of its 128 queries chose: nearly all of them where
-    the queries choose apart).
+def by_block_plan(q_chunk, summary, empty, last, top_k: int, sinks: int, size: int, n: int):
+    """One chunk's selection and FlexAttention rows, when the rows are the chosen (query, head,
+    block) entries themselves, per kv head sorted by block: a 128-row tile then holds entries of
+    one block or of a few neighbours and lists one or two key tiles, whatever the queries chose (by
+    query, a tile lists every key tile any of its 128 queries chose: nearly all of them where the
+    queries choose apart). All of it on the device, from tensors (the chunk's first query is in
+    `last`, not a Python int): compiled on CUDA, one graph per shape (_fused).
 
-    chosen: (batch, heads, rows, blocks) for queries s, s + 1, ...; n keys (padded). Each (query,
-    head) gets `slots` entries (top_k + sinks: every block it chose, unless more tie at the k-th
-    bound), in block order. Returns (order, block_mask, extra): order (batch, kv_heads,
-    entries) the entry of each FlexAttention row, entry ((head in group) * rows + query) * slots +
-    slot of its kv head; block_mask over (entries padded to a tile, n); extra (like chosen) the
-    chosen blocks no slot holds (ties beyond top_k: usually none)."""
-    batch, n_heads, rows, n_blocks = chosen.shape
-    device = chosen.device
-    slots = min(slots, n_blocks)
-    # Each (query, head)'s chosen blocks in block order, compacted into its slots by a running count
-    # (one scan and one scatter; a topk of the flags took as long as the selection's own topk).
-    slot = chosen.cumsum(-1) - 1
-    extra = chosen & (slot >= slots)
-    slot = torch.where(chosen & ~extra, slot, slots)  # the others to a spare slot, dropped
-    block = torch.full((batch, n_heads, rows, slots + 1), n_blocks, dtype=torch.long, device=device)
-    block.scatter_(-1, slot, torch.arange(n_blocks, device=device).expand_as(slot))
-    block = block[..., :slots]
-    taken = block < n_blocks
-    block = block.clamp(max=n_blocks - 1)
+    q_chunk (batch, heads, rows, d), rows a multiple of TILE; (summary, empty) the far blocks'
+    bound_operands (blocks covering n keys rounded up to a tile, n padded); last (rows,) each
+    query's last far key (-1: a padding query, reads nothing). Each (query, head) gets
+    min(sinks, blocks) + top_k slots: its sink blocks, then top_picks' blocks (-1: none). Returns
+    q_entries (batch, kv_heads, rows', d): the query of each FlexAttention row (rows' the entries
+    padded to a tile); row_block, row_last (batch, kv_heads, rows'): its block and last far key (-1
+    on padding rows: they read nothing); kv_count, kv_indices: each row tile's key tiles (the
+    BlockMask's); inverse (batch, kv_heads, entries): the FlexAttention row of each entry, entry
+    ((head in group) * rows + query) * slots + slot; tied (batch, heads, rows, blocks): the blocks
+    tied at a query's top_k-th bound beyond its slots (read by query: usually none)."""
+    batch, n_heads, rows, dim = q_chunk.shape
+    kv_heads, n_blocks = summary.shape[1], summary.shape[2]
+    device = q_chunk.device
+    candidate, sink = far_selection.plain_candidates(last, n_blocks, size, sinks)
+    scores = far_selection.bounds(q_chunk, None, None, (summary, empty)).masked_fill_(~candidate, float("-inf"))
+    picks, tied = far_selection.top_picks(scores, top_k)
+    sinks = min(sinks, n_blocks)
+    sink_picks = torch.where(sink[:, :sinks], torch.arange(sinks, device=device), -1).expand(batch, n_heads, rows, sinks)
+    block = torch.cat([sink_picks, picks], -1)
+    slots = block.shape[-1]
     entries = n_heads // kv_heads * rows * slots
-    taken, block = taken.reshape(batch, kv_heads, entries), block.reshape(batch, kv_heads, entries)
-    order = torch.argsort(torch.where(taken, block, n_blocks), dim=-1, stable=True)
-    taken, block = taken.gather(-1, order), block.gather(-1, order)
-    query = s + (order // slots) % rows
     padded = -(-entries // TILE) * TILE
-    row_block = torch.nn.functional.pad(torch.where(taken, block, -1), (0, padded - entries), value=-1)
-    row_last = torch.nn.functional.pad(query - band, (0, padded - entries), value=-1)  # its last far key
+    block = block.reshape(batch, kv_heads, entries)
+    order = torch.argsort(torch.where(block >= 0, block, n_blocks), dim=-1, stable=True)  # untaken last
+    block = block.gather(-1, order)
+    row_last = torch.where(block >= 0, last[(order // slots) % rows], -1)
+    row_block = torch.nn.functional.pad(block, (0, padded - entries), value=-1)
+    row_last = torch.nn.functional.pad(row_last, (0, padded - entries), value=-1)
+    source = torch.nn.functional.pad(order // slots, (0, padded - entries))  # padding rows: query 0, read nothing
+    q_entries = q_chunk.reshape(batch, kv_heads, -1, dim).gather(2, source[..., None].expand(-1, -1, -1, dim))
+    inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(entries, device=device).expand_as(order))
     # Per 128-row tile: its entries' blocks are a sorted run lo .. hi; list the key tiles they overlap.
     n_tiles = -(-n // TILE)
     per_tile = row_block.unflatten(-1, (padded // TILE, TILE))
     hi = per_tile.amax(-1)
     lo = torch.where(per_tile >= 0, per_tile, n_blocks).amin(-1)
     first = (lo * size // TILE).clamp(max=n_tiles - 1)
-    last = (((hi + 1) * size - 1) // TILE).clamp(max=n_tiles - 1)
-    kv_count = torch.where(hi >= 0, last - first + 1, 0).to(torch.int32)
+    last_tile = (((hi + 1) * size - 1) // TILE).clamp(max=n_tiles - 1)
+    kv_count = torch.where(hi >= 0, last_tile - first + 1, 0).to(torch.int32)
     kv_indices = (first[..., None] + torch.arange(n_tiles, device=device)).clamp(max=n_tiles - 1).to(torch.int32)
+    return q_entries, row_block, row_last, kv_count, kv_indices, inverse, tied
 
+
+def merge_entries(o, part, inverse, heads: int, rows: int, tied_out, tied_lse):
+    """(out, lse) per (query, head) of a chunk, (batch, heads, rows, d) / (batch, heads, rows) in
+    float32 (float64 for float64): each query's entries (FlexAttention rows `inverse` of o / part)
+    and its tied blocks' part (tied_out, tied_lse) in one softmax by their log-sum-exp. Compiled on
+    CUDA (_fused): the gather, the weights and the sum are one pass over o."""
+    batch, kv_heads, _, dim = o.shape
+    acc = merge_dtype(o.dtype)
+    o_e = o.gather(2, inverse[..., None].expand(-1, -1, -1, dim)).view(batch, heads, rows, -1, dim).to(acc)
+    lse_e = part.gather(2, inverse).view(batch, heads, rows, -1).to(acc)
+    lse_all = torch.cat([lse_e, tied_lse[..., None].to(acc)], -1)
+    far_lse = torch.logsumexp(lse_all, -1)
+    weight = torch.exp(lse_all - far_lse[..., None]).nan_to_num_(0.0)  # a query with no entry: 0, lse -inf
+    far_out = (weight[..., :-1, None] * o_e).sum(-2) + weight[..., -1:] * tied_out.to(acc)
+    return far_out, far_lse
+
+
+def _by_block_call(q_chunk, k_far, v, operands, last, selection: FarSelection, scale: float):
+    """(out, lse) of one chunk, like _flex_call's, from FlexAttention over by_block_plan's rows,
+    merged per (query, head) by merge_entries with the blocks tied beyond the slots (one more call,
+    by query: its tiles are those some query has a tied block in, usually none, which cost nothing)."""
+    batch, n_heads, rows, _ = q_chunk.shape
+    n = k_far.shape[2]
+    size = selection.block_size
+    q_entries, *plan, inverse, tied = _fused(by_block_plan)(q_chunk, *operands, last, selection.top_k,
+                                                             selection.sinks, size, n)
+    o, part = _flex_call(q_entries, k_far, v, by_block_mask(*plan, size, n), scale, "by_block")
+    o2, part2 = _flex_call(q_chunk, k_far, v, by_query_mask(tied, last, n, size), scale)
+    return _fused(merge_entries)(o, part, inverse, n_heads, rows, o2, part2)
+
+
+def by_block_mask(row_block, row_last, kv_count, kv_indices, size: int, n: int):
+    """The BlockMask of by_block_plan's rows over n keys: row r reads the keys of block row_block[r]
+    up to row_last[r], in the key tiles listed for its tile."""
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx // size == row_block[b, h, q_idx]) & (kv_idx <= row_last[b, h, q_idx])
 
-    block_mask = _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
-                                                seq_lengths=(padded, n))
-    return order, block_mask, extra
+    return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
+                                          seq_lengths=(row_block.shape[-1], n))
 
 
-def _by_block_call(q_chunk, k_far, v, chosen, s: int, band: int, selection: FarSelection, scale: float):
-    """(out, lse) of one chunk, like _flex_call's, from FlexAttention over by_block_plan's rows: the
-    rows gathered from q_chunk, each entry's (out, lse) put back and merged per (query, head); the
-    chosen blocks beyond the slots (ties) by one more call, by query (empty: its tiles cost nothing)."""
-    batch, n_heads, rows, dim = q_chunk.shape
-    kv_heads, n = k_far.shape[1], k_far.shape[2]
-    order, block_mask, extra = by_block_plan(chosen, kv_heads, selection.top_k + selection.sinks, s, band,
-                                             selection.block_size, n)
-    entries = order.shape[-1]
-    slots = entries // (n_heads // kv_heads * rows)
-    q_entries = q_chunk.view(batch, kv_heads, -1, dim).gather(2, (order // slots)[..., None].expand(-1, -1, -1, dim))
-    q_entries = torch.nn.functional.pad(q_entries, (0, 0, 0, block_mask.seq_lengths[0] - entries))
-    o, part = _flex_call(q_entries, k_far, v, block_mask, scale, "by_block")
-    # back to entry order, then (batch, heads, rows, slots): one softmax over a query's slots
-    o_e = torch.empty_like(o[:, :, :entries]).scatter_(2, order[..., None].expand(-1, -1, -1, dim), o[:, :, :entries])
-    lse_e = torch.empty_like(part[:, :, :entries]).scatter_(2, order, part[:, :, :entries])
-    acc = merge_dtype(q_chunk.dtype)
-    o_e, lse_e = o_e.view(batch, n_heads, rows, slots, dim), lse_e.view(batch, n_heads, rows, slots).to(acc)
-    far_lse = torch.logsumexp(lse_e, -1)
-    weight = torch.exp(lse_e - far_lse[..., None]).nan_to_num_(0.0)  # a query with no entry: 0, lse -inf
-    far_out = (weight[..., None, :] @ o_e.to(acc)).squeeze(-2)
-    o2, part2 = _flex_call(q_chunk, k_far, v, by_query_mask(extra, s, n, band, selection.block_size), scale)
-    merge_into(far_out, far_lse, o2.to(acc), part2.to(acc))
-    return far_out, far_lse
+# The selection and the entries' plan and merge (elementwise passes and row reductions over
+# (query, head, block) scores and (entry, d) outputs) compiled on CUDA: eagerly they were most of a
+# 16K prefill's GPU time (an H200, 2026-11-26: copies and comparisons 80 of 89 ms, FlexAttention 4).
+_FUSED_FAILED: str | None = None  # why compiling them failed in this process (they then run eagerly)
+
+
+def _fused(fn):
+    """fn compiled (dynamic=False: one graph per chunk shape) where its inputs are on CUDA; eager
+    elsewhere and once compiling failed (warned once: the same results, slower)."""
+    def call(*args):
+        global _FUSED_FAILED
+        if args[0].device.type != "cuda" or _FUSED_FAILED is not None:
+            return fn(*args)
+        try:
+            return _compiled(fn)(*args)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            _FUSED_FAILED = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"hf_dilated: compiling {fn.__name__} failed ({_FUSED_FAILED[:500]}); it runs eagerly "
+                          "from now on (the same results, slower)", RuntimeWarning, stacklevel=3)
+            return fn(*args)
+    return call

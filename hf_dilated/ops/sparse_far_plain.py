@@ -64,14 +64,10 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
     if n <= window:
         return out.to(q.dtype)
     near_plain(q, k, v, out, lse, band, head, scale)
-    size = selection.block_size
-    n_blocks = -(-n // size)
-    blocks = far_selection.Blocks(torch.arange(n, device=q.device).div(size, rounding_mode="floor").expand(batch, n),
-                                  None, n_blocks)
-    mn, mx = far_selection.summaries(k_far, blocks)
     if far_kernel == "flex" and sparse_far_flex.far_attention(q_far, k_far, v, out, lse, head, band, selection,
-                                                               scale, mn, mx):
+                                                               scale):
         return out.to(q.dtype)
+    mn, mx = far_selection.plain_summaries(k_far, selection.block_size, -(-n // selection.block_size))
     for b in range(batch):
         _far_by_block(q_far[b], k_far[b], v[b], out[b], lse[b], head, band, selection, scale,
                       mn[b], mx[b])

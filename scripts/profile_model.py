@@ -1,0 +1,132 @@
+"""Where a model's time goes on a GPU: the Llama-shaped model of scripts/gpu_check.sh (random
+weights), converted as hf_dilated.bench.gpu_table converts it, timed beside sdpa's kernels in the
+same process, then one call under torch.profiler (the ops by GPU time, and dynamo's recompiles).
+
+  prefill: N tokens beside sdpa's flash and cuDNN kernels; with the default conversion both row
+    layouts of the FlexAttention far path (ops/sparse_far_flex.LAYOUT) are timed, their logits compared.
+  decode: one step after a prefill of N tokens (ReservedCache, and DynamicCache), beside sdpa's.
+
+    python scripts/profile_model.py [--steps prefill,decode] [--lengths 16384,65536] [--conversion default|union] [--top 25]
+    python scripts/profile_model.py --smoke --lengths 512   # tiny sizes on the CPU (checks this script)
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeats: int = 3) -> float:
+    """Median ms of `repeats` calls after one untimed call (which compiles)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def profile(fn, device: str, top: int) -> None:
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda"
+                                                          else [])
+    torch._dynamo.utils.counters.clear()
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        sync()
+    events = prof.key_averages()
+    print("aten ops:", sum(e.count for e in events if e.key.startswith("aten::")))
+    sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(events.table(sort_by=sort, row_limit=top, max_name_column_width=60))
+    print("dynamo counters:", {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if v})
+
+
+def main() -> None:
+    from transformers import DynamicCache
+
+    from hf_dilated.bench import gpu_table
+    from hf_dilated.integrations.cache import ReservedCache
+    from hf_dilated.ops import sparse_far_flex
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", default="prefill", help="prefill, decode or both (comma-separated)")
+    parser.add_argument("--lengths", default="16384")
+    parser.add_argument("--conversion", default="default", choices=("default", "union"))
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, on the CPU when there is no GPU")
+    args = parser.parse_args()
+    steps = args.steps.split(",")
+    s = gpu_table.settings(args.smoke)
+    device = gpu_table._device(s)
+    print(torch.cuda.get_device_name(0) if device == "cuda" else device, "torch", torch.__version__)
+    for n in map(int, args.lengths.split(",")):
+        spec = dict(device=device, dtype=s["dtype"], model=s["model"], n=n, original=s["original"])
+        base, config, ids = gpu_table._build_model(dict(spec, conversion="sdpa"))
+        ours, _, _ = gpu_table._build_model(dict(spec, conversion=args.conversion))
+        arg = gpu_table._cache_arg(ours)
+
+        def prefill(model, cache=None):
+            with torch.no_grad():
+                kw = {arg: cache, "use_cache": True} if cache is not None else {"use_cache": False}
+                return model(input_ids=ids, logits_to_keep=1, **kw).logits
+
+        if "prefill" in steps:
+            sdpa = {}
+            for b in gpu_table.sdpa_backends(device, s):
+                with gpu_table._sdpa_context(b):
+                    sdpa[b] = timed(lambda: prefill(base))
+            best = min(sdpa.values())
+            print(f"\n== prefill, N {n}: sdpa " + ", ".join(f"{b} {ms:.2f} ms" for b, ms in sdpa.items()))
+            layouts = ("by_block", "by_query") if args.conversion == "default" else (None,)
+            logits = {}
+            for layout in layouts:
+                if layout:
+                    sparse_far_flex.LAYOUT = layout
+                ms = timed(lambda: prefill(ours))
+                logits[layout] = prefill(ours).float()
+                failed = [f"{what} failed: {why}" for what, why in (
+                    ("FlexAttention", sparse_far_flex._FAILED), ("compiling the plan", sparse_far_flex._FUSED_FAILED))
+                    if why]
+                print(f"{args.conversion} {layout or ''}: {ms:.2f} ms, speed {best / ms:.2f}x of sdpa's best"
+                      + "".join("; " + f for f in failed))
+            if len(logits) == 2:
+                a, b = logits.values()
+                print(f"logits by_block vs by_query: max |diff| {(a - b).abs().max().item():.3e} "
+                      f"(scale {a.abs().max().item():.3e})")
+            sparse_far_flex.LAYOUT = layouts[0] or sparse_far_flex.LAYOUT
+            profile(lambda: prefill(ours), device, args.top)
+        if "decode" in steps:
+            token = ids[:, -1:]
+            print(f"\n== decode step after N {n}")
+            for label, make in (("ReservedCache", ReservedCache), ("DynamicCache", DynamicCache)):
+                ms = {}
+                for name, model in (("sdpa", base), (args.conversion, ours)):
+                    cache = make(config=config)
+                    prefill(model, cache)
+
+                    def step(model=model, cache=cache):
+                        with torch.no_grad():
+                            model(input_ids=token, **{arg: cache}, use_cache=True)
+
+                    ms[name] = timed(step, repeats=5)
+                    if name != "sdpa" and label == "ReservedCache":
+                        profile(step, device, args.top)
+                    del cache
+                print(f"{label}: sdpa {ms['sdpa']:.2f} ms, {args.conversion} {ms[args.conversion]:.2f} ms, "
+                      f"speed {ms['sdpa'] / ms[args.conversion]:.2f}x")
+        del base, ours
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
