@@ -123,7 +123,7 @@ def main() -> None:
                     del cache
                 print(f"{label}: sdpa {ms['sdpa']:.2f} ms, {args.conversion} {ms[args.conversion]:.2f} ms, "
                       f"speed {ms['sdpa'] / ms[args.conversion]:.2f}x")
-        del base, ours
+        base = ours = None  # freed before the next length
         if device == "cuda":
             torch.cuda.empty_cache()
 
