@@ -11,9 +11,9 @@ back to the host: the plan is built on the device.
 The other layout, rows = the queries (by_query_mask, LAYOUT = "by_query"), lists per 128 queries
 every key tile one of them chose: nearly every far key where queries choose apart (random
 weights: 0.94 of them; SmolLM2's layer 2: 0.44). On an H200 at 16K / 64K tokens (2-layer Llama
-of 32/8 heads x 128, random weights) by_block took 100 / 578 ms, by_query 109 / 941 (sdpa's
-best 20 / 164; scripts/profile_model.py, 2026-11-26). It serves the blocks tied beyond a
-query's top_k + sinks slots (usually none: that call lists no tile).
+of 32/8 heads x 128, random weights; scripts/profile_model.py, 2026-11-26) by_block took 63 /
+287 ms with its plan compiled (100 / 578 eager), by_query 126 / 1289 (sdpa's best 19 / 163). It
+serves the blocks tied beyond a query's top_k + sinks slots (usually none: that call lists no tile).
 
 The block-by-block loop is right for the CPU (its flash kernel does not skip masked keys), but on
 a GPU it is one small launch per (kv head, block) and two reads back per chunk: 1.07 s for a
@@ -307,7 +307,9 @@ def by_block_mask(row_block, row_last, kv_count, kv_indices, size: int, n: int):
 
 # The selection and the entries' plan and merge (elementwise passes and row reductions over
 # (query, head, block) scores and (entry, d) outputs) compiled on CUDA: eagerly they were most of a
-# 16K prefill's GPU time (an H200, 2026-11-26: copies and comparisons 80 of 89 ms, FlexAttention 4).
+# 16K prefill's GPU time (an H200, 2026-11-26: 81 of 89 ms beside FlexAttention's 4 and the band's
+# 4); compiled, the prefill's GPU time went to 42 ms at 16K, and at 64K the selection's fused
+# reduction is 66 of 281 ms, the bounds' float32 products 48.
 _FUSED_FAILED: str | None = None  # why compiling them failed in this process (they then run eagerly)
 
 
