@@ -281,3 +281,60 @@ def test_static_decode_steps_match_reference(kind):
         out = block_sparse_decode_static(q[:, :, -2:], _static_cache(k), _static_cache(v), make_pattern(pattern),
                                          block_size=8, scale=DIM ** -0.5, real=real, seen=seen)
         assert ((out - ref[:, :, -2:]) * keep[:, :, -2:]).abs().max().item() < F64_TOL, pattern["type"]
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that are not views (each a kernel launch on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_step_launches_do_not_grow_with_the_levels(monkeypatch):
+    """A decode step whose rows are alike gathers every level's keys into one attention (on a GPU
+    a step was host-bound: one small attention and a merge per level), from a plan built once per
+    step and shared by the layers: a second layer's call builds none, and one level or four cost
+    the same launches. The results stay the reference's."""
+    plans = []
+    real = torch.frombuffer
+    monkeypatch.setattr(torch, "frombuffer", lambda *a, **kw: plans.append(1) or real(*a, **kw))
+    counts = []
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(BATCH, h, 127, DIM, generator=g, dtype=torch.float64) for h in (8, 2, 2))
+    q = q[:, :, -1:]  # position 126: every level below 128 reads a part (126 mod w >= w / 2)
+    for levels in (((64, 128), (1, 2)), ((8, 16, 32, 64, 128), (1, 2, 4, 8, 16))):  # 2 parts, 5 parts
+        for layer in range(2):
+            counter = _OpCounter()
+            with counter:
+                out = dilated_attention(q, k, v, *levels, mode="union")
+            counts.append(counter.ops)
+        ref = dilated_reference(q, k, v, *levels, mode="union")
+        assert (out - ref).abs().max().item() < F64_TOL
+    assert len(plans) == 2  # one per step (the first layer's), none for the second layer
+    assert counts[1] == counts[3] <= 12, counts
+
+
+@pytest.mark.cuda
+def test_cuda_decode_step_does_not_synchronise():
+    """A decode step on CUDA (union levels with a band and far projections, and without) runs under
+    torch.cuda's sync debug mode set to error: nothing waits for the device, the step's plan
+    copy included (pinned, non-blocking)."""
+    g = torch.Generator().manual_seed(0)
+    q, q_far = (torch.randn(2, 8, 1, 64, generator=g).cuda() for _ in range(2))
+    k, v, k_far = (torch.randn(2, 2, 5000, 64, generator=g).cuda() for _ in range(3))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for kw in ({}, dict(local_window=256, q_far=q_far, k_far=k_far)):
+            for _ in range(2):
+                dilated_attention(q, k, v, [1024, 2048, 4096, 8192], [1, 2, 4, 8], **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    out = dilated_attention(q, k, v, [1024, 2048, 4096, 8192], [1, 2, 4, 8])
+    ref = dilated_reference(*(t.cpu().double() for t in (q, k, v)), [1024, 2048, 4096, 8192], [1, 2, 4, 8])
+    assert (out.cpu().double() - ref).abs().max().item() < 1e-4

@@ -9,9 +9,12 @@ hold; a local band takes the last `local_window` positions and leaves the levels
 it). When a row's real tokens are one run at consecutive positions (no padding, or left padding:
 ops/token_layout.regular_rows), those keys are a *strided view* of the cache,
 `k[..., start : stop : r, :]`, so a step plans in O(levels) from p alone and reads
-sum_g w_g / r_g keys per participating kv head, not the cache. Per (query, level) one small
-attention over the view gives (out, lse), merged by log-sum-exp (merge.py) into the query's
-participating heads. Heads that read the same class from one kv head stay batched: with r
+sum_g w_g / r_g keys per participating kv head, not the cache. When every row of the batch is
+alike (the usual case), the step's parts are one attention: their cache slots gathered once, a
+bias keeping each head to its own parts, one softmax (_gather_plan, _gathered_step: 9 launches a
+layer whatever the number of levels; a GPU's decode step is host-bound). Otherwise, per (row,
+query, level) one small attention over the view gives (out, lse), merged by log-sum-exp
+(merge.py) into the query's participating heads. Heads that read the same class from one kv head stay batched: with r
 dividing the group size they are the kv head's heads o, o + r, ...; with the group size dividing
 r they sit on kv heads o // G, o // G + r / G, ... (a strided view of the kv heads too).
 
@@ -20,6 +23,8 @@ caller runs the general path. `COUNTS` tallies both outcomes so that a benchmark
 often its layouts fell back.
 """
 from __future__ import annotations
+
+from array import array
 
 import torch
 
@@ -49,10 +54,17 @@ def dilated_decode(q, k, v, seg, dil, mode, *, scale, attention_mask=None, posit
             # One run of keys read by every head (a context within the first segment, or the band):
             # dense attention over it, one fused call, as sdpa runs a step (heads packed per kv head).
             return _dense_step(q, k, v, parts[0], scale)
+    far = (q, k) if q_far is None else (q_far, k_far)
+    if len(set(zip(first, shift))) == 1:  # every row alike: one gathered attention for all parts
+        key = (kv_len, q_len, first[0], shift[0], q.shape[1], k.shape[1], tuple(seg), tuple(dil), mode,
+               sliding_window, local_window, str(q.device))
+        index, n_near, bias, keep = _gather_plan(key, [
+            _parts(kv_len - q_len + t, first[0], shift[0], q.shape[1], k.shape[1], seg, dil, mode, sliding_window,
+                   local_window) for t in range(q_len)], q.shape[1], q.device)
+        return _gathered_step(q, k, v, *far, index, n_near, bias, keep, scale)
     acc = torch.zeros(q.shape, dtype=merge_dtype(q.dtype), device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc.dtype, device=q.device)
-    groups = [list(range(batch))] if len(set(zip(first, shift))) == 1 else [[b] for b in range(batch)]
-    far = (q, k) if q_far is None else (q_far, k_far)
+    groups = [[b] for b in range(batch)]
     for rows_ in groups:
         b = slice(rows_[0], rows_[-1] + 1)
         for t in range(q_len):
@@ -116,6 +128,73 @@ def _dense_step(q, k, v, part: _Part, scale):
     # Not .view: the CUDA kernels return (batch, kv_heads, group, dim) laid out sequence-major,
     # (batch, group, kv_heads, dim) in memory, whose heads do not flatten into one dimension.
     return out.reshape(batch, q_heads, 1, dim)
+
+
+# The last step's gather plan: every layer of a step has the same one (built on the host from
+# Python integers, copied to the device once, without waiting for the device).
+_PLAN: dict = {}
+
+
+def _gather_plan(key, parts_by_query: list[list[_Part]], q_heads: int, device):
+    """(index, n_near, bias, keep) of a step's parts (parts_by_query[t]: query t's): index (keys,)
+    the cache slots every part reads, those scored with q / k first (n_near of them), then those
+    scored with q_far / k_far; bias (q_heads, q_len, keys) float32, 0 where the query head reads
+    the column (its query's part, one of the part's heads), -inf elsewhere; keep None, or (q_heads
+    * q_len, 1) 0 for the (head, query) pairs that read no key. The host sends the slots, each
+    slot's part and each part's (query, heads) in one copy; the bias is spread on the device."""
+    if _PLAN.get("key") == key:
+        return _PLAN["value"]
+    q_len = len(parts_by_query)
+    columns, owners, heads = [array("q"), array("q")], [array("q"), array("q")], array("q")  # host data only
+    reads_some = [0] * (q_len * q_heads)
+    for t, parts in enumerate(parts_by_query):
+        for part in parts:
+            columns[part.far].extend(range(part.start, part.start + part.step * part.count, part.step))
+            owners[part.far].extend([len(heads) // (q_len * q_heads)] * part.count)
+            reads = [0] * (q_len * q_heads)
+            for h in range(part.h0, part.h0 + (part.n_heads - 1) * part.h_step + 1, part.h_step):
+                reads[t * q_heads + h] = reads_some[t * q_heads + h] = 1
+            heads.extend(reads)
+    n_near = len(columns[0])
+    # A (head, query) that reads no key (head_groups: a level of other heads' only) gets output 0,
+    # as the merge gives it: it reads one column of its own (a softmax over none would be NaN, and
+    # so would its gradient), then its output is multiplied by 0.
+    some_read_none = not all(reads_some)
+    if some_read_none:
+        owners[1].append(len(heads) // (q_len * q_heads))
+        heads.extend(1 - r for r in reads_some)
+        columns[1].append(0)
+    n = n_near + len(columns[1])
+    # One tensor over host memory (no torch op on the host), one copy to the device: pinned on
+    # CUDA, so the copy is queued behind the device's work, not waited for.
+    packed = torch.frombuffer(columns[0] + columns[1] + owners[0] + owners[1] + heads, dtype=torch.long)
+    packed = packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed.to(device)
+    index, owner, reads = packed[:n], packed[n:2 * n], packed[2 * n:].view(-1, q_len, q_heads)
+    bias = torch.zeros((), device=device).masked_fill(reads.index_select(0, owner) == 0, float("-inf"))
+    keep = (reads[:-1].sum(0) > 0).T.reshape(-1, 1).float() if some_read_none else None  # (q_heads * q_len, 1)
+    _PLAN.update(key=key, value=(index, n_near, bias.permute(2, 1, 0).contiguous(), keep))  # (q_heads, q_len, keys)
+    return _PLAN["value"]
+
+
+def _gathered_step(q, k, v, q_far, k_far, index, n_near: int, bias, keep, scale):
+    """Every query's parts in one attention: the cache rows `index` gathered once (near columns
+    scored with q / k, far ones with q_far / k_far), the bias keeping each head to its own parts, one
+    softmax. A few launches a layer whatever the number of levels (one small attention and a merge
+    per level before: 5 levels took 1.1 ms a layer at 32K on an H200, host-bound)."""
+    batch, q_heads, q_len, dim = q.shape
+    kv_heads = k.shape[1]
+    rows = (q_heads // kv_heads) * q_len  # per kv head: (head in group, query)
+    scores = []
+    for qq, kk, cols in ((q, k, index[:n_near]), (q_far, k_far, index[n_near:])):
+        if cols.numel():
+            scores.append(torch.matmul(qq.reshape(batch, kv_heads, rows, dim), kk.index_select(2, cols).transpose(-1, -2)))
+    scores = scores[0] if len(scores) == 1 else torch.cat(scores, -1)
+    acc = merge_dtype(q.dtype)
+    scores = scores.to(acc) * scale + bias.view(kv_heads, rows, -1)
+    out = torch.matmul(torch.softmax(scores, -1).to(v.dtype), v.index_select(2, index))  # (batch, kv_heads, rows, dim)
+    if keep is not None:
+        out = out * keep.view(kv_heads, rows, 1).to(out.dtype)
+    return out.view(batch, q_heads, q_len, dim)
 
 
 def _attend(acc, lse, q, k, v, part: _Part, scale):
