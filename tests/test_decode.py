@@ -56,8 +56,16 @@ def _strided_runs(fn):
 CASES = list(itertools.product(LEVELS, ("union", "longnet", "head_groups"), HEADS))
 
 
+@pytest.fixture(params=["strided", "gathered"])
+def step_path(request, monkeypatch):
+    """Both ways a step whose rows are alike runs: per part over strided views (the CPU's), and
+    one gathered attention (the GPU's, dilated_decode.GATHERED_ON), here on the CPU."""
+    monkeypatch.setattr(dilated_decode, "GATHERED_ON", ("cpu", "cuda") if request.param == "gathered" else ())
+    return request.param
+
+
 @pytest.mark.parametrize("levels,mode,heads", CASES, ids=[f"{l[0]}x{l[1]}-{m}-{h[0]}/{h[1]}" for l, m, h in CASES])
-def test_dilated_decode_matches_reference(levels, mode, heads):
+def test_dilated_decode_matches_reference(levels, mode, heads, step_path):
     seg, dil = levels
     q, k, v = _qkv(*heads, seed=sum(seg) + heads[0])
     for kind, q_len, window in itertools.product(("plain", "left", "left_positions", "shifted"), (1, 3), (None, 20)):
@@ -73,7 +81,7 @@ def test_dilated_decode_matches_reference(levels, mode, heads):
 
 
 @pytest.mark.parametrize("far", [False, True], ids=["same_projections", "far_projections"])
-def test_local_band_decode_matches_reference(far):
+def test_local_band_decode_matches_reference(far, step_path):
     for (seg, dil), heads, kind, q_len, band, window in itertools.product(
             LEVELS[:4], HEADS[:3], ("plain", "left", "shifted"), (1, 2), (5, 16), (None, 12)):
         q, k, v = _qkv(*heads, seed=band + q_len)
@@ -108,7 +116,7 @@ def test_irregular_rows_fall_back_and_stay_exact():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_dilated_decode_low_precision(dtype):
+def test_dilated_decode_low_precision(dtype, step_path):
     q, k, v = _qkv(8, 2, seed=5)
     seg, dil = [8, 16, 32], [1, 2, 4]
     mask, _ = _layout("left")
@@ -119,7 +127,7 @@ def test_dilated_decode_low_precision(dtype):
     assert (out.double() - ref[:, :, -1:]).abs().max().item() < LOW_TOL
 
 
-def test_dilated_decode_gradients_match_reference():
+def test_dilated_decode_gradients_match_reference(step_path):
     """The strided path is plain torch ops: autograd gives the gradients (a decode step under
     training, e.g. a few tokens scored against a cache)."""
     q, k, v = _qkv(8, 2, seed=9)
@@ -298,8 +306,10 @@ class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
 def test_decode_step_launches_do_not_grow_with_the_levels(monkeypatch):
     """A decode step whose rows are alike gathers every level's keys into one attention (on a GPU
     a step was host-bound: one small attention and a merge per level), from a plan built once per
-    step and shared by the layers: a second layer's call builds none, and one level or four cost
-    the same launches. The results stay the reference's."""
+    step and shared by the layers: a second layer's call builds none, and two parts or five cost
+    the same launches. The results stay the reference's. (On the CPU, run here, the strided
+    views are faster: dilated_decode.GATHERED_ON.)"""
+    monkeypatch.setattr(dilated_decode, "GATHERED_ON", ("cpu",))
     plans = []
     real = torch.frombuffer
     monkeypatch.setattr(torch, "frombuffer", lambda *a, **kw: plans.append(1) or real(*a, **kw))

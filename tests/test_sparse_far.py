@@ -406,6 +406,24 @@ def test_decode_step_summarises_only_new_blocks(monkeypatch):
         else:  # later ones at most the block that just filled
             assert sum(summarised) <= size
     assert state.counts == [(n + 31 - 64) // size + 1]  # the last query sits at position n + 31
+    # The same cache queried again, unwritten (a benchmark's repeated step, candidates scored
+    # against one cache): nothing is summarised again (it rotated every key at every call), and a
+    # write in place since makes it summarise again.
+    for again in range(2):
+        summarised.clear()
+        out = decode_module.sparse_far_decode(q, keys, values, local_window=256, far_band=64,
+                                              selection=FarSelection(4, size, 1), scale=0.3, first=[0], shift=[0],
+                                              rotation=(32, 4, inv_freq), state=state)
+        assert sum(summarised) == 0
+    fresh = decode_module.sparse_far_decode(q, keys, values, local_window=256, far_band=64,
+                                            selection=FarSelection(4, size, 1), scale=0.3, first=[0], shift=[0],
+                                            rotation=(32, 4, inv_freq), state=decode_module.SummaryState())
+    assert torch.equal(out, fresh)
+    keys[:, :, :1].mul_(2.0)  # a write in place
+    summarised.clear()
+    decode_module.sparse_far_decode(q, keys, values, local_window=256, far_band=64, selection=FarSelection(4, size, 1),
+                                    scale=0.3, first=[0], shift=[0], rotation=(32, 4, inv_freq), state=state)
+    assert sum(summarised) > 0
 
 
 def test_selection_settings_without_a_selection_are_an_error():

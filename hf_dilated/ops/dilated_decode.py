@@ -12,9 +12,9 @@ ops/token_layout.regular_rows), those keys are a *strided view* of the cache,
 sum_g w_g / r_g keys per participating kv head, not the cache. When every row of the batch is
 alike (the usual case), the step's parts are one attention: their cache slots gathered once, a
 bias keeping each head to its own parts, one softmax (_gather_plan, _gathered_step: 9 launches a
-layer whatever the number of levels; a GPU's decode step is host-bound). Otherwise, per (row,
-query, level) one small attention over the view gives (out, lse), merged by log-sum-exp
-(merge.py) into the query's participating heads. Heads that read the same class from one kv head stay batched: with r
+layer whatever the number of levels) on a GPU, where a decode step is host-bound (GATHERED_ON).
+Otherwise (the CPU, or rows that differ), per (query, level) one small attention over the view
+gives (out, lse), merged by log-sum-exp (merge.py) into the query's participating heads. Heads that read the same class from one kv head stay batched: with r
 dividing the group size they are the kv head's heads o, o + r, ...; with the group size dividing
 r they sit on kv heads o // G, o // G + r / G, ... (a strided view of the kv heads too).
 
@@ -33,6 +33,10 @@ from .merge import merge_dtype, merge_into, merge_partial
 from .token_layout import regular_rows
 
 COUNTS = {"strided": 0, "fallback": 0}
+# Where a step whose rows are alike takes one gathered attention for all its parts: on a GPU a step
+# is host-bound (launches), on the CPU it is bound by memory, and the gather copies what the
+# strided views read in place (float32 at 128K: 92 ms a step where the views took 18).
+GATHERED_ON = ("cuda",)
 
 
 def dilated_decode(q, k, v, seg, dil, mode, *, scale, attention_mask=None, position_ids=None,
@@ -55,7 +59,8 @@ def dilated_decode(q, k, v, seg, dil, mode, *, scale, attention_mask=None, posit
             # dense attention over it, one fused call, as sdpa runs a step (heads packed per kv head).
             return _dense_step(q, k, v, parts[0], scale)
     far = (q, k) if q_far is None else (q_far, k_far)
-    if len(set(zip(first, shift))) == 1:  # every row alike: one gathered attention for all parts
+    alike = len(set(zip(first, shift))) == 1
+    if alike and q.device.type in GATHERED_ON:  # one gathered attention for all parts
         key = (kv_len, q_len, first[0], shift[0], q.shape[1], k.shape[1], tuple(seg), tuple(dil), mode,
                sliding_window, local_window, str(q.device))
         index, n_near, bias, keep = _gather_plan(key, [
@@ -64,7 +69,7 @@ def dilated_decode(q, k, v, seg, dil, mode, *, scale, attention_mask=None, posit
         return _gathered_step(q, k, v, *far, index, n_near, bias, keep, scale)
     acc = torch.zeros(q.shape, dtype=merge_dtype(q.dtype), device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc.dtype, device=q.device)
-    groups = [[b] for b in range(batch)]
+    groups = [list(range(batch))] if alike else [[b] for b in range(batch)]
     for rows_ in groups:
         b = slice(rows_[0], rows_[-1] + 1)
         for t in range(q_len):

@@ -118,10 +118,13 @@ def _summaries(state: SummaryState, k, first, shift, needed: list[int], size: in
     except RuntimeError:  # an inference-mode tensor keeps no version
         version = None
     grown = state.key == key and kv_len == state.kv_len + q_len
+    same_buffer = (state.key == key and version is not None and state.buffer is not None
+                   and state.buffer() is buffer and state.place == place)
     # The same buffer object, written once since (the cache appending this step's tokens) and grown
-    # by exactly them: the summarised keys are the ones summarised.
-    reuse = (grown and version is not None and state.buffer is not None and state.buffer() is buffer
-             and state.place == place and version == state.version + 1)
+    # by exactly them, or not written at all (the same cache queried again: a benchmark's repeated
+    # step, candidates scored against one cache): the summarised keys are the ones summarised.
+    reuse = same_buffer and ((grown and version == state.version + 1)
+                             or (kv_len == state.kv_len and version == state.version))
     # Another buffer grown by this step's tokens (a DynamicCache concatenates every step): the
     # summarised blocks are reused when their checksums match, one pass over their keys, unrotated
     # (a rebuild rotates every key). A crop and refill, a reorder or a rewrite changes them.
