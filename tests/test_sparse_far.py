@@ -595,21 +595,26 @@ def test_sliding_window_on_top_of_sparse_far_keys_matches_reference(layout, slid
 
 
 @pytest.mark.parametrize("size,group", ((64, 8), (4, 2), (6, 3), (8, 8)))
-def test_far_block_turns_equal_rotating_each_key(size, group):
-    """The decode's turn of whole blocks to their grouped positions (one angle per block and one per
-    offset, summed) equals rotate_by with each key's own move p // group - p, partial rotary included."""
-    from hf_dilated.ops.rope import far_block_turns, rotate_by, rotate_with
+def test_block_and_offset_turns_score_as_rotating_each_key(size, group):
+    """The decode's move of whole blocks to their grouped positions, each key turned by its offset's
+    angle and the query back by its block's, scores as rotate_by with each key's own move
+    p // group - p (partial rotary included)."""
+    from hf_dilated.ops.rope import block_turns, offset_turns, rotate_by, rotate_with
 
     g = torch.Generator().manual_seed(5)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 6, 2, dtype=torch.float64) / 6))  # 6 of 8 dims rotate
     blocks = torch.tensor([[0, 3, 15_000], [7, 1, 2]])  # (heads, blocks), one far into a long context
     keys = torch.randn(2, 3 * size, 8, generator=g, dtype=torch.float64)
+    q = torch.randn(2, 8, generator=g, dtype=torch.float64)
     positions = (blocks[..., None] * size + torch.arange(size)).flatten(1)  # (heads, 3 * size)
-    expected = rotate_by(keys[:, None], positions // group - positions, inv_freq)[:, 0]
-    cos, sin = far_block_turns(blocks, size, group, inv_freq, torch.float64)
-    assert (rotate_with(keys, cos.flatten(1, 2), sin.flatten(1, 2)) - expected).abs().max().item() < 1e-9
+    expected = (q[:, None, :] * rotate_by(keys[:, None], positions // group - positions, inv_freq)[:, 0]).sum(-1)
+    turned = rotate_with(keys.unflatten(1, (3, size)), *offset_turns(size, group, inv_freq, "cpu"))
+    cos, sin = block_turns(blocks, size, group, inv_freq, torch.float64)
+    q_blocks = rotate_with(q[:, None, :].expand(-1, 3, -1), cos, -sin)  # (heads, blocks, d)
+    scores = (q_blocks[:, :, None, :] * turned).sum(-1).flatten(1)
+    assert (scores - expected).abs().max().item() < 1e-9
     with pytest.raises(ValueError, match="must divide the block size"):
-        far_block_turns(blocks, 6, 4, inv_freq, torch.float64)
+        block_turns(blocks, 6, 4, inv_freq, torch.float64)
 
 
 # The FlexAttention far path (ops/sparse_far_flex.py: the CUDA default), run eagerly here: the

@@ -28,7 +28,19 @@ def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     frequency: rotate-half, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
     half = cos.shape[-1]
     x1, x2 = x[..., :half], x[..., half:2 * half]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], -1)
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], -1)
+    # Without autograd: written into one output (the concatenation of three temporaries was a third
+    # of a CPU decode step's time)
+    shape = torch.broadcast_shapes(x1.shape, cos.shape)
+    out = torch.empty(shape[:-1] + x.shape[-1:], dtype=torch.result_type(x, cos), device=x.device)
+    o1, o2 = out[..., :half], out[..., half:2 * half]
+    torch.mul(x1, cos, out=o1)
+    o1.sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2)
+    o2.add_(x1 * sin)
+    out[..., 2 * half:] = x[..., 2 * half:]
+    return out
 
 
 def turn_by(delta: int, inv_freq: torch.Tensor, dtype, device):
@@ -39,29 +51,27 @@ def turn_by(delta: int, inv_freq: torch.Tensor, dtype, device):
 
 
 def offset_turns(size: int, group: int, inv_freq: torch.Tensor, device):
-    """far_block_turns' per-offset angles' (cos, sin), float64 (size, rot / 2): they depend on the
-    block size, the group and the frequencies only, so a decode step may keep them."""
+    """The per-offset part of far_turns, float64 (cos, sin), each (size, rot / 2): it depends on
+    the block size, the group and the frequencies only, so a decode step may keep it."""
     offsets = torch.arange(size, device=device)
     per_offset = (offsets // group - offsets).to(torch.float64)[:, None] * inv_freq.to(device=device,
                                                                                        dtype=torch.float64)
     return per_offset.cos(), per_offset.sin()
 
 
-def far_block_turns(blocks: torch.Tensor, size: int, group: int, inv_freq: torch.Tensor, dtype, offsets=None):
-    """(cos, sin), each (*blocks.shape, size, rot / 2): the turn that moves a far key at position p
-    to p // group (grouped_far_positions) for every position of the blocks `blocks` (block c holds
-    c * size .. c * size + size - 1), when `group` divides `size`. The move p // group - p is then
-    c (size / group - size) + (t // group - t) at offset t, so the angles split into one per block
-    and one per offset, combined by the angle-sum rule in float64: a few products per key, where
-    rotate_by evaluates cos and sin per key. offsets: offset_turns(size, group, inv_freq), when at
-    hand."""
+def block_turns(blocks: torch.Tensor, size: int, group: int, inv_freq: torch.Tensor, dtype):
+    """The per-block part of the move of far keys to their grouped positions (grouped_far_positions),
+    (cos, sin), each (*blocks.shape, rot / 2), when `group` divides `size`: a key at offset t of
+    block c moves by p // group - p = c (size / group - size) + (t // group - t), one angle per
+    block plus one per offset (offset_turns). Rotations compose, so q . R(block + offset) k =
+    R(-block) q . R(offset) k: a decode step turns each key by its offset's angle (one table for
+    every block) and the query back by each chosen block's, where evaluating the sum's angle per
+    key took most of a step on the CPU."""
     if size % group:
-        raise ValueError(f"far_block_turns: group {group} must divide the block size {size}")
+        raise ValueError(f"block_turns: group {group} must divide the block size {size}")
     freq = inv_freq.to(device=blocks.device, dtype=torch.float64)
-    per_block = (blocks.to(torch.float64) * (size // group - size))[..., None, None] * freq  # (..., 1, rot/2)
-    cos_t, sin_t = offset_turns(size, group, inv_freq, blocks.device) if offsets is None else offsets
-    cos_b, sin_b = per_block.cos(), per_block.sin()
-    return (cos_b * cos_t - sin_b * sin_t).to(dtype), (sin_b * cos_t + cos_b * sin_t).to(dtype)
+    angle = (blocks.to(torch.float64) * (size // group - size))[..., None] * freq
+    return angle.cos().to(dtype), angle.sin().to(dtype)
 
 
 def grouped_far_positions(positions: torch.Tensor, q_len: int, window: int, group: int):

@@ -31,7 +31,7 @@ import torch
 
 from .far_selection import FarSelection, bound_dtype, bound_operands, bounds, select
 from .merge import merge_dtype
-from .rope import far_block_turns, offset_turns, rotate_by, rotate_with, turn_by
+from .rope import block_turns, offset_turns, rotate_by, rotate_with, turn_by
 
 
 class SummaryState:
@@ -218,12 +218,18 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
         # (heads, n * B, d): rows of each kv head's keys for its group of query heads
         per_kv = index_of.unflatten(0, (kv_heads, group)).flatten(1)
         keys, values = (_rows(t[b], per_kv).view(n_heads, -1, dim) for t in (k, v))
-        if rotation is not None and size % rotation[1] == 0:  # whole blocks: one angle per block and offset
-            cos, sin = far_block_turns(listed, size, rotation[1], rotation[2], keys.dtype, offset_turn)
-            keys = rotate_with(keys, cos.flatten(1, 2), sin.flatten(1, 2))
-        elif rotation is not None:  # per head: (heads, 1, n, d) moved by (heads, n)
-            keys = rotate_by(keys[:, None], _rotation_delta(index_of + shift[b], rotation, False), rotation[2])[:, 0]
-        far = (q_far[0, :, 0, None, :].to(acc_dtype) * scale @ keys.to(acc_dtype).transpose(-1, -2))[:, 0]
+        if rotation is not None and size % rotation[1] == 0:
+            # whole blocks: each key turned by its offset's angle, the query back by each block's
+            keys = rotate_with(keys.unflatten(1, (width_blocks, size)), *(t.to(keys.dtype) for t in offset_turn))
+            cos, sin = block_turns(listed, size, rotation[1], rotation[2], acc_dtype)  # (heads, n, rot / 2)
+            q_blocks = rotate_with((q_far[0, :, 0, None, :].to(acc_dtype) * scale).expand(-1, width_blocks, -1), cos,
+                                   -sin)  # (heads, n, d)
+            far = (q_blocks[:, :, None, :] @ keys.to(acc_dtype).transpose(-1, -2)).flatten(1)  # (heads, n * B)
+        else:
+            if rotation is not None:  # per head: (heads, 1, n, d) moved by (heads, n)
+                keys = rotate_by(keys[:, None], _rotation_delta(index_of + shift[b], rotation, False),
+                                 rotation[2])[:, 0]
+            far = (q_far[0, :, 0, None, :].to(acc_dtype) * scale @ keys.to(acc_dtype).transpose(-1, -2))[:, 0]
         probs = torch.softmax(torch.cat([near.view(n_heads, -1), far.masked_fill(~read, float("-inf"))], -1), -1)
         band = near.shape[-1]  # the band always holds the query's own key: no row without a key
         out[b, :, t] = ((probs[:, :band].view(kv_heads, group, band) @ v[b, :, lo:index + 1].to(acc_dtype)).view(
@@ -237,7 +243,10 @@ def _rows(x, index):
     faster than the gather on the CPU, and no copy of a cache that is a view)."""
     if x.device.type == "cuda":
         return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
-    return torch.stack([x[g].index_select(0, index[g]) for g in range(x.shape[0])])
+    out = x.new_empty(index.shape + x.shape[-1:])
+    for g in range(x.shape[0]):  # into one output: stacking copied every row once more
+        torch.index_select(x[g], 0, index[g], out=out[g])
+    return out
 
 
 # --- the same with static shapes, for torch.compile ------------------------------------------
