@@ -28,10 +28,12 @@ def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     frequency: rotate-half, (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
     half = cos.shape[-1]
     x1, x2 = x[..., :half], x[..., half:2 * half]
-    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad
+                                                                       or sin.requires_grad)):
+        # (compiled, the out= form below breaks the graph: a StaticCache decode step compiles this)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], -1)
-    # Without autograd: written into one output (the concatenation of three temporaries was a third
-    # of a CPU decode step's time)
+    # Eager without autograd: written into one output (the concatenation of three temporaries was a
+    # third of a CPU decode step's time)
     shape = torch.broadcast_shapes(x1.shape, cos.shape)
     out = torch.empty(shape[:-1] + x.shape[-1:], dtype=torch.result_type(x, cos), device=x.device)
     o1, o2 = out[..., :half], out[..., half:2 * half]
