@@ -205,8 +205,14 @@ def test_block_sparse_plan_follows_a_new_mask_or_layout():
 # Decode: one query against a cache
 
 
+@pytest.mark.parametrize("path", ("strided", "gathered"))
 @pytest.mark.parametrize("mode,band", [("union", None), ("longnet", None), ("head_groups", None), ("union", 48)])
-def test_dilated_decode_step_has_no_sync(mode, band):
+def test_dilated_decode_step_has_no_sync(mode, band, path, monkeypatch):
+    """Both ways of a step: per part over strided views (the CPU's) and one gathered attention (the
+    GPU's, run here on the CPU), its plan built at every call (a new step's: host data, one copy)."""
+    if path == "gathered":
+        monkeypatch.setattr(dilated_decode, "GATHERED_ON", ("cpu",))
+        monkeypatch.setattr(dilated_decode._PLANS, "get", lambda *a: None)
     q, k, v = _qkv(n=300, q_len=1, grad=False)
     before = dilated_decode.COUNTS["strided"]
     fwd, _ = steady_state(lambda: dilated_attention(q, k, v, SEG, DIL, mode=mode, local_window=band), backward=False)

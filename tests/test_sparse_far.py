@@ -395,12 +395,16 @@ def test_decode_step_summarises_only_new_blocks(monkeypatch):
                                                                               real(k, b, lo, hi, *a))[1])
     state = decode_module.SummaryState()
     cache = _InPlaceCache(k, v, n - 1)
-    for t in range(n, n + 33):
+
+    def step(keys, values, state):
         summarised.clear()
+        return decode_module.sparse_far_decode(q, keys, values, local_window=256, far_band=64,
+                                               selection=FarSelection(4, size, 1), scale=0.3, first=[0], shift=[0],
+                                               rotation=(32, 4, inv_freq), state=state)
+
+    for t in range(n, n + 33):
         keys, values = cache.append(k[:, :, t - 1:t], v[:, :, t - 1:t])
-        decode_module.sparse_far_decode(q, keys, values, local_window=256, far_band=64,
-                                        selection=FarSelection(4, size, 1), scale=0.3, first=[0], shift=[0],
-                                        rotation=(32, 4, inv_freq), state=state)
+        step(keys, values, state)
         if t == n:  # the first step summarises every complete far block
             assert sum(summarised) == ((t - 1 - 64) // size + 1) * size
         else:  # later ones at most the block that just filled
@@ -410,19 +414,11 @@ def test_decode_step_summarises_only_new_blocks(monkeypatch):
     # against one cache): nothing is summarised again (it rotated every key at every call), and a
     # write in place since makes it summarise again.
     for again in range(2):
-        summarised.clear()
-        out = decode_module.sparse_far_decode(q, keys, values, local_window=256, far_band=64,
-                                              selection=FarSelection(4, size, 1), scale=0.3, first=[0], shift=[0],
-                                              rotation=(32, 4, inv_freq), state=state)
+        out = step(keys, values, state)
         assert sum(summarised) == 0
-    fresh = decode_module.sparse_far_decode(q, keys, values, local_window=256, far_band=64,
-                                            selection=FarSelection(4, size, 1), scale=0.3, first=[0], shift=[0],
-                                            rotation=(32, 4, inv_freq), state=decode_module.SummaryState())
-    assert torch.equal(out, fresh)
+    assert torch.equal(out, step(keys, values, decode_module.SummaryState()))
     keys[:, :, :1].mul_(2.0)  # a write in place
-    summarised.clear()
-    decode_module.sparse_far_decode(q, keys, values, local_window=256, far_band=64, selection=FarSelection(4, size, 1),
-                                    scale=0.3, first=[0], shift=[0], rotation=(32, 4, inv_freq), state=state)
+    step(keys, values, state)
     assert sum(summarised) > 0
 
 

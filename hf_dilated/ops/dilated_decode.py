@@ -30,6 +30,7 @@ import torch
 
 from .head_groups import head_group_bounds
 from .merge import merge_dtype, merge_into, merge_partial
+from .plan_cache import PlanCache
 from .token_layout import regular_rows
 
 COUNTS = {"strided": 0, "fallback": 0}
@@ -63,10 +64,12 @@ def dilated_decode(q, k, v, seg, dil, mode, *, scale, attention_mask=None, posit
     if alike and q.device.type in GATHERED_ON:  # one gathered attention for all parts
         key = (kv_len, q_len, first[0], shift[0], q.shape[1], k.shape[1], tuple(seg), tuple(dil), mode,
                sliding_window, local_window, str(q.device))
-        index, n_near, bias, keep = _gather_plan(key, [
-            _parts(kv_len - q_len + t, first[0], shift[0], q.shape[1], k.shape[1], seg, dil, mode, sliding_window,
-                   local_window) for t in range(q_len)], q.shape[1], q.device)
-        return _gathered_step(q, k, v, *far, index, n_near, bias, keep, scale)
+        plan = _PLANS.get(key, None, None)  # every layer of a step has the same one
+        if plan is None:
+            plan = _gather_plan([_parts(kv_len - q_len + t, first[0], shift[0], q.shape[1], k.shape[1], seg, dil, mode,
+                                        sliding_window, local_window) for t in range(q_len)], q.shape[1], q.device)
+            _PLANS.put(key, None, None, plan)
+        return _gathered_step(q, k, v, *far, *plan, scale)
     acc = torch.zeros(q.shape, dtype=merge_dtype(q.dtype), device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=acc.dtype, device=q.device)
     groups = [list(range(batch))] if alike else [[b] for b in range(batch)]
@@ -135,20 +138,18 @@ def _dense_step(q, k, v, part: _Part, scale):
     return out.reshape(batch, q_heads, 1, dim)
 
 
-# The last step's gather plan: every layer of a step has the same one (built on the host from
-# Python integers, copied to the device once, without waiting for the device).
-_PLAN: dict = {}
+# The last steps' gather plans, by their Python integers (built on the host, copied to the device
+# once, without waiting for the device).
+_PLANS = PlanCache(size=2)
 
 
-def _gather_plan(key, parts_by_query: list[list[_Part]], q_heads: int, device):
+def _gather_plan(parts_by_query: list[list[_Part]], q_heads: int, device):
     """(index, n_near, bias, keep) of a step's parts (parts_by_query[t]: query t's): index (keys,)
     the cache slots every part reads, those scored with q / k first (n_near of them), then those
     scored with q_far / k_far; bias (q_heads, q_len, keys) float32, 0 where the query head reads
     the column (its query's part, one of the part's heads), -inf elsewhere; keep None, or (q_heads
     * q_len, 1) 0 for the (head, query) pairs that read no key. The host sends the slots, each
     slot's part and each part's (query, heads) in one copy; the bias is spread on the device."""
-    if _PLAN.get("key") == key:
-        return _PLAN["value"]
     q_len = len(parts_by_query)
     columns, owners, heads = [array("q"), array("q")], [array("q"), array("q")], array("q")  # host data only
     reads_some = [0] * (q_len * q_heads)
@@ -177,8 +178,7 @@ def _gather_plan(key, parts_by_query: list[list[_Part]], q_heads: int, device):
     index, owner, reads = packed[:n], packed[n:2 * n], packed[2 * n:].view(-1, q_len, q_heads)
     bias = torch.zeros((), device=device).masked_fill(reads.index_select(0, owner) == 0, float("-inf"))
     keep = (reads[:-1].sum(0) > 0).T.reshape(-1, 1).float() if some_read_none else None  # (q_heads * q_len, 1)
-    _PLAN.update(key=key, value=(index, n_near, bias.permute(2, 1, 0).contiguous(), keep))  # (q_heads, q_len, keys)
-    return _PLAN["value"]
+    return index, n_near, bias.permute(2, 1, 0).contiguous(), keep  # bias (q_heads, q_len, keys)
 
 
 def _gathered_step(q, k, v, q_far, k_far, index, n_near: int, bias, keep, scale):

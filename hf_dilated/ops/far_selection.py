@@ -81,10 +81,12 @@ def plain_summaries(k_far: torch.Tensor, block_size: int, n_blocks: int) -> tupl
     a scatter; n_blocks * B >= the keys, blocks past the last key (+inf / -inf) never selected."""
     batch, kv_heads, n, dim = k_far.shape
     src = k_far.to(bound_dtype(k_far.dtype))
-    pad = (0, 0, 0, n_blocks * block_size - n)
-    return tuple(getattr(torch.nn.functional.pad(src, pad, value=fill).view(batch, kv_heads, n_blocks, block_size,
-                                                                              dim), op)(3)
-                 for fill, op in ((float("inf"), "amin"), (float("-inf"), "amax")))
+
+    def blocks(fill):  # (batch, kv_heads, n_blocks, B, d), the keys past the last one `fill`
+        padded = torch.nn.functional.pad(src, (0, 0, 0, n_blocks * block_size - n), value=fill)
+        return padded.view(batch, kv_heads, n_blocks, block_size, dim)
+
+    return blocks(float("inf")).amin(3), blocks(float("-inf")).amax(3)
 
 
 def bound_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -152,15 +154,14 @@ def top_picks(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Ten
     also reads: usually none). Picks plus tied is select(scores, scores > -inf, top_k). Each pick is
     one row max (argmax) and a mask: written so that torch.compile fuses them into a few
     reductions over each row (sparse_far_flex, on CUDA), where a topk is one slow radix select."""
+    if top_k == 0:
+        return scores.new_empty(scores.shape[:-1] + (0,), dtype=torch.long), torch.zeros_like(scores, dtype=torch.bool)
     index = torch.arange(scores.shape[-1], device=scores.device)
     rest, picks = scores, []
-    kth = torch.full_like(scores[..., 0], float("inf"))
     for _ in range(top_k):
         kth, at = rest.max(-1)
         picks.append(torch.where(kth > float("-inf"), at, -1))
         rest = rest.masked_fill(index == at[..., None], float("-inf"))
-    if not picks:
-        return scores.new_empty(scores.shape[:-1] + (0,), dtype=torch.long), torch.zeros_like(scores, dtype=torch.bool)
     return torch.stack(picks, -1), (rest >= kth[..., None]) & (rest > float("-inf"))
 
 
