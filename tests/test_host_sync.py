@@ -313,21 +313,24 @@ def test_sparse_far_decode_step_reads_back_a_constant_number_of_times():
     assert counts[0] == counts[1] > 0, counts
 
 
-def test_sparse_far_prefill_reads_back_twice_per_query_chunk(monkeypatch):
+def test_sparse_far_prefill_reads_back_a_few_times_per_query_chunk(monkeypatch):
     """Per chunk of queries the chosen pairs' count (nonzero) and how many rows each (kv head, block)
-    has, whatever the heads and blocks: no read and no copy per head or block."""
+    has, and per selection the rows with tied bounds, whatever the heads and blocks: no read and no
+    copy per head or block."""
     from hf_dilated.ops import sparse_far_plain
     from hf_dilated.ops.far_selection import FarSelection
 
     q, k, v = _qkv(n=1024, grad=False)
-    heads, blocks = q.shape[1], 1024 // 16
-    monkeypatch.setattr(sparse_far_plain, "_BOUND_ELEMENTS", heads * blocks * 64)  # 64 queries per chunk
+    heads, blocks, selection = q.shape[1], 1024 // 16, FarSelection(2, 16, 1)
+    monkeypatch.setattr(sparse_far_plain, "_BOUND_ELEMENTS", heads * blocks * 64)  # 64 queries per selection
+    monkeypatch.setattr(sparse_far_plain, "_PAIR_ELEMENTS", heads * 3 * q.shape[-1] * 128)  # 128 per chunk
     with torch.no_grad():
         fwd, _ = count_syncs(lambda: dilated_attention(q, k, v, [1024], [1], local_window=256, far_band=128,
-                                                       far_selection=FarSelection(2, 16, 1)))
-    chunks = -(-(1024 - 256) // sparse_far_plain.query_chunk(heads, blocks))
-    assert chunks == 12
-    assert 0 < fwd.total <= 2 * chunks, dict(fwd.sites)
+                                                       far_selection=selection))
+    chunks = -(-(1024 - 256) // sparse_far_plain.pair_chunk(heads, selection, q.shape[-1]))
+    selections = -(-(1024 - 256) // sparse_far_plain.query_chunk(heads, blocks))
+    assert (chunks, selections) == (6, 12)
+    assert 0 < fwd.total <= 2 * chunks + selections, dict(fwd.sites)
 
 
 def test_sparse_far_flex_plan_reads_nothing_back():

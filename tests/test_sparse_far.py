@@ -462,6 +462,39 @@ def test_top_picks_and_their_ties_are_selects_set(k):
     assert tied[0].any() == (k > 0)
 
 
+@pytest.mark.parametrize("first_query", (40, 70, 150))
+@pytest.mark.parametrize("top_k, sinks", ((0, 1), (1, 0), (3, 1), (8, 2), (40, 1)))
+@pytest.mark.parametrize("keys", ("random", "tied"))
+def test_plain_slots_are_plain_choices_set(first_query, top_k, sinks, keys):
+    """The CPU prefill's selection (far_selection.plain_slots: bounds of the candidate blocks only,
+    top_k + 1 largest per row, the rows tied at the k-th read in full) reads plain_choice()'s set,
+    with chunks starting before and past the band, blocks with ties in some rows, fewer candidates
+    than top_k."""
+    from hf_dilated.ops import far_selection
+    from hf_dilated.ops.far_selection import FarSelection
+
+    g = torch.Generator().manual_seed(first_query + top_k)
+    size, band, queries, n = 8, 24, 30, 180
+    q = torch.randn(1, 4, queries, 6, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, n, 6, generator=g, dtype=torch.float64)
+    if keys == "tied":  # small integers: exact bounds in any order of the sums, many of them tied
+        q, k = q.mul(2).round(), k.mul(2).round()
+    selection = FarSelection(top_k, size, sinks)
+    mn, mx = far_selection.plain_summaries(k, size, -(-n // size))
+    expected = far_selection.plain_choice(q, mn, mx, first_query, band, selection)[0]
+    summary = far_selection.bound_operands(mn, mx, 2)[0][0]
+    slots, tied = far_selection.plain_slots(q[0], summary, first_query, band, selection)
+    assert slots.shape == (4, queries, sinks + top_k)
+    got = torch.zeros_like(expected)
+    h, t, slot = (slots >= 0).nonzero().unbind(1)
+    got[h, t, slots[h, t, slot]] = True
+    assert int((slots >= 0).sum()) == int(got.sum())  # no block twice
+    got[tied[:, 0], tied[:, 1], tied[:, 2]] = True
+    assert torch.equal(got, expected)
+    if keys == "tied" and top_k in (1, 3):
+        assert tied.shape[0] > 0
+
+
 def test_plain_summaries_are_the_blocks_min_and_max():
     from hf_dilated.ops import far_selection
 

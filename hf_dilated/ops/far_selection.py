@@ -201,10 +201,57 @@ def plain_choice(q_far: torch.Tensor, mn: torch.Tensor | None, mx: torch.Tensor 
                  band: int, selection: FarSelection, operands=None) -> torch.Tensor:
     """bool (batch, heads, queries, blocks of mn): on a plain row, the blocks that query
     i = first_query + t reads beyond its band: its sink blocks and its top_k other blocks
-    (plain_candidates). The one rule of the plain inference paths (sparse_far_plain, sparse_far_flex,
-    whose by_block_plan picks the same set by top_picks). operands: bound_operands(mn, mx, group)."""
+    (plain_candidates). The one rule of the plain inference paths (sparse_far_plain reads the same set
+    by plain_slots, sparse_far_flex by top_picks in its by_block_plan). operands: bound_operands(mn,
+    mx, group)."""
     batch, n_heads, queries, _ = q_far.shape
     n_blocks = (mn if operands is None else operands[0]).shape[2]
     last = torch.arange(first_query, first_query + queries, device=q_far.device) - band  # each query's last far key
     candidate, sink = plain_candidates(last, n_blocks, selection.block_size, selection.sinks)
     return select(bounds(q_far, mn, mx, operands), candidate.expand(batch, n_heads, -1, -1), selection.top_k) | sink
+
+
+def plain_slots(q_far: torch.Tensor, summary: torch.Tensor, first_query: int, band: int,
+                selection: FarSelection) -> tuple[torch.Tensor, torch.Tensor]:
+    """plain_choice()'s set for one row, as slots instead of a mask over every block: q_far (heads,
+    queries, d), summary (kv_heads, n_blocks, 2 d) bound_operands()' first half. Returns (slots,
+    tied): slots (heads, queries, s + k) the blocks each (head, query) reads (its sink blocks, then
+    its top_k candidates by bound; -1: none), and tied (m, 3) the (head, query, block) of rows whose
+    k-th bound is tied, every candidate reaching it (their slots are -1: usually no row).
+
+    Bounds are computed for the candidate blocks only (from the sinks to the last block a query
+    reaches) and masked only where the queries differ (the blocks their bands' edges cross); top_k + 1
+    largest per row tell ties apart; no pass over a (heads, queries, blocks) mask: on the CPU these
+    passes, a topk of every block and a nonzero of the chosen mask took most of the far keys' time."""
+    n_heads, queries, dim = q_far.shape
+    kv_heads, n_blocks = summary.shape[:2]
+    size, sinks, top_k = selection.block_size, selection.sinks, selection.top_k
+    device = q_far.device
+    last = torch.arange(first_query - band, first_query - band + queries, device=device)  # last far key
+    reach = max(0, min(n_blocks, (first_query + queries - 1 - band) // size + 1))  # blocks a query reaches
+    sink = torch.arange(sinks, device=device)
+    slots = [torch.where(sink * size <= last[:, None], sink, -1).expand(n_heads, -1, -1),
+             torch.full((n_heads, queries, top_k), -1, device=device)]
+    tied = torch.empty(0, 3, dtype=torch.long, device=device)
+    if top_k == 0 or reach <= sinks:
+        return torch.cat(slots, -1), tied
+    group = n_heads // kv_heads
+    q = q_far.to(summary.dtype)
+    q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], -1).view(kv_heads, group * queries, 2 * dim)
+    bound = (q2 @ summary[:, sinks:reach].transpose(-1, -2)).view(n_heads, queries, reach - sinks)
+    every = max(sinks, (first_query - band) // size + 1)  # blocks every query reaches
+    if every < reach:  # the others are candidates of the later queries only
+        number = torch.arange(every, reach, device=device)
+        bound[:, :, every - sinks:].masked_fill_(number * size > last[:, None], float("-inf"))
+    values, index = bound.topk(min(top_k + 1, reach - sinks), -1)
+    picks, m = slots[1], min(top_k, values.shape[-1])  # fewer candidates than top_k: every one
+    picks[..., :m] = torch.where(values[..., :m] > float("-inf"), index[..., :m] + sinks, -1)
+    if values.shape[-1] > top_k:  # ties at the k-th: that row reads every candidate reaching it
+        kth = values[..., top_k - 1]
+        rows = ((values[..., top_k] == kth) & (kth > float("-inf"))).nonzero()
+        if rows.numel():
+            h, t = rows.unbind(1)
+            picks[h, t] = -1
+            row, block = (bound[h, t] >= kth[h, t, None]).nonzero().unbind(1)
+            tied = torch.stack([h[row], t[row], block + sinks], 1)
+    return torch.cat(slots, -1), tied

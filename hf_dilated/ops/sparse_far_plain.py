@@ -3,9 +3,10 @@
 One document per row, no padding, positions 0..n-1, causal, no sliding window, q_len == kv_len,
 and levels that hold every earlier key (one level of dilation 1 covering the row: the default
 conversion's). Then block c is keys c*B .. c*B + B - 1, query i's far keys are j <= i - band, and
-everything the selection needs is block arithmetic: per chunk of queries the bounds (heads,
-queries, blocks) and the selected blocks; then, block by block, one product of the (query, head)
-rows that chose the block against its B keys. The work is the pairs the selection reads: a call
+everything the selection needs is block arithmetic: per few hundred queries the bounds of their
+candidate blocks and each (query, head)'s chosen blocks (far_selection.plain_slots); then, per
+chunk of queries, block by block, one product of the (query, head) rows that chose the block
+against its B keys. The work is the pairs the selection reads: a call
 over the union of a chunk's blocks would read every block any of its queries chose (CPU flash
 attention does not skip masked keys; 38 blocks per 64 queries on SmolLM2, for 9 chosen each).
 Queries before `window` read every key exactly (one causal call); the band of the others is
@@ -25,12 +26,20 @@ from .local_band import near_plain
 from .merge import merge_dtype, merge_into
 
 _MIN_CHUNK = 64  # queries per selection at least
-_BOUND_ELEMENTS = 1 << 25  # bounds per chunk of queries (heads x queries x blocks) at most
+_BOUND_ELEMENTS = 1 << 22  # bounds per selection (heads x queries x blocks) at most: they stay in cache
+_PAIR_ELEMENTS = 1 << 26  # chosen (query, head, block) rows x head_dim per chunk of queries at most
 
 
 def query_chunk(n_heads: int, n_blocks: int) -> int:
     """Queries selected at once: their bounds (heads x queries x blocks) are held together."""
     return max(_MIN_CHUNK, _BOUND_ELEMENTS // (n_heads * n_blocks))
+
+
+def pair_chunk(n_heads: int, selection: FarSelection, dim: int) -> int:
+    """Queries whose chosen blocks are read together: each (query, head) holds a copy of its query
+    per block (sinks + top_k of them, ties aside). Few chunks: each loops over the (kv head, block)
+    pairs its queries chose."""
+    return max(_MIN_CHUNK, _PAIR_ELEMENTS // (n_heads * max(1, selection.sinks + selection.top_k) * dim))
 
 
 def applies(plain: bool, q, k, segment_lengths, dilation_rates, is_causal, sliding_window) -> bool:
@@ -89,29 +98,40 @@ def _far_by_block(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     device = q_far.device
     offsets = torch.arange(size, device=device)
     q_scaled = (q_far.to(acc) * scale).reshape(n_heads * n, dim)  # row h * n + i
-    chunk = query_chunk(n_heads, n_blocks)
+    summary = far_selection.bound_operands(mn[None], mx[None], group)[0][0]
+    chunk = pair_chunk(n_heads, selection, dim)
+    select_chunk = query_chunk(n_heads, n_blocks)
+    part_out = None
     for s in range(start, n, chunk):
         e = min(n, s + chunk)
-        chosen = far_selection.plain_choice(q_far[None, :, s:e], mn[None], mx[None], s, band, selection)
-        # (kv head, block, query, head of the group) in that order: each (kv head, block) is a run,
-        # and in it the queries whose band starts inside the block (the earliest) come first
-        found = chosen[0].unflatten(0, (kv_heads, group)).permute(0, 3, 2, 1).contiguous().nonzero()
-        pair = found[:, 0] * n_blocks + found[:, 1]
-        head = found[:, 0] * group + found[:, 3]
-        row = head * (e - s) + found[:, 2]  # (head, query) within the chunk
-        limit = found[:, 2] + (s - band) - found[:, 1] * size  # offset in the block of the last key read
+        parts = [far_selection.plain_slots(q_far[:, t:min(e, t + select_chunk)], summary, t, band, selection)
+                 for t in range(s, e, select_chunk)]
+        slots = torch.cat([p[0] for p in parts], 1)
+        head, query, slot = (slots >= 0).nonzero().unbind(1)
+        block = slots[head, query, slot]
+        if any(p[1].numel() for p in parts):
+            tied = torch.cat([p[1] + torch.tensor([0, t - s, 0], device=device)
+                              for p, t in zip(parts, range(s, e, select_chunk))])
+            head, query, block = (torch.cat([a, b]) for a, b in zip((head, query, block), tied.unbind(1)))
+        limit = query + (s - band) - block * size  # offset in the block of the last key read
+        pair = (head // group) * n_blocks + block
+        # In (kv head, block) runs, in each the rows whose band starts inside the block first.
+        order = torch.argsort(pair * size + limit.clamp(max=size - 1))
+        pair, head, query, limit = pair[order], head[order], query[order], limit[order]
+        row = head * (e - s) + query  # (head, query) within the chunk
         if pair_count.TALLY.active:
             pair_count.TALLY.pairs += int((limit + 1).clamp(max=size).sum())
-        # Per (kv head, block): its rows, and how many of them stop inside it (the block their band
-        # starts in): the one read back of the chunk.
-        partial = (limit < size - 1).long()
+        # Per (kv head, block): its rows, and how many of them stop inside it: the one read back.
         counts = torch.zeros(2, kv_heads * n_blocks, dtype=torch.long, device=device)
-        counts[0].index_add_(0, pair, torch.ones_like(partial))
-        counts[1].index_add_(0, pair, partial)
+        counts[0].index_add_(0, pair, torch.ones_like(pair))
+        counts[1].index_add_(0, pair, (limit < size - 1).long())
         counts, partials = counts.tolist()
-        q_rows = q_scaled.index_select(0, head * n + found[:, 2] + s)  # (pairs, d)
-        part_out = torch.empty(q_rows.shape, dtype=acc, device=device)  # unnormalised: sum_j e^(s_j - m) v_j
-        part_max = torch.empty(q_rows.shape[0], dtype=acc, device=device)
+        q_row = head * n + query + s  # each pair's row of q_scaled, gathered per block (a copy in cache)
+        pairs = q_row.shape[0]
+        if part_out is None or part_out.shape[0] < pairs:  # unnormalised: sum_j e^(s_j - m) v_j
+            # one for the call's chunks: the OS zeroes a fresh buffer of this size page by page
+            part_out = torch.empty(pairs, dim, dtype=acc, device=device)
+        part_max = torch.empty(pairs, dtype=acc, device=device)
         part_sum = torch.empty_like(part_max)
         at = 0
         for p, count in enumerate(counts):
@@ -120,7 +140,7 @@ def _far_by_block(q_far, k_far, v, out, lse, start: int, band: int, selection: F
             g, c = divmod(p, n_blocks)
             rows = slice(at, at + count)
             lo, hi = c * size, min(n, (c + 1) * size)
-            scores = q_rows[rows] @ k_far[g, lo:hi].to(acc).T
+            scores = q_scaled.index_select(0, q_row[rows]) @ k_far[g, lo:hi].to(acc).T
             if partials[p]:  # the first rows
                 first = slice(at, at + partials[p])
                 scores[:partials[p]].masked_fill_(offsets[None, :hi - lo] > limit[first, None], float("-inf"))
@@ -135,7 +155,8 @@ def _far_by_block(q_far, k_far, v, out, lse, start: int, band: int, selection: F
             0, row, part_max, "amax")
         weight = torch.exp(part_max - top.index_select(0, row))
         total = torch.zeros(n_rows, dtype=acc, device=device).index_add_(0, row, part_sum.mul_(weight))
-        far_out = torch.zeros(n_rows, dim, dtype=acc, device=device).index_add_(0, row, part_out.mul_(weight[:, None]))
+        far_out = torch.zeros(n_rows, dim, dtype=acc, device=device).index_add_(
+            0, row, part_out[:pairs].mul_(weight[:, None]))
         far_out = (far_out / total[:, None]).nan_to_num_(0.0)  # a row with no block: 0, lse -inf
         far_lse = top + torch.log(total)
         merge_into(out[:, s:e], lse[:, s:e], far_out.view(n_heads, e - s, dim), far_lse.view(n_heads, e - s))
