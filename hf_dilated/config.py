@@ -312,15 +312,18 @@ def far_keys(fields) -> tuple[int, int] | None:
 # pattern's, on one process or across ranks. The other names get scaled positions instead.
 BAND_NAMES = ("dilated", "dilated_ring")
 # Far keys sit as Self-Extend puts keys beyond a neighbour window of L / FAR_WINDOW_DIVISOR, the
-# farthest within L * FAR_REACH of relative position: a pretrained model reads keys from about that
-# window on at positions it was trained on, while far keys that continue the band's own distances
-# (a window of L) leave it no room; docs/benchmarks.md has the measurements behind both.
+# farthest within L * FAR_REACH of relative position (the context the model was trained on): a
+# pretrained model reads keys from about that window on at positions it knows, while far keys
+# that continue the band's own distances (a window of L) leave it no room; the smallest group
+# that keeps them within L crowds them least (G = 4 at 2L lost less than G = 8, G = 8 at 4L less
+# than G = 16). docs/benchmarks.md has the measurements behind all three.
 FAR_WINDOW_DIVISOR = 8
-FAR_REACH = 1 / 2
+FAR_REACH = 1
 # Sparse far keys (docs/contract.md 4.2) of the default band: past L a query's band narrows to
 # L / FAR_BAND_DIVISOR and it reads the far keys of the first block and of the FAR_TOP_K blocks
-# (of DEFAULT_FAR_BLOCK_SIZE positions) that bound its score highest; docs/benchmarks.md has the
-# measurements behind the choice.
+# (of DEFAULT_FAR_BLOCK_SIZE positions) per doubling of the context (8 at 2L, 16 at 4L) that bound
+# its score highest: the more far blocks there are to choose from, the more are read, while the
+# pairs read still fall with the length. docs/benchmarks.md has the measurements behind the choice.
 FAR_BAND_DIVISOR = 2
 FAR_TOP_K = 8
 # The RoPE scaling the other names get: YaRN costs a model far less inside its context than
@@ -340,8 +343,9 @@ def default_conversion(original_length: int, target_length: int, attn_implementa
     F = L // FAR_WINDOW_DIVISOR, with G the smallest power of two that keeps the farthest key
     (T - 1 back) within L * FAR_REACH of relative position: (T - 1) // G + F - F // G <= L * FAR_REACH.
     Past L those reads are sparse (docs/contract.md 4.2): a query's band narrows to L //
-    FAR_BAND_DIVISOR, and of its far keys it reads the first block's and the FAR_TOP_K blocks'
-    with the highest bound (blocks of DEFAULT_FAR_BLOCK_SIZE positions, at most the band).
+    FAR_BAND_DIVISOR, and of its far keys it reads the first block's and, per doubling of L that
+    the target needs, FAR_TOP_K blocks' with the highest bound (blocks of DEFAULT_FAR_BLOCK_SIZE
+    positions, at most the band).
     For the other names: DEFAULT_SCALED_ROPE and the default levels. A T within L changes nothing."""
     check_int("original_length", original_length)
     check_int("target_length", target_length)
@@ -360,12 +364,13 @@ def default_band(original_length: int, target_length: int) -> dict:
     group = 2
     while (target_length - 1) // group + window - window // group > original_length * FAR_REACH:
         group *= 2
-    segment = original_length
+    segment, doublings = original_length, 0
     while segment < target_length:
-        segment *= 2
+        segment, doublings = segment * 2, doublings + 1
     band = max(1, original_length // FAR_BAND_DIVISOR)
     return {"local_window": original_length, "far_group": group, "far_window": window,
-            "segment_lengths": [segment], "dilation_rates": [1], "far_band": band, "far_top_k": FAR_TOP_K,
+            "segment_lengths": [segment], "dilation_rates": [1], "far_band": band,
+            "far_top_k": FAR_TOP_K * doublings,
             "far_block_size": min(DEFAULT_FAR_BLOCK_SIZE, band), "far_sinks": DEFAULT_FAR_SINKS}
 
 

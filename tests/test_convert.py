@@ -54,15 +54,15 @@ def test_convert_writes_a_patched_copy_and_never_touches_src(source, tmp_path):
     # (max_position_embeddings); the extended one is the hf_dilated entry's (issue 33, item 11).
     assert config["max_position_embeddings"] == 32 and config["hf_dilated"]["target_length"] == 128
     # The default conversion (issue 28): the checkpoint's own RoPE, the original context as a local
-    # band, far keys at grouped positions within half the original context of relative position.
+    # band, far keys at grouped positions within the original context of relative position.
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
     cfg = DilatedConfig.from_dict(config["hf_dilated"])
     assert (cfg.segment_lengths, cfg.dilation_rates) == ([128], [1])  # every far key, one level
     assert (cfg.original_length, cfg.target_length, cfg.mode) == (32, 128, "union")
     # far keys as Self-Extend's with a neighbour window of 32 / 8 = 4: G the smallest power of two that
-    # keeps the farthest key (127 back) within 32 / 2 = 16 of relative position
-    assert (cfg.local_window, cfg.far_group, cfg.far_window) == (32, 16, 4)
-    assert 127 // 16 + 4 - 4 // 16 <= 16 < 127 // 8 + 4 - 4 // 8
+    # keeps the farthest key (127 back) within 32 of relative position; 8 far blocks per doubling
+    assert (cfg.local_window, cfg.far_group, cfg.far_window, cfg.far_top_k) == (32, 8, 4, 16)
+    assert 127 // 8 + 4 - 4 // 8 <= 32 < 127 // 4 + 4 - 4 // 4
     model = AutoModelForCausalLM.from_pretrained(dst)
     assert model.config._attn_implementation == "dilated"
     assert model.model.rotary_emb.rope_type == "default"
@@ -77,7 +77,7 @@ def test_default_conversion_for_dilated_ring_is_the_band(source, tmp_path):
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
     cfg = DilatedConfig.from_dict(config["hf_dilated"])
     assert (cfg.local_window, cfg.far_group, cfg.far_window, cfg.segment_lengths, cfg.dilation_rates) == \
-        (32, 16, 4, [128], [1])
+        (32, 8, 4, [128], [1])
     assert AutoModelForCausalLM.from_pretrained(dst).config._attn_implementation == "dilated_ring"
 
 
@@ -554,8 +554,9 @@ def test_reconverting_a_default_conversion_gives_the_default_band_of_the_new_len
     second = convert_checkpoint(first, tmp_path / "b", context_length=256)
     a = DilatedConfig.from_dict(json.loads((first / "config.json").read_text())["hf_dilated"])
     b = DilatedConfig.from_dict(json.loads((second / "config.json").read_text())["hf_dilated"])
-    assert (a.local_window, a.far_group, a.far_window, a.segment_lengths, a.dilation_rates) == (32, 8, 4, [64], [1])
-    assert (b.local_window, b.far_group, b.far_window, b.segment_lengths, b.dilation_rates) == (32, 32, 4, [256], [1])
+    assert (a.local_window, a.far_group, a.far_window, a.segment_lengths, a.dilation_rates) == (32, 4, 4, [64], [1])
+    assert (b.local_window, b.far_group, b.far_window, b.segment_lengths, b.dilation_rates) == (32, 16, 4, [256], [1])
+    assert (a.far_top_k, b.far_top_k) == (8, 24)
     assert json.loads((second / "config.json").read_text())["rope_parameters"]["rope_type"] == "default"
 
 

@@ -22,7 +22,8 @@ DEVICE = "cuda"
 CASES = [("preset", name) for name in ("dilated", "dilated_ring", "ring", "block_sparse", "block_sparse_ring")] + [
     ("default", name) for name in ("dilated", "dilated_ring")]
 # Past the preset's 32-token context: levels beyond the first; for the default conversion (blocks
-# of 16, top 8) enough blocks that a query chooses among them.
+# of 16, top 8: the default's 8 per doubling would be 32 at 512 tokens, every block of 300 tokens)
+# enough blocks that a query chooses among them.
 LONG = {"preset": 100, "default": 300}
 
 
@@ -32,7 +33,7 @@ def checkpoints(tmp_path_factory):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(build_model_config("tiny-llama")).save_pretrained(root / "base")
     return {"preset": convert_checkpoint(root / "base", root / "preset", preset="tiny-llama"),
-            "default": convert_checkpoint(root / "base", root / "default", context_length=512)}
+            "default": convert_checkpoint(root / "base", root / "default", context_length=512, far_top_k=8)}
 
 
 def load(path, name, device="cpu", dtype=torch.float32):

@@ -774,7 +774,7 @@ def markdown(s: dict, rows: list[dict], tests: dict, env: dict, parts: dict) -> 
         f"- levels from {L}: segments {L}, {2 * L}, ... with dilations 1, 2, ... until a segment covers N (model rows: "
         f"N + {ROOM}, the decode steps); default conversion = hf_dilated.config.default_conversion({L}, N + {ROOM}, "
         "'dilated') (band L inside L and L / 2 past it; far keys at grouped positions, each query reading its top "
-        "8 blocks of 64 by Quest's bound and the first block: a data-dependent set, so no pair count).",
+        "8 blocks of 64 per doubling of L by Quest's bound and the first block: a data-dependent set, so no pair count).",
         "",
         "| measure | config | N | ours | ours ms | baseline | baseline ms | time ratio | speed | pairs | pair rate "
         "| target | verdict | note |",
