@@ -106,7 +106,8 @@ def test_inference_matches_reference_and_counts_its_pairs(levels, setting, heads
         from hf_dilated.ops import sparse_far_plain
 
         monkeypatch.setattr(sparse_far_plain, "_MIN_CHUNK", plain_chunk)
-        monkeypatch.setattr(sparse_far_plain, "_BOUND_ELEMENTS", 1)
+        monkeypatch.setattr(sparse_far_plain, "_BOUND_ELEMENTS", 1)  # selections of 5 queries
+        monkeypatch.setattr(sparse_far_plain, "_PAIR_ELEMENTS", 1)  # and products of 5
     case = replace(BASE, layout="plain", kv_len=70, q_heads=heads[0], kv_heads=heads[1])
     q, k, v, _, _, _ = make_inputs(case, torch.float64)
     far = far_inputs(q, k, 3)

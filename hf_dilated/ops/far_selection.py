@@ -121,7 +121,7 @@ def bound_operands(mn: torch.Tensor, mx: torch.Tensor, group: int) -> tuple[torc
 def bounds(q_far: torch.Tensor, mn: torch.Tensor | None, mx: torch.Tensor | None, operands=None) -> torch.Tensor:
     """(batch, q_heads, queries, n_blocks): Quest's bound on each query's best score in each block
     (blocks with no key: -inf). operands: bound_operands(mn, mx, group), when at hand (then mn and
-    mx may be None)."""
+    mx may be None); its `empty` None where every block holds a key."""
     batch, n_heads, n, dim = q_far.shape
     if operands is None:
         operands = bound_operands(mn, mx, n_heads // mn.shape[1])
@@ -132,7 +132,7 @@ def bounds(q_far: torch.Tensor, mn: torch.Tensor | None, mx: torch.Tensor | None
     q = q_far.to(summary.dtype)
     q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], -1).reshape(batch, kv_heads, group * n, 2 * dim)
     up = (q2 @ summary.transpose(-1, -2)).view(batch, n_heads, n, n_blocks)
-    return up.masked_fill_(empty[:, :, None, :], float("-inf"))
+    return up if empty is None else up.masked_fill_(empty[:, :, None, :], float("-inf"))
 
 
 def select(bound: torch.Tensor, candidate: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -223,8 +223,8 @@ def plain_slots(q_far: torch.Tensor, summary: torch.Tensor, first_query: int, ba
     reaches) and masked only where the queries differ (the blocks their bands' edges cross); top_k + 1
     largest per row tell ties apart; no pass over a (heads, queries, blocks) mask: on the CPU these
     passes, a topk of every block and a nonzero of the chosen mask took most of the far keys' time."""
-    n_heads, queries, dim = q_far.shape
-    kv_heads, n_blocks = summary.shape[:2]
+    n_heads, queries, _ = q_far.shape
+    n_blocks = summary.shape[1]
     size, sinks, top_k = selection.block_size, selection.sinks, selection.top_k
     device = q_far.device
     last = torch.arange(first_query - band, first_query - band + queries, device=device)  # last far key
@@ -235,10 +235,7 @@ def plain_slots(q_far: torch.Tensor, summary: torch.Tensor, first_query: int, ba
     tied = torch.empty(0, 3, dtype=torch.long, device=device)
     if top_k == 0 or reach <= sinks:
         return torch.cat(slots, -1), tied
-    group = n_heads // kv_heads
-    q = q_far.to(summary.dtype)
-    q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], -1).view(kv_heads, group * queries, 2 * dim)
-    bound = (q2 @ summary[:, sinks:reach].transpose(-1, -2)).view(n_heads, queries, reach - sinks)
+    bound = bounds(q_far[None], None, None, (summary[None, :, sinks:reach], None))[0]  # blocks before reach hold keys
     every = max(sinks, (first_query - band) // size + 1)  # blocks every query reaches
     if every < reach:  # the others are candidates of the later queries only
         number = torch.arange(every, reach, device=device)
