@@ -299,3 +299,28 @@ def test_calls_of_different_head_counts_do_not_share_a_cached_plan():
         out = local_band_attention(q, k, v, [64], [4], local_window=8, scale=8 ** -0.5)
         ref = local_band_reference(q, k, v, [64], [4], 8)
         torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("whole_width", (False, True), ids=("half_rows", "whole_width"))
+@pytest.mark.parametrize("shapes", (((2, 3, 5, 8), (1, 1, 5, 4)), ((2, 3, 5, 12), (1, 1, 5, 4)),
+                                    ((3, 1, 8), (3, 7, 4)), ((4, 2, 6, 8), (6, 4))),
+                         ids=("full_rotary", "partial_rotary", "broadcast_x", "per_offset_table"))
+def test_rotate_with_turns_each_pair_by_its_angle(shapes, whole_width, monkeypatch):
+    """ops/rope.rotate_with in both of its eager forms (the one for large tensors, the one for
+    few elements) against each pair (t, t + rot / 2) turned as a complex number by its angle, float64;
+    dims past the rotary ones unchanged, x broadcast against the angles."""
+    from hf_dilated.ops import rope
+
+    monkeypatch.setattr(rope, "_WHOLE_WIDTH_ELEMENTS", 0 if whole_width else 1 << 40)
+    x_shape, angle_shape = shapes
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(x_shape, generator=g, dtype=torch.float64)
+    angle = torch.randn(angle_shape, generator=g, dtype=torch.float64)
+    half = angle.shape[-1]
+    with torch.no_grad():
+        out = rope.rotate_with(x, angle.cos(), angle.sin())
+    turned = torch.complex(x[..., :half], x[..., half:2 * half]) * torch.polar(torch.ones_like(angle), angle)
+    shape = torch.broadcast_shapes(x[..., :half].shape, angle.shape)[:-1]
+    expected = torch.cat([turned.real, turned.imag, x[..., 2 * half:].expand(*shape, -1)], -1)
+    assert out.shape == expected.shape
+    assert (out - expected).abs().max().item() < 1e-12

@@ -212,9 +212,11 @@ def plain_choice(q_far: torch.Tensor, mn: torch.Tensor | None, mx: torch.Tensor 
 
 
 def plain_slots(q_far: torch.Tensor, summary: torch.Tensor, first_query: int, band: int,
-                selection: FarSelection) -> tuple[torch.Tensor, torch.Tensor]:
+                selection: FarSelection, first_position: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """plain_choice()'s set for one row, as slots instead of a mask over every block: q_far (heads,
-    queries, d), summary (kv_heads, n_blocks, 2 d) bound_operands()' first half. Returns (slots,
+    queries, d), summary (kv_heads, n_blocks, 2 d) bound_operands()' first half, queries at
+    positions first_query, first_query + 1, ... of a document whose first key sits at
+    `first_position` (a decode step's row; blocks before the one holding it hold no key). Returns (slots,
     tied): slots (heads, queries, s + k) the blocks each (head, query) reads (its sink blocks, then
     its top_k candidates by bound; -1: none), and tied (m, 3) the (head, query, block) of rows whose
     k-th bound is tied, every candidate reaching it (their slots are -1: usually no row).
@@ -229,20 +231,22 @@ def plain_slots(q_far: torch.Tensor, summary: torch.Tensor, first_query: int, ba
     device = q_far.device
     last = torch.arange(first_query - band, first_query - band + queries, device=device)  # last far key
     reach = max(0, min(n_blocks, (first_query + queries - 1 - band) // size + 1))  # blocks a query reaches
+    start = max(sinks, first_position // size)  # the first candidate: blocks from the document's first hold keys
     sink = torch.arange(sinks, device=device)
-    slots = [torch.where(sink * size <= last[:, None], sink, -1).expand(n_heads, -1, -1),
+    sink_read = (sink * size <= last[:, None]) & (sink >= first_position // size)
+    slots = [torch.where(sink_read, sink, -1).expand(n_heads, -1, -1),
              torch.full((n_heads, queries, top_k), -1, device=device)]
     tied = torch.empty(0, 3, dtype=torch.long, device=device)
-    if top_k == 0 or reach <= sinks:
+    if top_k == 0 or reach <= start:
         return torch.cat(slots, -1), tied
-    bound = bounds(q_far[None], None, None, (summary[None, :, sinks:reach], None))[0]  # blocks before reach hold keys
-    every = max(sinks, (first_query - band) // size + 1)  # blocks every query reaches
+    bound = bounds(q_far[None], None, None, (summary[None, :, start:reach], None))[0]  # these blocks hold keys
+    every = max(start, (first_query - band) // size + 1)  # blocks every query reaches
     if every < reach:  # the others are candidates of the later queries only
         number = torch.arange(every, reach, device=device)
-        bound[:, :, every - sinks:].masked_fill_(number * size > last[:, None], float("-inf"))
-    values, index = bound.topk(min(top_k + 1, reach - sinks), -1)
+        bound[:, :, every - start:].masked_fill_(number * size > last[:, None], float("-inf"))
+    values, index = bound.topk(min(top_k + 1, reach - start), -1)
     picks, m = slots[1], min(top_k, values.shape[-1])  # fewer candidates than top_k: every one
-    picks[..., :m] = torch.where(values[..., :m] > float("-inf"), index[..., :m] + sinks, -1)
+    picks[..., :m] = torch.where(values[..., :m] > float("-inf"), index[..., :m] + start, -1)
     if values.shape[-1] > top_k:  # ties at the k-th: that row reads every candidate reaching it
         kth = values[..., top_k - 1]
         rows = ((values[..., top_k] == kth) & (kth > float("-inf"))).nonzero()
@@ -250,5 +254,5 @@ def plain_slots(q_far: torch.Tensor, summary: torch.Tensor, first_query: int, ba
             h, t = rows.unbind(1)
             picks[h, t] = -1
             row, block = (bound[h, t] >= kth[h, t, None]).nonzero().unbind(1)
-            tied = torch.stack([h[row], t[row], block + sinks], 1)
+            tied = torch.stack([h[row], t[row], block + start], 1)
     return torch.cat(slots, -1), tied

@@ -37,12 +37,24 @@ def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     shape = torch.broadcast_shapes(x1.shape, cos.shape)
     out = torch.empty(shape[:-1] + x.shape[-1:], dtype=torch.result_type(x, cos), device=x.device)
     o1, o2 = out[..., :half], out[..., half:2 * half]
-    torch.mul(x1, cos, out=o1)
-    o1.sub_(x2 * sin)
-    torch.mul(x2, cos, out=o2)
-    o2.add_(x1 * sin)
+    if out.numel() >= _WHOLE_WIDTH_ELEMENTS:
+        # (x2, x1) * (-sin, sin) + x * (cos, cos) over the whole rotary width: products into half of
+        # each row (below) ran at a third of the speed on the CPU
+        o1.copy_(x2.expand_as(o1))
+        o2.copy_(x1.expand_as(o2))
+        out[..., :2 * half].mul_(torch.cat([-sin, sin], -1)).addcmul_(x[..., :2 * half], torch.cat([cos, cos], -1))
+    else:  # (fewer launches)
+        torch.mul(x1, cos, out=o1)
+        o1.sub_(x2 * sin)
+        torch.mul(x2, cos, out=o2)
+        o2.add_(x1 * sin)
     out[..., 2 * half:] = x[..., 2 * half:]
     return out
+
+
+# From this many elements rotate_with works over the whole rotary width (faster on the CPU from
+# about 100K: a decode step's far keys, a prefill's far projections).
+_WHOLE_WIDTH_ELEMENTS = 1 << 17
 
 
 def turn_by(delta: int, inv_freq: torch.Tensor, dtype, device):
