@@ -384,6 +384,15 @@ def test_cli_bench_decode_on_a_cache_filled_at_random(tmp_path):
     for r in rows.values():
         assert r["prefill_s"] is None and r["decode_tokens_per_s"] > 0 and len(r["tokens"]) == 4, r
     assert "filled with random keys and values" in md
+    # the report says which conversion `dilated` ran: the default for prompt + new tokens
+    from hf_dilated.config import default_band
+
+    spec = report["decode"]["generate"][0]["spec"]
+    total = spec["prompt"] + spec["new"]
+    assert total > spec["original"]
+    band = default_band(spec["original"], total)
+    assert (f"from {spec['original']} to {total} tokens (prompt + new)" in md
+            and f"G = {band['far_group']}, the first block and {band['far_top_k']} blocks of" in md), md
 
 
 @pytest.mark.slow

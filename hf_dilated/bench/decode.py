@@ -233,6 +233,20 @@ def run_section(s, runner, report) -> dict:
     return {"results": results, "generate": generated}
 
 
+def _conversion_line(spec) -> str:
+    """What `dilated` ran in the generate rows: the default conversion for prompt + new tokens (a
+    prompt of 4L with new tokens on top is converted past 4L, with more blocks)."""
+    from ..config import default_band
+
+    total = spec["prompt"] + spec["new"]
+    if total <= spec["original"]:
+        return f"dilated: {total} tokens fit the original {spec['original']}: the conversion changes nothing.\n"
+    b = default_band(spec["original"], total)
+    return (f"dilated: the default conversion from {spec['original']} to {total} tokens (prompt + new): band "
+            f"{b['local_window']}, past it {b['far_band']}; far keys at G = {b['far_group']}, the first block and "
+            f"{b['far_top_k']} blocks of {b['far_block_size']}.\n")
+
+
 def _seconds(s) -> str:
     return "- (cache filled at random)" if s is None else f"{s:.1f} s"
 
@@ -285,6 +299,7 @@ def markdown_section(section, s) -> list[str]:
                   "The cache filled with random keys and values (--gen-fill random), no prefill; decode: the "
                   "steps after the first, one model call each.\n" if gen[0]["spec"].get("fill") == "random" else
                   "Prefill: prompt to first token. Decode: the other tokens.\n"),
+              _conversion_line(gen[0]["spec"]),
               "| cache | attn_implementation | prefill s | decode tokens/s | decode vs sdpa |", "|---|---|---:|---:|---:|"]
         base = {r["spec"]["cache"]: r.get("decode_tokens_per_s") for r in gen if r["spec"]["attn_implementation"] == "sdpa"}
         for r in gen:
