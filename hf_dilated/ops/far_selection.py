@@ -201,9 +201,9 @@ def plain_choice(q_far: torch.Tensor, mn: torch.Tensor | None, mx: torch.Tensor 
                  band: int, selection: FarSelection, operands=None) -> torch.Tensor:
     """bool (batch, heads, queries, blocks of mn): on a plain row, the blocks that query
     i = first_query + t reads beyond its band: its sink blocks and its top_k other blocks
-    (plain_candidates). The one rule of the plain inference paths (sparse_far_plain reads the same set
-    by plain_slots, sparse_far_flex by top_picks in its by_block_plan). operands: bound_operands(mn,
-    mx, group)."""
+    (plain_candidates). The one rule of the plain inference paths (sparse_far_plain and a decode step,
+    sparse_far_decode, read the same set by plain_slots; sparse_far_flex by top_picks in its
+    by_block_plan). operands: bound_operands(mn, mx, group)."""
     batch, n_heads, queries, _ = q_far.shape
     n_blocks = (mn if operands is None else operands[0]).shape[2]
     last = torch.arange(first_query, first_query + queries, device=q_far.device) - band  # each query's last far key
