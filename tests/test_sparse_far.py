@@ -307,7 +307,7 @@ class _ConcatCache:
 
 
 @pytest.mark.parametrize("cache_class", (_InPlaceCache, _ConcatCache), ids=("in_place", "concatenating"))
-@pytest.mark.parametrize("layout", ("plain", "left", "offset"))
+@pytest.mark.parametrize("layout", ("plain", "left", "offset", "far_offset"))
 @pytest.mark.parametrize("over", ({}, {"far_group": 1, "far_window": None}, {"far_band": None, "far_sinks": 0},
                                   {"far_top_k": 0, "far_sinks": 2}), ids=("grouped", "own_positions", "k_only", "sinks"))
 def test_decode_steps_match_reference_with_kept_summaries(layout, over, cache_class):
@@ -327,8 +327,8 @@ def test_decode_steps_match_reference_with_kept_summaries(layout, over, cache_cl
     if layout == "left":
         mask = torch.ones(batch, n, dtype=torch.long)
         mask[1, :9] = 0
-    if layout == "offset":
-        pos = torch.arange(n)[None].expand(batch, n) + torch.tensor([[3], [0]])
+    if layout in ("offset", "far_offset"):  # far_offset: blocks before the document's first (no key, no sink)
+        pos = torch.arange(n)[None].expand(batch, n) + torch.tensor([[3 if layout == "offset" else 21], [0]])
     ref = _decode_reference(q, k, v, s, inv_freq, mask, pos)
     state, rebuilds = {}, []
     real_clear = decode_module.SummaryState.clear
@@ -370,6 +370,48 @@ def test_decode_steps_match_reference_with_kept_summaries(layout, over, cache_cl
         assert rebuilds == [n - 1]  # the rewrite: rebuilt from the state built at n - 1 tokens
     finally:
         decode_module.SummaryState.clear = real_clear
+
+
+@pytest.mark.parametrize("layout", ("plain", "left", "far_offset"))
+def test_decode_steps_with_tied_bounds_match_reference(layout, monkeypatch):
+    """Small-integer queries and keys (exact bounds, many tied at the k-th): a decode step's heads
+    whose k-th bound is tied read every block reaching it (plain_slots' tied rows, listed after the
+    sinks), the reference's set; with left padding (whole blocks copied) and with a document that
+    starts 21 positions in (blocks before it hold no key: rows copied)."""
+    from hf_dilated.kinds import KINDS
+    from hf_dilated.ops import sparse_far_decode as decode_module
+
+    s = _decode_settings(far_group=1, far_window=None)
+    g = torch.Generator().manual_seed(5)
+    batch, heads, kv_heads, n, dim = 2, 4, 2, 70, 8
+    q, k, v = (torch.randn(batch, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    q, k = q.mul(2).round(), k.mul(2).round()
+    mask = pos = None
+    if layout == "left":
+        mask = torch.ones(batch, n, dtype=torch.long)
+        mask[1, :9] = 0
+    if layout == "far_offset":
+        pos = torch.arange(n)[None].expand(batch, n) + torch.tensor([[21], [0]])
+        # a large first key: a block before the document, were it a candidate, would bound as high
+        k[0, :, 0] = 6.0
+    ref = _decode_reference(q, k, v, s, None, mask, pos)
+    tied_rows = []
+    real_slots = decode_module.plain_slots
+
+    def recording_slots(*args, **kwargs):
+        slots, tied = real_slots(*args, **kwargs)
+        tied_rows.append(tied.shape[0])
+        return slots, tied
+
+    monkeypatch.setattr(decode_module, "plain_slots", recording_slots)
+    state = {}
+    for t in range(40, n):
+        kw = dict(is_causal=True, attention_mask=None if mask is None else mask[:, :t + 1],
+                  position_ids=None if pos is None else pos[:, :t + 1], scale=None, dropout_p=0.0, group=None,
+                  layout=None, rope_frequencies=None)
+        out = KINDS["dilated"].run(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], s, state=state, **kw)
+        assert (out - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
+    assert sum(tied_rows) > 0  # some step did read tied blocks
 
 
 def decode_module_rows(mask, pos, batch, n):

@@ -231,10 +231,10 @@ def plain_slots(q_far: torch.Tensor, summary: torch.Tensor, first_query: int, ba
     device = q_far.device
     last = torch.arange(first_query - band, first_query - band + queries, device=device)  # last far key
     reach = max(0, min(n_blocks, (first_query + queries - 1 - band) // size + 1))  # blocks a query reaches
-    start = max(sinks, first_position // size)  # the first candidate: blocks from the document's first hold keys
+    first_block = first_position // size  # the blocks before the one holding the document's first key hold none
+    start = max(sinks, first_block)  # the first candidate
     sink = torch.arange(sinks, device=device)
-    sink_read = (sink * size <= last[:, None]) & (sink >= first_position // size)
-    slots = [torch.where(sink_read, sink, -1).expand(n_heads, -1, -1),
+    slots = [torch.where((sink * size <= last[:, None]) & (sink >= first_block), sink, -1).expand(n_heads, -1, -1),
              torch.full((n_heads, queries, top_k), -1, device=device)]
     tied = torch.empty(0, 3, dtype=torch.long, device=device)
     if top_k == 0 or reach <= start:
