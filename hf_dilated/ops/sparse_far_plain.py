@@ -17,6 +17,8 @@ local_band's masked calls, which compute the same set.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from . import far_selection, pair_count, sparse_far_flex
@@ -89,7 +91,7 @@ def _far_by_block(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     and for each one product of the rows (query, head of that kv head) that chose it against the
     block's B keys. The products read the chosen pairs only (and the masked tail of the block a
     query's band starts in), not the union of a chunk's blocks; each (query, head) then merges its
-    blocks' partial softmaxes in one pass."""
+    blocks' partial softmaxes in one pass, kv head by kv head."""
     n_heads, n, dim = q_far.shape
     kv_heads, n_blocks = k_far.shape[0], mn.shape[1]
     group = n_heads // kv_heads
@@ -97,66 +99,109 @@ def _far_by_block(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     acc = out.dtype
     device = q_far.device
     offsets = torch.arange(size, device=device)
-    q_scaled = (q_far.to(acc) * scale).reshape(n_heads * n, dim)  # row h * n + i
+    queries = q_far.reshape(n_heads * n, dim)  # row h * n + i
+    # The scale goes on the far keys, once: a query's blocks are gathered per block anyway, and the
+    # keys are a fraction of the queries (no scaled copy of every query, hundreds of MB at 32K).
+    reach = min(n, (max(0, n - 1 - band) // size + 1) * size)  # the far keys' blocks end here
+    keys, values = k_far[:, :reach].to(acc) * scale, v[:, :reach].to(acc)
     summary = far_selection.bound_operands(mn[None], mx[None], group)[0][0]
     chunk = pair_chunk(n_heads, selection, dim)
     select_chunk = query_chunk(n_heads, n_blocks)
-    part_out = None
     for s in range(start, n, chunk):
         e = min(n, s + chunk)
         parts = [far_selection.plain_slots(q_far[:, t:min(e, t + select_chunk)], summary, t, band, selection)
                  for t in range(s, e, select_chunk)]
-        slots = torch.cat([p[0] for p in parts], 1)
-        head, query, slot = (slots >= 0).nonzero().unbind(1)
-        block = slots[head, query, slot]
-        if any(p[1].numel() for p in parts):
+        slots = torch.cat([p[0] for p in parts], 1)  # (heads, queries, sinks + top_k), -1: none
+        queries_here, width = e - s, slots.shape[-1]
+        slot_head = torch.arange(n_heads, device=device)[:, None, None]
+        slot_query = torch.arange(queries_here, device=device)[None, :, None]
+        # Each (head, query, slot) as (kv head, block) pair and the offset in the block of the last key
+        # it reads (size - 1 or more: the whole block; less: the block its band starts in); slots
+        # without a block go to pair `none`, after every real one, which the loop below never reads.
+        none = kv_heads * n_blocks
+        pair = torch.where(slots >= 0, (slot_head // group) * n_blocks + slots, none).flatten()
+        limit = (slot_query + (s - band) - slots * size).flatten()
+        row = None  # each entry's (head, query) as head * queries_here + query, where not entry // width
+        if any(p[1].numel() for p in parts):  # the rows tied at the k-th bound: every block reaching it
             tied = torch.cat([p[1] + torch.tensor([0, t - s, 0], device=device)
                               for p, t in zip(parts, range(s, e, select_chunk))])
-            head, query, block = (torch.cat([a, b]) for a, b in zip((head, query, block), tied.unbind(1)))
-        limit = query + (s - band) - block * size  # offset in the block of the last key read
-        pair = (head // group) * n_blocks + block
-        # In (kv head, block) runs, in each the rows whose band starts inside the block first.
-        order = torch.argsort(pair * size + limit.clamp(max=size - 1))
-        pair, head, query, limit = pair[order], head[order], query[order], limit[order]
-        row = head * (e - s) + query  # (head, query) within the chunk
+            h, t, c = tied.unbind(1)
+            pair = torch.cat([pair, (h // group) * n_blocks + c])
+            limit = torch.cat([limit, t + (s - band) - c * size])
+            row = torch.cat([torch.arange(slots.numel(), device=device) // width, h * queries_here + t])
+        # One sort: (kv head, block) runs, in each the rows whose band starts inside the block first.
+        key, order = torch.sort(pair * size + limit.clamp(0, size - 1))  # (no slot: below 0)
+        pair, limit = key.div(size, rounding_mode="floor"), key.remainder(size)  # limit clamped to size - 1
+        row = order.div(width, rounding_mode="floor") if row is None else row[order]
         if pair_count.TALLY.active:
-            pair_count.TALLY.pairs += int((limit + 1).clamp(max=size).sum())
+            pair_count.TALLY.pairs += int((limit[pair < none] + 1).sum())
         # Per (kv head, block): its rows, and how many of them stop inside it: the one read back.
-        counts = torch.zeros(2, kv_heads * n_blocks, dtype=torch.long, device=device)
+        counts = torch.zeros(2, none + 1, dtype=torch.long, device=device)
         counts[0].index_add_(0, pair, torch.ones_like(pair))
         counts[1].index_add_(0, pair, (limit < size - 1).long())
         counts, partials = counts.tolist()
-        q_row = head * n + query + s  # each pair's row of q_scaled, gathered per block (a copy in cache)
-        pairs = q_row.shape[0]
-        if part_out is None or part_out.shape[0] < pairs:  # unnormalised: sum_j e^(s_j - m) v_j
-            # one for the call's chunks: the OS zeroes a fresh buffer of this size page by page
-            part_out = torch.empty(pairs, dim, dtype=acc, device=device)
-        part_max = torch.empty(pairs, dtype=acc, device=device)
-        part_sum = torch.empty_like(part_max)
+        head, query = row.div(queries_here, rounding_mode="floor"), row.remainder(queries_here)
+        q_row = head * n + query + s  # each entry's row of queries, gathered per block (a copy in cache)
+        per_kv_head = [sum(counts[g * n_blocks:(g + 1) * n_blocks]) for g in range(kv_heads)]
+        # each entry's (unnormalised) sum_j e^(s_j - m) v_j, m and sum_j e^(s_j - m), one kv head at a time
+        part_out, part_max, part_sum = _part_buffers(max(per_kv_head), dim, acc, device)
         at = 0
-        for p, count in enumerate(counts):
-            if not count:
-                continue
-            g, c = divmod(p, n_blocks)
-            rows = slice(at, at + count)
-            lo, hi = c * size, min(n, (c + 1) * size)
-            scores = q_scaled.index_select(0, q_row[rows]) @ k_far[g, lo:hi].to(acc).T
-            if partials[p]:  # the first rows
-                first = slice(at, at + partials[p])
-                scores[:partials[p]].masked_fill_(offsets[None, :hi - lo] > limit[first, None], float("-inf"))
-            top = torch.amax(scores, -1, out=part_max[rows])
-            scores = scores.sub_(top[:, None]).exp_()
-            torch.sum(scores, -1, out=part_sum[rows])
-            torch.mm(scores, v[g, lo:hi].to(acc), out=part_out[rows])
-            at += count
-        # Merge each (head, query)'s blocks: lse = M + log sum_t e^(m_t - M) l_t.
-        n_rows = n_heads * (e - s)
-        top = torch.full((n_rows,), float("-inf"), dtype=acc, device=device).scatter_reduce_(
-            0, row, part_max, "amax")
-        weight = torch.exp(part_max - top.index_select(0, row))
-        total = torch.zeros(n_rows, dtype=acc, device=device).index_add_(0, row, part_sum.mul_(weight))
-        far_out = torch.zeros(n_rows, dim, dtype=acc, device=device).index_add_(
-            0, row, part_out[:pairs].mul_(weight[:, None]))
-        far_out = (far_out / total[:, None]).nan_to_num_(0.0)  # a row with no block: 0, lse -inf
-        far_lse = top + torch.log(total)
-        merge_into(out[:, s:e], lse[:, s:e], far_out.view(n_heads, e - s, dim), far_lse.view(n_heads, e - s))
+        for g in range(kv_heads):  # its pairs are one run of the sorted rows
+            first = at
+            for c in range(n_blocks):
+                count = counts[g * n_blocks + c]
+                if not count:
+                    continue
+                local = slice(at - first, at - first + count)
+                lo, hi = c * size, min(n, (c + 1) * size)
+                scores = queries.index_select(0, q_row[at:at + count]).to(acc) @ keys[g, lo:hi].T
+                if partials[g * n_blocks + c]:  # the first rows
+                    cut = partials[g * n_blocks + c]
+                    scores[:cut].masked_fill_(offsets[None, :hi - lo] > limit[at:at + cut, None], float("-inf"))
+                top = torch.amax(scores, -1, out=part_max[local])
+                scores = scores.sub_(top[:, None]).exp_()
+                torch.sum(scores, -1, out=part_sum[local])
+                torch.mm(scores, values[g, lo:hi], out=part_out[local])
+                at += count
+            heads, done = slice(g * group, (g + 1) * group), at - first
+            _merge_blocks(out[heads, s:e], lse[heads, s:e], row[first:at] - g * group * queries_here,
+                          part_out[:done], part_max[:done], part_sum[:done])
+
+
+# The partial softmaxes' buffer, kept between calls on the CPU, one per thread and dtype (at most
+# _PAIR_ELEMENTS / kv_heads rows of head_dim + 2: 85 MB for SmolLM2's heads in float32). A fresh
+# buffer of that size is mapped and zeroed by the OS page by page at first touch each call: that
+# took a tenth of the far keys' time at 16K (docs/benchmarks.md). On CUDA the caching allocator
+# reuses memory itself.
+_KEPT = threading.local()
+
+
+def _part_buffers(rows: int, dim: int, dtype, device):
+    """(out (rows, dim), max (rows,), sum (rows,)): views of one buffer of at least rows * (dim + 2)."""
+    need = rows * (dim + 2)
+    if device.type != "cpu":
+        buffer = torch.empty(need, dtype=dtype, device=device)
+    else:
+        kept = _KEPT.__dict__.setdefault("buffers", {})
+        buffer = kept.get(dtype)
+        if buffer is None or buffer.numel() < need:
+            kept[dtype] = buffer = None  # (the old one freed first)
+            kept[dtype] = buffer = torch.empty(need, dtype=dtype)
+    return (buffer[:rows * dim].view(rows, dim), buffer[rows * dim:rows * (dim + 1)],
+            buffer[rows * (dim + 1):need])
+
+
+def _merge_blocks(out, lse, row, part_out, part_max, part_sum) -> None:
+    """Merge into out/lse (heads, queries, d) / (heads, queries) the partial softmaxes of their
+    blocks: part_* of the (head, query) numbered `row` (head * queries + query), each unnormalised
+    (sum_j e^(s_j - m) v_j, m, sum_j e^(s_j - m)); a row's lse = M + log sum_t e^(m_t - M) l_t."""
+    n_heads, queries, dim = out.shape
+    n_rows = n_heads * queries
+    top = torch.full((n_rows,), float("-inf"), dtype=part_max.dtype, device=row.device).scatter_reduce_(
+        0, row, part_max, "amax")
+    weight = torch.exp(part_max - top.index_select(0, row))
+    total = torch.zeros(n_rows, dtype=part_max.dtype, device=row.device).index_add_(0, row, part_sum.mul_(weight))
+    far_out = torch.zeros(n_rows, dim, dtype=part_out.dtype, device=row.device).index_add_(
+        0, row, part_out.mul_(weight[:, None]))
+    far_out = far_out.div_(total[:, None]).nan_to_num_(0.0)  # a row with no block: 0, lse -inf
+    merge_into(out, lse, far_out.view(n_heads, queries, dim), (top + torch.log(total)).view(n_heads, queries))
