@@ -649,38 +649,6 @@ def test_inference_path_takes_strided_inputs():
     assert (out - local_band_reference(q, k, v, [64], [1], 16, **ref_kw)).abs().max().item() < TOL
 
 
-def test_inference_path_reuses_its_buffer_across_calls_and_threads(monkeypatch):
-    """The plain path keeps the buffer of its partial softmaxes between calls, one per thread and
-    dtype: a longer call, a shorter one, the longer again, in float64 and in float32, and two
-    threads calling at once, each equal the reference."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from hf_dilated.ops import sparse_far_plain
-
-    kernel, ref_kw = sparse((8, 2, 4, 1))
-    calls = []
-    for n, dtype in ((60, torch.float64), (36, torch.float64), (60, torch.float64), (48, torch.float32),
-                     (60, torch.float32), (36, torch.float32)):
-        case = replace(BASE, layout="plain", kv_len=n, seed=n)
-        q, k, v, _, _, _ = make_inputs(case, dtype)
-        q, k, v = q.detach(), k.detach(), v.detach()
-        ref = local_band_reference(q.double(), k.double(), v.double(), [64], [1], WINDOW, **ref_kw)
-        calls.append((q, k, v, ref, TOL if dtype == torch.float64 else 1e-5))
-    forward, taken = sparse_far_plain.sparse_far_forward, []
-    monkeypatch.setattr(sparse_far_plain, "sparse_far_forward", lambda *a, **kw: taken.append(1) or forward(*a, **kw))
-
-    def errors(order):
-        with torch.no_grad():
-            return [((dilated_attention(q, k, v, [64], [1], local_window=WINDOW, **kernel).double() - ref)
-                     .abs().max().item(), tol) for q, k, v, ref, tol in (calls[i] for i in order)]
-
-    in_turn = errors(range(len(calls)))
-    with ThreadPoolExecutor(2) as pool:
-        both = [e for result in pool.map(errors, [list(range(6)) * 10, list(range(5, -1, -1)) * 10]) for e in result]
-    assert len(taken) == 6 + 120  # the plain path ran every call
-    assert all(err < tol for err, tol in in_turn + both), [e for e in in_turn + both if e[0] >= e[1]]
-
-
 @pytest.mark.parametrize("sliding_window", (5, 13, 30))
 @pytest.mark.parametrize("layout", ("plain", "left", "packed"))
 def test_sliding_window_on_top_of_sparse_far_keys_matches_reference(layout, sliding_window):

@@ -17,8 +17,6 @@ local_band's masked calls, which compute the same set.
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from . import far_selection, pair_count, sparse_far_flex
@@ -107,6 +105,7 @@ def _far_by_block(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     summary = far_selection.bound_operands(mn[None], mx[None], group)[0][0]
     chunk = pair_chunk(n_heads, selection, dim)
     select_chunk = query_chunk(n_heads, n_blocks)
+    part_out = None
     for s in range(start, n, chunk):
         e = min(n, s + chunk)
         parts = [far_selection.plain_slots(q_far[:, t:min(e, t + select_chunk)], summary, t, band, selection)
@@ -143,8 +142,11 @@ def _far_by_block(q_far, k_far, v, out, lse, start: int, band: int, selection: F
         head, query = row.div(queries_here, rounding_mode="floor"), row.remainder(queries_here)
         q_row = head * n + query + s  # each entry's row of queries, gathered per block (a copy in cache)
         per_kv_head = [sum(counts[g * n_blocks:(g + 1) * n_blocks]) for g in range(kv_heads)]
-        # each entry's (unnormalised) sum_j e^(s_j - m) v_j, m and sum_j e^(s_j - m), one kv head at a time
-        part_out, part_max, part_sum = _part_buffers(max(per_kv_head), dim, acc, device)
+        if part_out is None or part_out.shape[0] < max(per_kv_head):
+            # each entry's (unnormalised) sum_j e^(s_j - m) v_j, m and sum_j e^(s_j - m), one kv head
+            # at a time; one buffer for the call's chunks (the OS zeroes a fresh one page by page)
+            part_out = torch.empty(max(per_kv_head), dim, dtype=acc, device=device)
+            part_max, part_sum = torch.empty(2, part_out.shape[0], dtype=acc, device=device)
         at = 0
         for g in range(kv_heads):  # its pairs are one run of the sorted rows
             first = at
@@ -166,29 +168,6 @@ def _far_by_block(q_far, k_far, v, out, lse, start: int, band: int, selection: F
             heads, done = slice(g * group, (g + 1) * group), at - first
             _merge_blocks(out[heads, s:e], lse[heads, s:e], row[first:at] - g * group * queries_here,
                           part_out[:done], part_max[:done], part_sum[:done])
-
-
-# The partial softmaxes' buffer, kept between calls on the CPU, one per thread and dtype (at most
-# _PAIR_ELEMENTS / kv_heads rows of head_dim + 2: 85 MB for SmolLM2's heads in float32). A fresh
-# buffer of that size is mapped and zeroed by the OS page by page at first touch each call: that
-# took a tenth of the far keys' time at 16K (docs/benchmarks.md). On CUDA the caching allocator
-# reuses memory itself.
-_KEPT = threading.local()
-
-
-def _part_buffers(rows: int, dim: int, dtype, device):
-    """(out (rows, dim), max (rows,), sum (rows,)): views of one buffer of at least rows * (dim + 2)."""
-    need = rows * (dim + 2)
-    if device.type != "cpu":
-        buffer = torch.empty(need, dtype=dtype, device=device)
-    else:
-        kept = _KEPT.__dict__.setdefault("buffers", {})
-        buffer = kept.get(dtype)
-        if buffer is None or buffer.numel() < need:
-            kept[dtype] = buffer = None  # (the old one freed first)
-            kept[dtype] = buffer = torch.empty(need, dtype=dtype)
-    return (buffer[:rows * dim].view(rows, dim), buffer[rows * dim:rows * (dim + 1)],
-            buffer[rows * (dim + 1):need])
 
 
 def _merge_blocks(out, lse, row, part_out, part_max, part_sum) -> None:
