@@ -932,3 +932,26 @@ def test_cuda_inference_matches_reference(dtype, chunked, layout, monkeypatch):
     err = (out.cpu().double() - ref).abs().max().item() / ref.abs().max().item()
     assert calls and all(calls), sparse_far_flex._FAILED  # FlexAttention ran (no fallback)
     assert err < (1e-4 if dtype == torch.float32 else 2e-2), err
+
+
+def test_decode_copies_of_blocks_and_rows_agree_on_every_device_form():
+    """A decode step copies the chosen blocks (or rows) per kv head on the CPU and with one index on
+    a GPU (sparse_far_decode._blocks / _rows): both forms, run here on a cache that is a view with
+    blocks starting past its first slot, equal the blocks and rows taken one by one."""
+    from hf_dilated.ops import sparse_far_decode as decode
+
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(100, 3, 8, generator=g, dtype=torch.float64).transpose(0, 1)  # (kv_heads, n, d), a view
+    start, size, count = 5, 4, 20  # blocks of 4 rows from row 5: rows 5..84
+    blocks = torch.randint(0, count, (3, 7), generator=g)
+    rows = torch.randint(0, 100, (3, 11), generator=g)
+    view = cache[:, start:start + count * size].unflatten(1, (count, size))
+    expect_blocks = torch.stack([torch.stack([cache[h, start + c * size:start + (c + 1) * size]
+                                              for c in blocks[h].tolist()]) for h in range(3)])
+    expect_rows = torch.stack([torch.stack([cache[h, r] for r in rows[h].tolist()]) for h in range(3)])
+    for form in (decode._blocks_at_once, decode._blocks_per_kv_head):
+        assert torch.equal(form(view, blocks), expect_blocks), form.__name__
+    assert torch.equal(decode._blocks(cache, blocks, start, size, count), expect_blocks)
+    for form in (decode._rows_at_once, decode._rows_per_kv_head):
+        assert torch.equal(form(cache, rows), expect_rows), form.__name__
+    assert torch.equal(decode._rows(cache, rows), expect_rows)
