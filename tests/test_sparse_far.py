@@ -574,14 +574,23 @@ def test_flex_plan_and_merge_compile_to_the_eager_results():
     assert torch.allclose(out, out_c, atol=1e-5) and torch.allclose(lse, lse_c, atol=1e-5)
 
 
-def test_tied_bounds_all_count():
+@pytest.mark.parametrize("plain_chunk", (None, 5), ids=("one_chunk", "chunks_of_5"))
+@pytest.mark.parametrize("heads", ((2, 1), (4, 2)), ids=lambda h: f"{h[0]}q{h[1]}kv")
+def test_tied_bounds_all_count(heads, plain_chunk, monkeypatch):
     """Blocks whose bounds tie at the k-th largest are all read (docs/contract.md 4.2), in the kernel as
-    in the reference: key blocks repeated exactly give equal summaries, hence equal bounds."""
+    in the reference: key blocks repeated exactly give equal summaries, hence equal bounds. The plain
+    path lists the tied rows after the others, in every chunk and for every kv head's group."""
+    if plain_chunk:
+        from hf_dilated.ops import sparse_far_plain
+
+        monkeypatch.setattr(sparse_far_plain, "_MIN_CHUNK", plain_chunk)
+        monkeypatch.setattr(sparse_far_plain, "_BOUND_ELEMENTS", 1)  # selections of 5 queries
+        monkeypatch.setattr(sparse_far_plain, "_PAIR_ELEMENTS", 1)  # and products of 5
     g = torch.Generator().manual_seed(9)
-    q = torch.randn(1, 2, 40, 4, generator=g, dtype=torch.float64)
-    block = torch.randn(1, 1, 4, 4, generator=g, dtype=torch.float64)
-    k = block.repeat(1, 1, 10, 1)  # ten equal blocks of 4
-    v = torch.randn(1, 1, 40, 4, generator=g, dtype=torch.float64)
+    q = torch.randn(1, heads[0], 40, 4, generator=g, dtype=torch.float64)
+    block = torch.randn(1, heads[1], 4, 4, generator=g, dtype=torch.float64)
+    k = block.repeat(1, 1, 10, 1)  # ten equal blocks of 4 per kv head
+    v = torch.randn(1, heads[1], 40, 4, generator=g, dtype=torch.float64)
     kernel, ref_kw = sparse((8, 1, 4, 0))
     with torch.no_grad(), pair_count.counting() as tally:
         out = dilated_attention(q, k, v, [64], [1], local_window=16, **kernel)
@@ -949,9 +958,9 @@ def test_decode_copies_of_blocks_and_rows_agree_on_every_device_form():
     expect_blocks = torch.stack([torch.stack([cache[h, start + c * size:start + (c + 1) * size]
                                               for c in blocks[h].tolist()]) for h in range(3)])
     expect_rows = torch.stack([torch.stack([cache[h, r] for r in rows[h].tolist()]) for h in range(3)])
-    for form in (decode._blocks_at_once, decode._blocks_per_kv_head):
+    for form in (decode._blocks_at_once, decode._per_kv_head):
         assert torch.equal(form(view, blocks), expect_blocks), form.__name__
     assert torch.equal(decode._blocks(cache, blocks, start, size, count), expect_blocks)
-    for form in (decode._rows_at_once, decode._rows_per_kv_head):
+    for form in (decode._rows_at_once, decode._per_kv_head):
         assert torch.equal(form(cache, rows), expect_rows), form.__name__
     assert torch.equal(decode._rows(cache, rows), expect_rows)

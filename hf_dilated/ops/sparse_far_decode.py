@@ -241,36 +241,31 @@ def _blocks(x, blocks, start: int, size: int, count: int):
     """x (kv_heads, n, d) as blocks of `size` rows from index `start` (count of them), at blocks
     (kv_heads, m) per kv head: (kv_heads, m, size, d), runs of B rows copied whole (a third faster
     than _rows' row by row on the CPU, from a cache in memory). On a GPU one index for every kv head
-    (a launch per kv head is the cost there); elsewhere an index_select per kv head."""
+    (a launch per kv head is the cost there)."""
     view = x[:, start:start + count * size].unflatten(1, (count, size))
-    return (_blocks_at_once if x.device.type == "cuda" else _blocks_per_kv_head)(view, blocks)
+    return (_blocks_at_once if x.device.type == "cuda" else _per_kv_head)(view, blocks)
 
 
 def _blocks_at_once(view, blocks):
     return view[torch.arange(view.shape[0], device=view.device)[:, None], blocks]
 
 
-def _blocks_per_kv_head(view, blocks):
-    out = view.new_empty(blocks.shape + view.shape[2:])
-    for g in range(view.shape[0]):
-        torch.index_select(view[g], 0, blocks[g], out=out[g])
-    return out
-
-
 def _rows(x, index):
     """x (kv_heads, n, d) at rows index (kv_heads, m), per kv head: one gather on a GPU (where a
-    launch per kv head is the cost); an index_select per kv head elsewhere (contiguous rows, 2-4x
-    faster than the gather on the CPU, and no copy of a cache that is a view)."""
-    return (_rows_at_once if x.device.type == "cuda" else _rows_per_kv_head)(x, index)
+    launch per kv head is the cost); _per_kv_head elsewhere (contiguous rows, 2-4x faster than the
+    gather on the CPU, and no copy of a cache that is a view)."""
+    return (_rows_at_once if x.device.type == "cuda" else _per_kv_head)(x, index)
 
 
 def _rows_at_once(x, index):
     return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
 
 
-def _rows_per_kv_head(x, index):
-    out = x.new_empty(index.shape + x.shape[-1:])
-    for g in range(x.shape[0]):  # into one output: stacking copied every row once more
+def _per_kv_head(x, index):
+    """x (kv_heads, n, ...) at index (kv_heads, m) along dim 1: an index_select per kv head, into one
+    output (stacking copied every entry once more)."""
+    out = x.new_empty(index.shape + x.shape[2:])
+    for g in range(x.shape[0]):
         torch.index_select(x[g], 0, index[g], out=out[g])
     return out
 
