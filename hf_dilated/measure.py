@@ -46,9 +46,16 @@ def time_calls(step: Callable[[], object], device: torch.device, warmup: int, re
                before: Callable[[], object] | None = None, budget_s: float | None = None) -> dict:
     """`warmup` untimed calls, then `repeats` (at least 1) timed ones; `before` runs untimed ahead
     of each timed call (a barrier of a process group). With `budget_s`, the timed calls stop once
-    they took that long in all and at least 3 ran (a 128K case then costs seconds, not a minute)."""
-    for _ in range(warmup):
+    they took that long in all and at least 3 ran (a 128K case then costs seconds, not a minute).
+    first_s: the first call's time, warm-up or not (on a GPU it compiles: a user waits that long once)."""
+    first_s = None
+    for i in range(warmup):
+        sync(device)
+        start = time.perf_counter()
         step()
+        if i == 0:
+            sync(device)
+            first_s = time.perf_counter() - start
     times = []
     for _ in range(max(1, repeats)):
         if budget_s is not None and len(times) >= 3 and sum(times) > budget_s:
@@ -60,7 +67,7 @@ def time_calls(step: Callable[[], object], device: torch.device, warmup: int, re
         step()
         sync(device)
         times.append(time.perf_counter() - start)
-    return {"times_s": times, "median_s": statistics.median(times)}
+    return {"times_s": times, "median_s": statistics.median(times), "first_s": times[0] if first_s is None else first_s}
 
 
 def time_interleaved(fns, repeats: int, warmup: int = 1, log=print,

@@ -7,6 +7,7 @@ same process, then one call under torch.profiler (the ops by GPU time, and dynam
   decode: one step after a prefill of N tokens (ReservedCache, and DynamicCache), beside sdpa's.
 
     python scripts/profile_model.py [--steps prefill,decode] [--lengths 16384,65536] [--conversion default|union] [--top 25]
+    python scripts/profile_model.py --lengths 16384 --picks maxima,sort,topk   # the selection's picks three ways
     python scripts/profile_model.py --smoke --lengths 512   # tiny sizes on the CPU (checks this script)
 """
 from __future__ import annotations
@@ -25,8 +26,12 @@ def sync() -> None:
 
 
 def timed(fn, repeats: int = 3) -> float:
-    """Median ms of `repeats` calls after one untimed call (which compiles)."""
+    """Median ms of `repeats` calls after one call (which compiles; its time is printed)."""
+    sync()
+    start = time.perf_counter()
     fn()
+    sync()
+    print(f"  first call (compiles): {1e3 * (time.perf_counter() - start):.0f} ms", flush=True)
     times = []
     for _ in range(repeats):
         sync()
@@ -35,6 +40,65 @@ def timed(fn, repeats: int = 3) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+# --- The selection's picks, three ways (--picks): on an H200 (2026-11-27) the default conversion's
+# first call at 16K took 64 s, 53 s of it one compile whose Triton kernels took 41 s to build, and
+# the k passes of far_selection.top_picks (unrolled by dynamo, fused by inductor into one reduction
+# kernel) are the suspects: k = 16 there, and the plan with k = 4 compiled in about half the time.
+
+def picks_by_sort(scores: torch.Tensor, top_k: int, by=None):
+    """far_selection.top_picks' (picks, tied) from one stable descending sort per row (inductor
+    builds one bitonic sort kernel for rows of at most 512 blocks, and calls aten's sort beyond);
+    by="topk": from torch.topk instead (the same set; ties at the k-th may be picked in another order)."""
+    from hf_dilated.ops import far_selection
+
+    k = min(top_k, scores.shape[-1])
+    if k == 0:
+        return far_selection.top_picks(scores, 0)
+    values, index = (scores.topk(k, -1) if by == "topk" else scores.sort(dim=-1, descending=True, stable=True))
+    values, index = values[..., :k], index[..., :k]
+    valid = values > float("-inf")
+    picks = torch.where(valid, index, -1)
+    if k < top_k:
+        picks = torch.nn.functional.pad(picks, (0, top_k - k), value=-1)
+    picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, valid)
+    return picks, (scores >= values[..., -1:]) & (scores > float("-inf")) & ~picked
+
+
+PICKS = {"maxima": None, "sort": picks_by_sort, "topk": lambda scores, top_k: picks_by_sort(scores, top_k, "topk")}
+
+
+def use_picks(name: str) -> None:
+    """Makes the by-block plan select with PICKS[name] (None: the library's own), compiled anew."""
+    from hf_dilated.ops import far_selection, sparse_far_flex
+
+    if not hasattr(far_selection, "_library_top_picks"):
+        far_selection._library_top_picks = far_selection.top_picks
+    far_selection.top_picks = PICKS[name] or far_selection._library_top_picks
+    torch._dynamo.reset()
+    sparse_far_flex._compiled.cache_clear()
+
+
+def check_picks() -> None:
+    """The variants' sets equal the library's on rows with ties and -inf (the sort's picks too)."""
+    from hf_dilated.ops import far_selection
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 6, (64, 40), generator=g).float()
+    scores[scores == 0] = float("-inf")
+    scores[:4, 3:] = float("-inf")  # rows with fewer than k candidates
+    for k in (1, 5, 16):
+        picks, tied = far_selection.top_picks(scores, k)
+        chosen = torch.zeros_like(tied).scatter_(-1, picks.clamp(min=0), picks >= 0) | tied
+        for name, fn in PICKS.items():
+            if fn is None:
+                continue
+            p, t = fn(scores, k)
+            got = torch.zeros_like(t).scatter_(-1, p.clamp(min=0), p >= 0) | t
+            assert torch.equal(got, chosen) and p.shape == picks.shape, (name, k)
+            if name == "sort":
+                assert torch.equal(p, picks) and torch.equal(t, tied), k
 
 
 def profile(fn, device: str, top: int) -> None:
@@ -63,6 +127,9 @@ def main() -> None:
     parser.add_argument("--lengths", default="16384")
     parser.add_argument("--conversion", default="default", choices=("default", "union"))
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--picks", default="maxima",
+                        help="with the default conversion's prefill: the selection's picks, timed in turn with the "
+                             "first call (compiles): " + ", ".join(PICKS))
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, on the CPU when there is no GPU")
     args = parser.parse_args()
     steps = args.steps.split(",")
@@ -104,7 +171,22 @@ def main() -> None:
                 print(f"logits by_block vs by_query: max |diff| {(a - b).abs().max().item():.3e} "
                       f"(scale {a.abs().max().item():.3e})")
             sparse_far_flex.LAYOUT = layouts[0] or sparse_far_flex.LAYOUT
+            if args.conversion == "default" and args.picks != "maxima":
+                check_picks()
+                first = None
+                for name in args.picks.split(","):
+                    use_picks(name)
+                    print(f"picks {name}:")
+                    ms = timed(lambda: prefill(ours))
+                    out = prefill(ours).float()
+                    first = out if first is None else first
+                    print(f"  {ms:.2f} ms, speed {best / ms:.2f}x of sdpa's best; logits vs the first: max |diff| "
+                          f"{(out - first).abs().max().item():.3e}"
+                          + (f"; compiling the plan failed: {sparse_far_flex._FUSED_FAILED}"
+                             if sparse_far_flex._FUSED_FAILED else ""))
+                use_picks("maxima")
             profile(lambda: prefill(ours), device, args.top)
+            print("dynamo compile times (s):", torch._dynamo.utils.compile_times(repr="str"))
         if "decode" in steps:
             token = ids[:, -1:]
             print(f"\n== decode step after N {n}")

@@ -623,6 +623,11 @@ def test_gpu_table_counts_the_cuda_tests_from_the_xml_or_a_stopped_log(tmp_path)
     log.write_text("tests/a.py::x[1 2] PASSED   [ 10%]\ntests/a.py::y FAILED  [ 20%]\ntests/b.py::z PASSED [ 30%]\n")
     counts = cuda_tests(tmp_path / "missing.xml", log)
     assert (counts["passed"], counts["failed"], counts["errors"]) == (2, 1, 0) and "partial" in counts["source"]
+    # pytest-xdist's workers (gpu_check.sh runs them where it is installed), and its summary line
+    log.write_text("[gw0] [ 33%] PASSED tests/a.py::x[1] \n[gw1] [ 66%] PASSED tests/a.py::y \n"
+                   "[gw1] [100%] FAILED tests/a.py::x[2] \nFAILED tests/a.py::x[2] - assert 2 == 1\n")
+    counts = cuda_tests(tmp_path / "missing.xml", log)
+    assert (counts["passed"], counts["failed"], counts["errors"]) == (2, 1, 0)
 
 
 @pytest.mark.slow
@@ -650,6 +655,26 @@ def test_gpu_table_measures_every_row_on_cpu_at_tiny_sizes(tmp_path):
     assert not [line for line in lines if "not run" in line and not line.startswith("| CUDA tests")]
 
 
+@pytest.mark.slow
+def test_gpu_table_compiles_ahead_the_cases_whose_first_call_compiles(tmp_path):
+    """gpu_check.sh warms, beside the tests, the cases whose first call compiles on a GPU (the default
+    conversion's prefill per length, the StaticCache steps), each in a process of its own: at tiny
+    sizes here every one runs and reports its first call; a part with nothing to compile is refused."""
+    from hf_dilated.bench import gpu_table
+
+    s = gpu_table.settings(smoke=True)
+    keys = [key for key, _ in gpu_table.warm_plan(["model", "static"], s, "cpu")]
+    assert keys == [f"model|default|{n}" for n in s["prefill_lengths"]] + [
+        f"static|{key}" for key, spec in gpu_table.plan("static", s, "cpu") if not spec.get("fallback")]
+    data = gpu_table.warm(["model"], s, tmp_path, budget_s=300, smoke=True, log=lambda m: None)
+    assert list(data["cases"]) == keys[:len(s["prefill_lengths"])]
+    for key, case in data["cases"].items():
+        assert case["rc"] == 0 and f"{key}: first call" in case["output"], case
+    assert json.loads((tmp_path / "warm.json").read_text())["cases"].keys() == data["cases"].keys()
+    with pytest.raises(ValueError, match="part"):
+        gpu_table.warm_plan(["kernels"], s, "cpu")
+
+
 def test_time_calls_stops_at_its_budget_after_three_calls():
     import time
 
@@ -657,11 +682,12 @@ def test_time_calls_stops_at_its_budget_after_three_calls():
 
     calls = []
 
-    def step():
+    def step():  # the first call is slow (it would compile on a GPU): first_s reports it
+        time.sleep(0.25 if not calls else 0.05)
         calls.append(1)
-        time.sleep(0.05)
 
     timed = measure.time_calls(step, torch.device("cpu"), warmup=1, repeats=10, budget_s=0.12)
     assert len(timed["times_s"]) == 3 and len(calls) == 4
+    assert timed["first_s"] >= 0.25 > max(timed["times_s"])
     calls.clear()
     assert len(measure.time_calls(step, torch.device("cpu"), warmup=0, repeats=5)["times_s"]) == 5 == len(calls)

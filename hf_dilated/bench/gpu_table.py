@@ -458,6 +458,81 @@ def plan(part: str, s: dict, device: str) -> list[tuple[str, dict]]:
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# Compiling ahead: a first call that compiles takes about a minute on a GPU (the default
+# conversion's plan: 64 s at 16K on an H200, 2026-11-27), more than a model step's budget holds.
+# scripts/gpu_check.sh warms these cases beside the tests, each in a process of its own; the
+# table's processes then find the compiled kernels in inductor's and Triton's caches on disk.
+# --------------------------------------------------------------------------------------------
+
+WARM_PARTS = ("model", "static")
+
+
+def warm_plan(parts, s: dict, device: str) -> list[tuple[str, dict]]:
+    """(part|key, spec) of the cases of `parts` whose first call compiles on a GPU: the default
+    conversion's prefill (its selection plan and FlexAttention, one graph per length) and every
+    StaticCache decode step (the whole model under torch.compile)."""
+    out = []
+    for part in parts:
+        if part not in WARM_PARTS:
+            raise ValueError(f"part: {part!r} compiles nothing ahead; one of {', '.join(WARM_PARTS)}")
+        for key, spec in plan(part, s, device):
+            if (part == "model" and spec["conversion"] == "default") or (part == "static" and not spec.get("fallback")):
+                out.append((f"{part}|{key}", spec))
+    return out
+
+
+def warm_case(spec: dict) -> float:
+    """Seconds of the compiling first call of one case (a static case runs whole: its steps are few)."""
+    import torch
+    from transformers import DynamicCache
+
+    if spec["kind"].endswith(":static_case"):
+        start = time.perf_counter()
+        static_case(spec)
+        return time.perf_counter() - start
+    model, config, ids = _build_model(spec)
+    model.eval()
+    start = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=ids, **{_cache_arg(model): DynamicCache(config=config)}, use_cache=True, logits_to_keep=1)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def warm(parts, s: dict, out: Path, budget_s: float, smoke: bool, log=None) -> dict:
+    """Runs every warm_plan case at once, each in a process of its own, for at most `budget_s`
+    seconds (the ones still compiling then are stopped); writes out/warm.json."""
+    import os
+    import subprocess
+
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    cases = warm_plan(parts, s, _device(s))
+    out.mkdir(parents=True, exist_ok=True)
+    # a few compile workers each: the cases compile side by side, beside the tests
+    env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "4"))
+    start = time.perf_counter()
+    procs = {key: subprocess.Popen([sys.executable, "-m", "hf_dilated.bench.gpu_table", "warm", *parts, "--out",
+                                    str(out), "--index", str(i)] + (["--smoke"] if smoke else []),
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i, (key, _) in enumerate(cases)}
+    data = {"budget_s": budget_s, "cases": {}}
+    for key, proc in procs.items():
+        try:
+            text, _ = proc.communicate(timeout=max(1.0, budget_s - (time.perf_counter() - start)))
+            result = {"rc": proc.returncode, "seconds": time.perf_counter() - start, "output": text[-2000:]}
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            result = {"rc": None, "error": f"still compiling after the {budget_s:.0f} s: stopped"}
+        data["cases"][key] = result
+        log(f"  warm {key}: " + (f"rc {result['rc']} at {result['seconds']:.1f} s" if "seconds" in result
+                                 else result["error"]))
+    _write(out / "warm.json", data)
+    return data
+
+
 def _write(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
@@ -647,6 +722,9 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
                         row["note"] = f"{flash / t:.2f}x flash"
                         if row["verdict"] == "meets" and flash / t < 1.0:
                             row["verdict"] = "misses"
+                first = ((ours or {}).get("backends", {}).get("ours", {}).get(entry, {})).get("first_s")
+                if entry == "prefill" and t and first:  # a new length compiles on a GPU: what a user waits once
+                    row["note"] = "; ".join(filter(None, [row.get("note"), "first call " + (f"{first:.1f} s" if first >= 1 else f"{1e3 * first:.0f} ms")]))
                 rows.append(row)
     n = s["static_length"]
     static = parts.get("static", {}).get("results", {})
@@ -751,7 +829,9 @@ def cuda_tests(xml: Path | None, log: Path | None) -> dict:
         note = "no junit XML (the step was stopped?)"
     if log and log.is_file():
         text = log.read_text(errors="replace")
-        counts = {w: len(re.findall(rf"^\S+::\S.* {w.upper()}\b", text, re.M)) for w in ("passed", "failed", "error", "skipped")}
+        # "path::test PASSED", or with pytest-xdist's workers "[gw0] [ 12%] PASSED path::test"
+        counts = {w: len(re.findall(rf"^(?:\S+::\S.* {w.upper()}\b|\[gw\d+\] \[\s*\d+%\] {w.upper()} \S+::)", text, re.M))
+                  for w in ("passed", "failed", "error", "skipped")}
         return dict(passed=counts["passed"], failed=counts["failed"], errors=counts["error"], skipped=counts["skipped"],
                     source=f"{note}: counted in the log, partial", failed_names=[])
     return dict(source=f"{note}; no log")
@@ -845,10 +925,14 @@ def main(argv=None) -> int:
     run = sub.add_parser("run", help="measure one part")
     run.add_argument("part", choices=PARTS)
     run.add_argument("--budget", type=float, required=True, help="seconds for the part's cases")
+    ahead = sub.add_parser("warm", help="compile ahead, beside the tests, what the parts' first calls compile")
+    ahead.add_argument("parts", nargs="+", choices=WARM_PARTS)
+    ahead.add_argument("--budget", type=float, default=600.0, help="seconds before the cases still compiling stop")
+    ahead.add_argument("--index", type=int, help=argparse.SUPPRESS)  # one case, in this process (warm's children)
     table = sub.add_parser("table", help="write DIR/table.md from the parts' results and print it")
     table.add_argument("--tests-xml", type=Path)
     table.add_argument("--tests-log", type=Path)
-    for q in (run, table):
+    for q in (run, ahead, table):
         q.add_argument("--out", type=Path, required=True)
         q.add_argument("--smoke", action="store_true", help="tiny sizes (checks the script on a CPU)")
     args = p.parse_args(argv)
@@ -856,6 +940,13 @@ def main(argv=None) -> int:
     if args.command == "run":
         data = run_part(args.part, s, args.out, args.budget)
         return 0 if data["results"] else 1
+    if args.command == "warm":
+        if args.index is not None:
+            key, spec = warm_plan(args.parts, s, _device(s))[args.index]
+            print(f"{key}: first call {warm_case(spec):.1f} s", flush=True)
+            return 0
+        data = warm(args.parts, s, args.out, args.budget, args.smoke)
+        return 0 if all(c.get("rc") == 0 for c in data["cases"].values()) else 1
     print(render(s, args.out, args.tests_xml, args.tests_log), end="")
     return 0
 
