@@ -125,14 +125,15 @@ other_tests=($(ls tests/test_*.py | grep -v -x -F "$(printf '%s\n' "${first_test
 # then find the kernels in inductor's and Triton's caches on disk. And the tests on 4 workers where
 # pytest-xdist is installed (the GPU image has it): in one process, 30 of them filled the step's
 # 109 s that day (the sparse far keys' compiled CUDA tests take 30-39 s each).
-"${table[@]}" warm model static "${smoke_flag[@]}" --out "$out/table" --budget $((limit + 15)) >"$out/warm.log" 2>&1 &
+timeout --kill-after=10 $((limit + 5)) "${table[@]}" warm model static "${smoke_flag[@]}" --out "$out/table" \
+    --budget "$limit" >"$out/warm.log" 2>&1 &
 warm_pid=$!
 workers=()
 [ $smoke = 0 ] && python -c "import xdist" 2>/dev/null && workers=(-n 4)
 step cuda-tests "$limit" python -m pytest -v -p no:cacheprovider -m cuda "${workers[@]}" "${first_tests[@]}" \
     "${other_tests[@]}" --durations=25 --junitxml="$out/cuda-tests.xml"
 wait $warm_pid
-echo "   compiled ahead (warm.log): $(grep -c 'rc 0' "$out/warm.log") cases" | tee -a "$out/summary.txt"
+echo "   compiled ahead (warm.log): $(grep -c 'first call' "$out/warm.log") cases" | tee -a "$out/summary.txt"
 
 mkdir -p "$out/table"
 for ((i = 0; i < ${#parts[@]}; i++)); do

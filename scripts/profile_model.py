@@ -45,7 +45,8 @@ def timed(fn, repeats: int = 3) -> float:
 # --- The selection's picks, three ways (--picks): on an H200 (2026-11-27) the default conversion's
 # first call at 16K took 64 s, 53 s of it one compile whose Triton kernels took 41 s to build, and
 # the k passes of far_selection.top_picks (unrolled by dynamo, fused by inductor into one reduction
-# kernel) are the suspects: k = 16 there, and the plan with k = 4 compiled in about half the time.
+# kernel) are the suspects: k = 24 there (25 slots a query). Each variant runs in a process of its own
+# with empty compile caches, so that every first call compiles everything it needs.
 
 def picks_by_sort(scores: torch.Tensor, top_k: int, by=None):
     """far_selection.top_picks' (picks, tied) from one stable descending sort per row (inductor
@@ -70,14 +71,30 @@ PICKS = {"maxima": None, "sort": picks_by_sort, "topk": lambda scores, top_k: pi
 
 
 def use_picks(name: str) -> None:
-    """Makes the by-block plan select with PICKS[name] (None: the library's own), compiled anew."""
-    from hf_dilated.ops import far_selection, sparse_far_flex
+    """Makes the by-block plan select with PICKS[name] (maxima: the library's own): before any compile."""
+    from hf_dilated.ops import far_selection
 
-    if not hasattr(far_selection, "_library_top_picks"):
-        far_selection._library_top_picks = far_selection.top_picks
-    far_selection.top_picks = PICKS[name] or far_selection._library_top_picks
-    torch._dynamo.reset()
-    sparse_far_flex._compiled.cache_clear()
+    if PICKS[name] is not None:
+        check_picks()
+        far_selection.top_picks = PICKS[name]
+
+
+def each_picks_apart(args) -> None:
+    """This script again per variant, in a process of its own with empty compile caches (inductor's
+    and Triton's), so that each first call compiles all it needs (one process reusing another's
+    kernels would time a cache hit)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    argv = ["--steps", args.steps, "--lengths", args.lengths, "--conversion", args.conversion, "--top", str(args.top),
+            "--layouts", "by_block"] + (["--smoke"] if args.smoke else [])  # by query: no picks
+    for name in args.picks.split(","):
+        with tempfile.TemporaryDirectory() as cache:
+            print(f"\n##### picks {name}: a process of its own, empty compile caches", flush=True)
+            subprocess.run([sys.executable, __file__, *argv, "--picks", name], check=False,
+                           env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=f"{cache}/triton"))
 
 
 def check_picks() -> None:
@@ -128,10 +145,14 @@ def main() -> None:
     parser.add_argument("--conversion", default="default", choices=("default", "union"))
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--picks", default="maxima",
-                        help="with the default conversion's prefill: the selection's picks, timed in turn with the "
-                             "first call (compiles): " + ", ".join(PICKS))
+                        help="the default conversion's selection picks: one of " + ", ".join(PICKS) + "; several "
+                             "(comma-separated): each in a process of its own, with empty compile caches")
+    parser.add_argument("--layouts", default="by_block,by_query", help="the default conversion's far-key row layouts")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, on the CPU when there is no GPU")
     args = parser.parse_args()
+    if "," in args.picks:
+        return each_picks_apart(args)
+    use_picks(args.picks)
     steps = args.steps.split(",")
     s = gpu_table.settings(args.smoke)
     device = gpu_table._device(s)
@@ -154,7 +175,7 @@ def main() -> None:
                     sdpa[b] = timed(lambda: prefill(base))
             best = min(sdpa.values())
             print(f"\n== prefill, N {n}: sdpa " + ", ".join(f"{b} {ms:.2f} ms" for b, ms in sdpa.items()))
-            layouts = ("by_block", "by_query") if args.conversion == "default" else (None,)
+            layouts = tuple(args.layouts.split(",")) if args.conversion == "default" else (None,)
             logits = {}
             for layout in layouts:
                 if layout:
@@ -171,20 +192,6 @@ def main() -> None:
                 print(f"logits by_block vs by_query: max |diff| {(a - b).abs().max().item():.3e} "
                       f"(scale {a.abs().max().item():.3e})")
             sparse_far_flex.LAYOUT = layouts[0] or sparse_far_flex.LAYOUT
-            if args.conversion == "default" and args.picks != "maxima":
-                check_picks()
-                first = None
-                for name in args.picks.split(","):
-                    use_picks(name)
-                    print(f"picks {name}:")
-                    ms = timed(lambda: prefill(ours))
-                    out = prefill(ours).float()
-                    first = out if first is None else first
-                    print(f"  {ms:.2f} ms, speed {best / ms:.2f}x of sdpa's best; logits vs the first: max |diff| "
-                          f"{(out - first).abs().max().item():.3e}"
-                          + (f"; compiling the plan failed: {sparse_far_flex._FUSED_FAILED}"
-                             if sparse_far_flex._FUSED_FAILED else ""))
-                use_picks("maxima")
             profile(lambda: prefill(ours), device, args.top)
             print("dynamo compile times (s):", torch._dynamo.utils.compile_times(repr="str"))
         if "decode" in steps:

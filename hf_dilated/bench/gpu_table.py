@@ -483,10 +483,13 @@ def warm_plan(parts, s: dict, device: str) -> list[tuple[str, dict]]:
 
 
 def warm_case(spec: dict) -> float:
-    """Seconds of the compiling first call of one case (a static case runs whole: its steps are few)."""
+    """Seconds of the compiling first call of one case (a static case runs whole: its steps are few).
+    Run beside the tests, so its kernels' autotuning choices are not kept (the timed case makes its
+    own, on a quiet GPU); what it compiled is."""
     import torch
     from transformers import DynamicCache
 
+    torch._inductor.config.autotune_local_cache = False  # not part of the compiled graphs' cache key
     if spec["kind"].endswith(":static_case"):
         start = time.perf_counter()
         static_case(spec)
@@ -501,34 +504,44 @@ def warm_case(spec: dict) -> float:
     return time.perf_counter() - start
 
 
-def warm(parts, s: dict, out: Path, budget_s: float, smoke: bool, log=None) -> dict:
-    """Runs every warm_plan case at once, each in a process of its own, for at most `budget_s`
-    seconds (the ones still compiling then are stopped); writes out/warm.json."""
+def warm(parts, s: dict, out: Path, budget_s: float, log=None) -> dict:
+    """Runs every warm_plan case at once, each in a process (group) of its own, for at most
+    `budget_s` seconds: the ones still compiling then are killed with their compile workers.
+    Writes out/warm.json: per case its exit status and first call (first_s), or why none."""
     import os
+    import signal
     import subprocess
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    cases = warm_plan(parts, s, _device(s))
-    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "warm"
+    logs.mkdir(parents=True, exist_ok=True)
     # a few compile workers each: the cases compile side by side, beside the tests
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "4"))
     start = time.perf_counter()
-    procs = {key: subprocess.Popen([sys.executable, "-m", "hf_dilated.bench.gpu_table", "warm", *parts, "--out",
-                                    str(out), "--index", str(i)] + (["--smoke"] if smoke else []),
-                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i, (key, _) in enumerate(cases)}
+    procs = {}
+    for i, (key, spec) in enumerate(warm_plan(parts, s, _device(s))):
+        with open(logs / f"{i}.log", "w") as f:  # a file, not a pipe: nothing waits on a reader
+            procs[key] = (i, subprocess.Popen([sys.executable, "-m", "hf_dilated.bench.gpu_table", "warm-case",
+                                               json.dumps(spec)], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
     data = {"budget_s": budget_s, "cases": {}}
-    for key, proc in procs.items():
+    for key, (i, proc) in procs.items():
         try:
-            text, _ = proc.communicate(timeout=max(1.0, budget_s - (time.perf_counter() - start)))
-            result = {"rc": proc.returncode, "seconds": time.perf_counter() - start, "output": text[-2000:]}
+            proc.wait(timeout=max(0.1, budget_s - (time.perf_counter() - start)))
+            result = {"rc": proc.returncode, "seconds": time.perf_counter() - start}
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its compile workers too
+            proc.wait()
             result = {"rc": None, "error": f"still compiling after the {budget_s:.0f} s: stopped"}
+        text = (logs / f"{i}.log").read_text(errors="replace")
+        found = re.findall(r"^first call ([0-9.]+) s$", text, re.M)
+        if found:
+            result["first_s"] = float(found[-1])
+        elif result["rc"] is not None:
+            result["error"] = text.strip().splitlines()[-1][:300] if text.strip() else f"exit {result['rc']}"
         data["cases"][key] = result
-        log(f"  warm {key}: " + (f"rc {result['rc']} at {result['seconds']:.1f} s" if "seconds" in result
-                                 else result["error"]))
+        log(f"  warm {key}: " + (f"first call {result['first_s']:.1f} s" if "first_s" in result else result["error"]))
     _write(out / "warm.json", data)
     return data
 
@@ -633,6 +646,10 @@ def _short(text: str, limit: int = 140) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _seconds(t: float) -> str:
+    return f"{t:.1f} s" if t >= 1 else f"{1e3 * t:.0f} ms"
+
+
 def _ms(t):
     return "-" if t is None else f"{t * 1e3:,.2f}" if t < 1 else f"{t * 1e3:,.0f}"
 
@@ -724,7 +741,10 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
                             row["verdict"] = "misses"
                 first = ((ours or {}).get("backends", {}).get("ours", {}).get(entry, {})).get("first_s")
                 if entry == "prefill" and t and first:  # a new length compiles on a GPU: what a user waits once
-                    row["note"] = "; ".join(filter(None, [row.get("note"), "first call " + (f"{first:.1f} s" if first >= 1 else f"{1e3 * first:.0f} ms")]))
+                    cold = parts.get("warm", {}).get("cases", {}).get(f"model|{conv}|{n}", {}).get("first_s")
+                    row["note"] = "; ".join(filter(None, [row.get("note"), (
+                        f"first call {cold:.1f} s compiling ahead, {_seconds(first)} here" if cold
+                        else f"first call {_seconds(first)}")]))
                 rows.append(row)
     n = s["static_length"]
     static = parts.get("static", {}).get("results", {})
@@ -893,6 +913,11 @@ def markdown(s: dict, rows: list[dict], tests: dict, env: dict, parts: dict) -> 
             lines.append(f"- step table-{part}: {state}, {len(data['results'])} cases measured, "
                          f"{len(data['skipped'])} skipped, budget {data['budget_s']:.0f} s"
                          + (f", {data['elapsed_s']:.0f} s used" if data.get("elapsed_s") else ""))
+    warmed = parts.get("warm", {}).get("cases", {})
+    if warmed:
+        lines.append("- compiled ahead, beside the tests: " + "; ".join(
+            f"{key} " + (f"first call {c['first_s']:.1f} s" if "first_s" in c else c.get("error", "?"))
+            for key, c in warmed.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -902,12 +927,12 @@ def render(s: dict, out: Path, tests_xml: Path | None = None, tests_log: Path | 
     import torch
 
     parts = {}
-    for part in PARTS:
+    for part in PARTS + ("warm",):  # warm: the first calls compiled ahead (gpu_check.sh, beside the tests)
         path = out / f"{part}.json"
         if path.is_file():
             with contextlib.suppress(ValueError):
                 parts[part] = json.loads(path.read_text())
-    device = next((p["device"] for p in parts.values()), _device(s))
+    device = next((p["device"] for p in parts.values() if "device" in p), _device(s))
     env = {"device": device, "torch": torch.__version__, "python": platform.python_version()}
     if device == "cuda" and torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name(0)
@@ -928,7 +953,8 @@ def main(argv=None) -> int:
     ahead = sub.add_parser("warm", help="compile ahead, beside the tests, what the parts' first calls compile")
     ahead.add_argument("parts", nargs="+", choices=WARM_PARTS)
     ahead.add_argument("--budget", type=float, default=600.0, help="seconds before the cases still compiling stop")
-    ahead.add_argument("--index", type=int, help=argparse.SUPPRESS)  # one case, in this process (warm's children)
+    one = sub.add_parser("warm-case", help=argparse.SUPPRESS)  # one case, in this process (warm's children)
+    one.add_argument("spec", type=json.loads)
     table = sub.add_parser("table", help="write DIR/table.md from the parts' results and print it")
     table.add_argument("--tests-xml", type=Path)
     table.add_argument("--tests-log", type=Path)
@@ -936,16 +962,15 @@ def main(argv=None) -> int:
         q.add_argument("--out", type=Path, required=True)
         q.add_argument("--smoke", action="store_true", help="tiny sizes (checks the script on a CPU)")
     args = p.parse_args(argv)
+    if args.command == "warm-case":
+        print(f"first call {warm_case(args.spec):.1f} s", flush=True)
+        return 0
     s = settings(args.smoke)
     if args.command == "run":
         data = run_part(args.part, s, args.out, args.budget)
         return 0 if data["results"] else 1
     if args.command == "warm":
-        if args.index is not None:
-            key, spec = warm_plan(args.parts, s, _device(s))[args.index]
-            print(f"{key}: first call {warm_case(spec):.1f} s", flush=True)
-            return 0
-        data = warm(args.parts, s, args.out, args.budget, args.smoke)
+        data = warm(args.parts, s, args.out, args.budget)
         return 0 if all(c.get("rc") == 0 for c in data["cases"].values()) else 1
     print(render(s, args.out, args.tests_xml, args.tests_log), end="")
     return 0
