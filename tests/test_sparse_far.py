@@ -856,6 +856,24 @@ def test_flex_calls_have_one_shape_per_power_of_two(monkeypatch):
     assert shapes[0][1][2] == 512
 
 
+def test_flex_block_masks_skip_the_backward_lists(monkeypatch):
+    """The far path runs without gradients, so its BlockMasks (by block, and the ties' by query) are
+    built without the query-block lists only FlexAttention's backward reads (where torch can: each
+    list was a sort and a few passes per chunk, about 30 of a chunk's 68 launches). The results stay
+    the reference's."""
+    import inspect
+
+    from hf_dilated.ops import sparse_far_flex
+
+    masks = []
+    real = sparse_far_flex._flex_call
+    monkeypatch.setattr(sparse_far_flex, "_flex_call", lambda q, k, v, bm, *rest: masks.append(bm) or real(q, k, v, bm, *rest))
+    flex_row_matches_reference(300)
+    assert len(masks) == 2
+    if "compute_q_blocks" in inspect.signature(sparse_far_flex._flex.BlockMask.from_kv_blocks).parameters:
+        assert all(m.q_num_blocks is None and m.q_indices is None for m in masks)
+
+
 def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):
     """Compiled (dynamic=False, as on CUDA; here with the eager backend, which the CPU runs), rows
     of 300, 400 and 500 keys in calls of 128 queries trace one graph per kind of call (by block, and

@@ -27,6 +27,7 @@ whose compiled FlexAttention returns no log-sum-exp).
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 
 import torch
@@ -41,6 +42,11 @@ from .far_selection import FarSelection
 from .merge import merge_dtype, merge_into
 
 AVAILABLE = _flex is not None
+# A BlockMask's query-block lists (its key-block lists transposed: a sort and a few passes each) serve
+# FlexAttention's backward alone; this path runs without gradients (sparse_far_plain.applies), so
+# they are skipped where torch can (compute_q_blocks, torch >= 2.7).
+_FORWARD_ONLY = ({"compute_q_blocks": False} if AVAILABLE
+                 and "compute_q_blocks" in inspect.signature(_flex.BlockMask.from_kv_blocks).parameters else {})
 TILE = 128  # FlexAttention's default tile (queries x keys) of a BlockMask
 _BOUND_ELEMENTS = 1 << 27  # bounds per chunk of queries (heads x queries x blocks) at most
 _ENTRY_ELEMENTS = 1 << 27  # by-block rows per chunk (heads x queries x slots) x head_dim at most
@@ -209,7 +215,7 @@ def by_query_mask(chosen, last, n: int, size: int):
         return chosen[b, h, q_idx, kv_idx // size] & (kv_idx <= last[q_idx])
 
     return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
-                                          seq_lengths=(rows, n))
+                                          seq_lengths=(rows, n), **_FORWARD_ONLY)
 
 
 # --- by block: FlexAttention's rows are (query, head, chosen block), sorted by block ----------
@@ -302,7 +308,7 @@ def by_block_mask(row_block, row_last, kv_count, kv_indices, size: int, n: int):
         return (kv_idx // size == row_block[b, h, q_idx]) & (kv_idx <= row_last[b, h, q_idx])
 
     return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
-                                          seq_lengths=(row_block.shape[-1], n))
+                                          seq_lengths=(row_block.shape[-1], n), **_FORWARD_ONLY)
 
 
 # The selection and the entries' plan and merge (elementwise passes and row reductions over
