@@ -777,8 +777,8 @@ def test_flex_block_mask_lists_every_tile_its_mask_reads(block_size, layout, mon
     if block_size < 128:  # 3 blocks of 200 cover most of 700 keys
         assert tiles.float().mean() < (0.8 if layout == "by_query" else 0.3)
     if layout == "by_query":
-        overlap = sparse_far_flex._tile_overlap
-        monkeypatch.setattr(sparse_far_flex, "_tile_overlap", lambda *a: torch.zeros_like(overlap(*a)))
+        listed = sparse_far_flex.listed_tiles
+        monkeypatch.setattr(sparse_far_flex, "listed_tiles", lambda *a: torch.zeros_like(listed(*a)))
         tiles, allowed = listed_and_read()
         assert (allowed & ~tiles).any()
 
@@ -872,6 +872,23 @@ def test_flex_block_masks_skip_the_backward_lists(monkeypatch):
     assert len(masks) == 2
     if "compute_q_blocks" in inspect.signature(sparse_far_flex._flex.BlockMask.from_kv_blocks).parameters:
         assert all(m.q_num_blocks is None and m.q_indices is None for m in masks)
+
+
+@pytest.mark.parametrize("size", [16, 64, 128, 256, 48, 200])
+def test_listed_tiles_are_the_tiles_a_chosen_block_overlaps(size):
+    """A query tile lists the key tiles holding a key of a block it chose: by a reshape where blocks
+    tile a tile (16, 64, 128) or tiles tile a block (256), else by the overlap of every block and
+    tile (48, 200); each against the tiles of every key of the chosen blocks, one by one."""
+    from hf_dilated.ops.sparse_far_flex import TILE, listed_tiles
+
+    n_tiles = 7
+    n_blocks = (n_tiles * TILE - 1) // size + 1
+    chosen = torch.rand(3, 5, n_blocks, generator=torch.Generator().manual_seed(size)) < 0.2
+    expect = torch.zeros(3, 5, n_tiles, dtype=torch.bool)
+    for i, j, c in chosen.nonzero().tolist():
+        for key in range(c * size, min((c + 1) * size, n_tiles * TILE)):
+            expect[i, j, key // TILE] = True
+    assert torch.equal(listed_tiles(chosen, n_tiles, size), expect)
 
 
 def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):

@@ -114,6 +114,18 @@ def _tile_overlap(n_blocks: int, n_tiles: int, block_size: int, device) -> torch
     return ((c * block_size < (t + 1) * TILE) & (t * TILE < (c + 1) * block_size)).float()
 
 
+def listed_tiles(chosen: torch.Tensor, n_tiles: int, block_size: int) -> torch.Tensor:
+    """bool (..., n_tiles): the key tiles holding a key of a chosen block, for chosen (..., blocks)
+    over the blocks of n_tiles tiles ((n_tiles * TILE - 1) // block_size + 1 of them). Blocks that
+    tile a tile, or tiles that tile a block: one reshape; other sizes: a product with the overlap
+    of every block and tile (blocks x tiles: per chunk, quadratic in the length)."""
+    if TILE % block_size == 0:
+        return chosen.unflatten(-1, (n_tiles, TILE // block_size)).any(-1)
+    if block_size % TILE == 0:
+        return chosen.repeat_interleave(block_size // TILE, -1)[..., :n_tiles]
+    return (chosen.float() @ _tile_overlap(chosen.shape[-1], n_tiles, block_size, chosen.device)) > 0
+
+
 def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: FarSelection, scale: float) -> bool:
     """Merge into out/lse ((batch, heads, n, d) / (batch, heads, n), float32) the far keys every
     query from `start` on selects: keys j <= i - band in its sink blocks and its top_k blocks by
@@ -195,7 +207,6 @@ def by_query_mask(chosen, last, n: int, size: int):
     keys, rows as they are: its mask_mod reads each query's own selection (keys j <= last[query]
     of its chosen blocks); its tiles are those some query of a 128-query tile chose a block of."""
     batch, n_heads, rows, n_blocks = chosen.shape
-    device = chosen.device
     # Captured tensors are indexed by every (query, key) of the padded tiles: pad them so that no
     # index past the sequence reads outside them.
     n_tiles = -(-n // TILE)
@@ -207,7 +218,7 @@ def by_query_mask(chosen, last, n: int, size: int):
     # Per (query tile, key tile): whether some query of the tile chose a block overlapping the key
     # tile; the listed tiles first, in key order.
     per_tile = chosen[..., :padded_blocks].unflatten(2, (q_rows // TILE, TILE)).any(3)  # (batch, heads, q tiles, blocks)
-    listed = (per_tile.float() @ _tile_overlap(padded_blocks, n_tiles, size, device)) > 0
+    listed = listed_tiles(per_tile, n_tiles, size)
     kv_indices = torch.argsort((~listed).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
     kv_count = listed.sum(-1, dtype=torch.int32)
 
