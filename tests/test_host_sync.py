@@ -356,6 +356,18 @@ def test_sparse_far_flex_plan_reads_nothing_back():
     assert_no_syncs(syncs, "sparse far flex plan")
 
 
+@pytest.mark.parametrize("size", [16, 256, 48])
+def test_sparse_far_flex_listed_tiles_read_nothing_back(size):
+    """The key tiles a query tile lists (sparse_far_flex.listed_tiles), in each of its forms: blocks
+    tiling a tile (16), tiles tiling a block (256), the overlap product (48): no read back."""
+    from hf_dilated.ops.sparse_far_flex import TILE, listed_tiles
+
+    chosen = torch.rand(2, 3, (7 * TILE - 1) // size + 1, generator=torch.Generator().manual_seed(size)) < 0.3
+    syncs, listed = count_syncs(lambda: listed_tiles(chosen, 7, size))
+    assert listed.shape == (2, 3, 7) and listed.any()
+    assert_no_syncs(syncs, f"listed_tiles, blocks of {size}")
+
+
 def test_kth_by_maxima_reads_nothing_back():
     """The CUDA prefill's k-th bound (far_selection.kth_by_maxima, instead of topk there): its k
     passes read nothing back (the CPU takes topk, so it is called here directly)."""

@@ -180,6 +180,12 @@ def _cache_arg(model) -> str:
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
+def _prefill(model, ids, cache):
+    """The table's prefill: N tokens into `cache`, the last token's logits only (model_case times it;
+    warm_case makes its first call, so both compile the same graphs)."""
+    return model(input_ids=ids, **{_cache_arg(model): cache}, use_cache=True, logits_to_keep=1)
+
+
 def _backends_of(spec) -> list[str]:
     return spec["backends"] if spec["conversion"] == "sdpa" else ["ours"]
 
@@ -203,7 +209,7 @@ def model_case(spec: dict, own_process: bool = False) -> dict:
         with torch.no_grad(), (_sdpa_context(backend) if backend != "ours" else contextlib.nullcontext()):
             def prefill(make=caches["dynamic"]):
                 cache = make()
-                model(input_ids=ids, **{arg: cache}, use_cache=True, logits_to_keep=1)
+                _prefill(model, ids, cache)
                 return cache
 
             res["prefill"] = _time(prefill, device, spec["warmup"], spec["repeats"])
@@ -498,7 +504,7 @@ def warm_case(spec: dict) -> float:
     model.eval()
     start = time.perf_counter()
     with torch.no_grad():
-        model(input_ids=ids, **{_cache_arg(model): DynamicCache(config=config)}, use_cache=True, logits_to_keep=1)
+        _prefill(model, ids, DynamicCache(config=config))
     if ids.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - start
