@@ -43,9 +43,12 @@ class Kind:
     causal_only: bool  # computes causal attention only (docs/contract.md 6)
     families: tuple = ()  # the model types it serves as a transformers attn_implementation; () : none
     # A decode step against a static cache under torch.compile (no Python value from tensor data):
-    # static_decode(q, k, v, settings, *, real, seen, scale, sliding_window, rope_frequencies); None:
+    # static_decode(q, k, v, settings, *, real, seen, scale, sliding_window, rope_frequencies, state); None:
     # not supported.
     static_decode: Callable | None = None
+    # What an eager call on a static cache keeps for the compiled steps after it, in the layer's
+    # `state`: static_keep(k, settings, *, real, seen, q_len, rope_frequencies, state); None: nothing.
+    static_keep: Callable | None = None
 
     def check_call(self, *, is_causal, dropout_p, entry: str, causal_only: bool = False) -> None:
         """A ValueError naming the argument when a call asks for what this kind does not do.
@@ -178,18 +181,16 @@ def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, s
                                        position_ids=position_ids, sliding_window=sliding_window)
 
 
-def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None):
+def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None, state=None):
     from .ops.dilated_decode import dilated_decode_static
-    from .ops.rope import far_projections_static
+    from .ops.rope import far_projections_static, far_queries_static
 
-    q_far = k_far = None
     far = _far_keys(s, rope_frequencies)
-    if far is not None:
-        q_far, k_far = far_projections_static(q, k, real, seen, *far)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     selection = _far_selection(s)
     if selection is not None or s["far_band"] is not None:
+        from .ops import sparse_far_static
         from .ops.far_selection import FarSelection
-        from .ops.sparse_far_decode import sparse_far_decode_static
 
         n = k.shape[2]
         if sliding_window is not None or s["mode"] != "union" or not any(
@@ -197,17 +198,44 @@ def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_
             name = "far_top_k" if selection is not None else "far_band"
             raise ValueError(f"{name}: a compiled step on a static cache reads sparse far keys only where one level "
                              "of dilation 1 holds the whole cache and the layer has no sliding_window")
+        settings = dict(local_window=s["local_window"], far_band=s["far_band"], scale=scale, real=real, seen=seen)
+        kept = None if state is None else state.get(STATIC_SUMMARIES)
+        if selection is not None and kept is not None and kept.fits(k, selection.block_size):
+            q_far = q if far is None else far_queries_static(q, real, seen, *far)
+            return sparse_far_static.kept_step(q, k, v, q_far, selection=selection, rotation=far, kept=kept,
+                                               **settings)
+        q_far, k_far = (q, k) if far is None else far_projections_static(q, k, real, seen, *far)
         if selection is None:  # a narrower band past local_window alone: every far key (a selection of them all)
             selection = FarSelection(n, s["far_block_size"], 0)
-        return sparse_far_decode_static(q, k, v, q if q_far is None else q_far, k if k_far is None else k_far,
-                                        local_window=s["local_window"], far_band=s["far_band"], selection=selection,
-                                        scale=q.shape[-1] ** -0.5 if scale is None else scale, real=real, seen=seen)
+        return sparse_far_static.every_slot_step(q, k, v, q_far, k_far, selection=selection, **settings)
+    q_far = k_far = None
+    if far is not None:
+        q_far, k_far = far_projections_static(q, k, real, seen, *far)
     return dilated_decode_static(q, k, v, s["segment_lengths"], s["dilation_rates"], s["mode"], scale=scale, real=real,
                                  seen=seen, local_window=s["local_window"], q_far=q_far, k_far=k_far,
                                  sliding_window=sliding_window)
 
 
-def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None):
+# Where a layer's state (kinds' `state`) keeps the block summaries of a static cache for compiled steps.
+STATIC_SUMMARIES = "static_far_summaries"
+
+
+def _dilated_static_keep(k, s, *, real, seen: int, q_len: int, rope_frequencies=None, state):
+    """After an eager call on a static cache: keep the block summaries its compiled steps read
+    (ops/sparse_far_static.py); nothing for settings without sparse far keys."""
+    from .config import DECODE_MAX_QUERIES
+    from .ops import sparse_far_static
+
+    selection = _far_selection(s)
+    if selection is None or s["mode"] != "union" or not any(
+            w >= k.shape[2] and r == 1 for w, r in zip(s["segment_lengths"], s["dilation_rates"])):
+        return
+    kept = state.get(STATIC_SUMMARIES) or state.setdefault(STATIC_SUMMARIES, sparse_far_static.KeptSummaries())
+    sparse_far_static.keep(kept, k, real, seen, q_len, selection.block_size, _far_keys(s, rope_frequencies),
+                           few=DECODE_MAX_QUERIES)
+
+
+def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None, state=None):
     from .ops.dilated_decode import dilated_decode_static
 
     # dense causal attention is one level of dilation 1 whose segment holds the whole cache
@@ -215,7 +243,8 @@ def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_fr
                                  sliding_window=sliding_window)
 
 
-def _block_sparse_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None):
+def _block_sparse_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None,
+                         state=None):
     from .ops.block_sparse_decode import block_sparse_decode_static
 
     return block_sparse_decode_static(q, k, v, s["pattern"], block_size=s["block_size"], scale=scale, real=real,
@@ -233,13 +262,13 @@ KINDS = {
     for kind in (
         Kind("dense", {}, _dense, sequence_parallel=False, dropout=True, causal_only=False),
         Kind("dilated", _DILATED, _dilated, sequence_parallel=False, dropout=True, causal_only=False,
-             families=_FAMILIES, static_decode=_dilated_static),
+             families=_FAMILIES, static_decode=_dilated_static, static_keep=_dilated_static_keep),
         Kind("block_sparse", _BLOCK_SPARSE, _block_sparse, sequence_parallel=False, dropout=False, causal_only=False,
              families=_FAMILIES, static_decode=_block_sparse_static),
         Kind("ring", {}, _ring, sequence_parallel=True, dropout=True, causal_only=True, families=_FAMILIES,
              static_decode=_dense_static),
         Kind("dilated_ring", _DILATED, _dilated_ring, sequence_parallel=True, dropout=True, causal_only=True,
-             families=_FAMILIES, static_decode=_dilated_static),
+             families=_FAMILIES, static_decode=_dilated_static, static_keep=_dilated_static_keep),
         Kind("block_sparse_ring", _BLOCK_SPARSE, _block_sparse_ring, sequence_parallel=True, dropout=False,
              causal_only=True, families=_FAMILIES, static_decode=_block_sparse_static),
     )

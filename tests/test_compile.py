@@ -71,6 +71,14 @@ def _compiled_matches_eager(path, name, backend):
                                      max_cache_len=80)  # one cache size for both runs
             assert torch.equal(compiled, eager), (name, run)
     assert hasattr(model, "_compiled_call")  # the decode steps did run compiled
+    return model
+
+
+def _kept_summaries(model):
+    from hf_dilated.kinds import STATIC_SUMMARIES
+
+    return [m.__dict__.get("_hf_dilated_state", {}).get(STATIC_SUMMARIES) for m in model.modules()
+            if "_hf_dilated_state" in m.__dict__]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -80,7 +88,32 @@ def test_static_cache_compiled_fullgraph_equals_eager_without_recompiling(checkp
 
 @pytest.mark.parametrize("case", ["tiny-gpt-neox", "tiny-llama-band", "qwen2"])
 def test_static_cache_compiled_fullgraph_other_family_and_band(checkpoints, case):
-    _compiled_matches_eager(checkpoints[case], "dilated", backend="eager")
+    model = _compiled_matches_eager(checkpoints[case], "dilated", backend="eager")
+    if case == "tiny-llama-band":  # sparse far keys: the compiled steps read kept block summaries
+        kept = _kept_summaries(model)
+        assert kept and all(s is not None and s.mn is not None and int(s.cut) == 0 for s in kept)
+
+
+def test_static_cache_steps_after_a_prefill_without_mask_match_eager(checkpoints):
+    """A StaticCache prefill without an attention mask (every written slot real), then compiled
+    steps reading the far keys' kept summaries: the logits of eager steps with a DynamicCache
+    (the prefill failed here once: the kept summaries read the mask kernel_inputs had dropped)."""
+    from transformers import DynamicCache, StaticCache
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["tiny-llama-band"], attn_implementation="dilated",
+                                                 dtype=torch.float32).eval()
+    ids = torch.randint(3, 200, (1, 60), generator=torch.Generator().manual_seed(3))
+    torch.compiler.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        static, dynamic = StaticCache(config=model.config, max_cache_len=80), DynamicCache(config=model.config)
+        model(ids[:, :50], past_key_values=static, cache_position=torch.arange(50))
+        model(ids[:, :50], past_key_values=dynamic)
+        for t in range(50, 60):
+            got = compiled(ids[:, t:t + 1], past_key_values=static, cache_position=torch.tensor([t])).logits
+            want = model(ids[:, t:t + 1], past_key_values=dynamic).logits
+            assert (got - want).abs().max().item() < 1e-4, t
+    assert all(s is not None and s.mn is not None for s in _kept_summaries(model))
 
 
 def test_static_cache_compiled_with_inductor(checkpoints):

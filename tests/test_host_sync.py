@@ -313,6 +313,29 @@ def test_sparse_far_decode_step_reads_back_a_constant_number_of_times():
     assert counts[0] == counts[1] > 0, counts
 
 
+def test_kept_static_step_reads_nothing_back():
+    """A compiled StaticCache step of sparse far keys (ops/sparse_far_static.kept_step: fold in its
+    token, select, gather by rank) synchronises nowhere, so CUDA graphs can capture it; its
+    static_decode entry as the compiled glue calls it, rotation to grouped positions included."""
+    from hf_dilated.kinds import KINDS
+    from hf_dilated.config import field_defaults
+
+    s = {**field_defaults(*KINDS["dilated"].settings), "segment_lengths": [256], "dilation_rates": [1],
+         "local_window": 32, "far_group": 2, "far_window": 8, "far_band": 16, "far_top_k": 2, "far_block_size": 8,
+         "far_sinks": 1}
+    q, k, v = _qkv(n=256, q_len=1, grad=False)
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, q.shape[-1], 2, dtype=torch.float32) / q.shape[-1]))
+    real = torch.arange(256)[None].expand(k.shape[0], -1) < 200
+    state = {}
+    KINDS["dilated"].static_keep(k, s, real=real, seen=200, q_len=200, rope_frequencies=inv_freq, state=state)
+    seen = torch.tensor(201)
+    step = lambda: KINDS["dilated"].static_decode(q, k, v, s, real=real | (torch.arange(256) == 200), seen=seen,
+                                                  scale=0.125, rope_frequencies=inv_freq, state=state)
+    step()
+    fwd, _ = count_syncs(step)
+    assert_no_syncs(fwd, "kept static step")
+
+
 def test_sparse_far_prefill_reads_back_a_few_times_per_query_chunk(monkeypatch):
     """Per chunk of queries the chosen pairs' count (nonzero) and how many rows each (kv head, block)
     has, and per selection the rows with tied bounds, whatever the heads and blocks: no read and no

@@ -243,6 +243,145 @@ def test_static_cache_step_matches_reference(over):
         assert (out - ref[:, :, -2:]).abs().max().item() < TOL, seen
 
 
+def _kept_steps(s, q, k, v, real, inv_freq, first_seen, steps, prefill_queries=0):
+    """Outputs of compiled-step kernels on a static cache of k, v's slots: an eager call at
+    `first_seen` keeps the summaries (static_keep), then `steps` one-query steps each fold in its
+    token (kept_step); or, with prefill_queries, one call of that many queries rebuilds them."""
+    from hf_dilated.kinds import KINDS, STATIC_SUMMARIES
+
+    kind = KINDS["dilated"]
+    slots = torch.arange(k.shape[2])
+    state = {}
+    kind.static_keep(k, s, real=real & (slots < first_seen), seen=first_seen, q_len=first_seen,
+                     rope_frequencies=inv_freq, state=state)
+    outs = []
+    for seen in range(first_seen + 1, first_seen + 1 + steps):
+        q_len = prefill_queries or 1
+        outs.append(kind.static_decode(q[:, :, seen - q_len:seen], k, v, s, real=real & (slots < seen),
+                                       seen=torch.tensor(seen), scale=None, rope_frequencies=inv_freq, state=state))
+    return outs, state[STATIC_SUMMARIES]
+
+
+@pytest.mark.parametrize("over", ({}, {"far_sinks": 0, "far_group": 1, "far_window": None}, {"far_sinks": 2}),
+                         ids=("grouped", "own_positions", "two_sinks"))
+def test_kept_static_steps_match_reference(over):
+    """A compiled step with kept summaries (ops/sparse_far_static.kept_step: the band, the sinks and
+    the chosen blocks gathered by rank) equals the reference of the whole sequence at every step,
+    left padding included; its summaries, folded in one token a step, equal rebuilt ones."""
+    from hf_dilated.ops import sparse_far_static
+
+    s = _decode_settings(**over)
+    g = torch.Generator().manual_seed(8)
+    batch, heads, kv_heads, slots, dim = 2, 4, 2, 80, 8
+    q = torch.randn(batch, heads, slots, dim, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(batch, kv_heads, slots, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    real = torch.ones(batch, slots, dtype=torch.bool)
+    real[1, :7] = False  # a left-padded row
+    first, steps = 20, 50
+    outs, kept = _kept_steps(s, q, k, v, real, inv_freq, first, steps)
+    seen = first + steps
+    ref = _decode_reference(q[:, :, :seen], k[:, :, :seen], v[:, :, :seen], s, inv_freq, real[:, :seen].long())
+    for t, out in enumerate(outs):
+        assert (out - ref[:, :, first + t:first + t + 1]).abs().max().item() < TOL, t
+    rebuilt = sparse_far_static.KeptSummaries()
+    rebuilt.mn, rebuilt.mx = torch.empty_like(kept.mn), torch.empty_like(kept.mx)
+    far = (s["far_window"] or s["local_window"], s["far_group"], inv_freq) if s["far_group"] > 1 else None
+    sparse_far_static.build(rebuilt, k, real & (torch.arange(slots) < seen), seen, s["far_block_size"], far)
+    blocks = kept.mn.shape[2] - 1  # (the last row is where padding and unwritten slots go)
+    assert torch.equal(kept.mn[:, :, :blocks], rebuilt.mn[:, :, :blocks])
+    assert torch.equal(kept.mx[:, :, :blocks], rebuilt.mx[:, :, :blocks])
+    assert int(kept.cut) == 0
+
+
+def test_eager_calls_on_a_static_cache_fold_in_their_tokens(monkeypatch):
+    """Eager calls on one static cache buffer, written in place once a call (StaticCache): each
+    call after the first folds in its own tokens (no rebuild), and the summaries equal rebuilt ones;
+    a buffer written twice since (a refill) is rebuilt."""
+    from hf_dilated.kinds import KINDS, STATIC_SUMMARIES
+    from hf_dilated.ops import sparse_far_static
+
+    s = _decode_settings()
+    g = torch.Generator().manual_seed(10)
+    batch, kv_heads, slots, dim = 2, 2, 80, 8
+    source = torch.randn(batch, kv_heads, slots, dim, generator=g, dtype=torch.float64)
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    real = torch.ones(batch, slots, dtype=torch.bool)
+    cache = torch.zeros_like(source)
+    builds = []
+    real_build = sparse_far_static.build
+    monkeypatch.setattr(sparse_far_static, "build", lambda *a, **kw: builds.append(1) or real_build(*a, **kw))
+    state = {}
+    at = torch.arange(slots)
+    for seen in [30] + list(range(31, 50)):
+        q_len = 30 if seen == 30 else 1
+        cache.index_copy_(2, torch.arange(seen - q_len, seen), source[:, :, seen - q_len:seen])
+        KINDS["dilated"].static_keep(cache, s, real=real & (at < seen), seen=seen, q_len=q_len,
+                                     rope_frequencies=inv_freq, state=state)
+    assert len(builds) == 1  # the first call only
+    kept = state[STATIC_SUMMARIES]
+    rebuilt = sparse_far_static.KeptSummaries()
+    rebuilt.mn, rebuilt.mx = torch.empty_like(kept.mn), torch.empty_like(kept.mx)
+    real_build(rebuilt, cache, real & (at < 49), 49, s["far_block_size"], (4, 2, inv_freq))
+    assert torch.equal(kept.mn[:, :, :-1], rebuilt.mn[:, :, :-1]) and torch.equal(kept.mx[:, :, :-1], rebuilt.mx[:, :, :-1])
+    cache.index_copy_(2, torch.arange(0, 49), source[:, :, 1:50])  # a refill...
+    cache.index_copy_(2, torch.arange(49, 50), source[:, :, :1])  # ...and this call's token: two writes
+    KINDS["dilated"].static_keep(cache, s, real=real & (at < 50), seen=50, q_len=1, rope_frequencies=inv_freq,
+                                 state=state)
+    assert len(builds) == 2
+
+
+def test_kept_static_prefill_rebuilds_the_summaries():
+    """A compiled call of several queries (a compiled prefill) rebuilds the summaries before reading
+    them: right after an eager call on another cache's keys, it still equals the reference."""
+    s = _decode_settings()
+    g = torch.Generator().manual_seed(9)
+    batch, heads, kv_heads, slots, dim = 2, 4, 2, 80, 8
+    q = torch.randn(batch, heads, slots, dim, generator=g, dtype=torch.float64)
+    k, v, other = (torch.randn(batch, kv_heads, slots, dim, generator=g, dtype=torch.float64) for _ in range(3))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    real = torch.ones(batch, slots, dtype=torch.bool)
+    from hf_dilated.kinds import KINDS
+
+    state = {}
+    KINDS["dilated"].static_keep(other, s, real=real, seen=60, q_len=60, rope_frequencies=inv_freq, state=state)
+    out = KINDS["dilated"].static_decode(q[:, :, 55:60], k, v, s, real=real & (torch.arange(slots) < 60),
+                                         seen=torch.tensor(60), scale=None, rope_frequencies=inv_freq, state=state)
+    ref = _decode_reference(q[:, :, :60], k[:, :, :60], v[:, :, :60], s, inv_freq)
+    assert (out - ref[:, :, 55:60]).abs().max().item() < TOL
+
+
+def test_kept_static_steps_read_ties_up_to_their_slots_and_count_the_rest(monkeypatch):
+    """Small-integer keys (many bounds tied at the k-th): a kept step reads up to TIE_SLOTS tied
+    blocks beyond its top_k, the reference's set while they fit; with fewer slots it cuts the rest,
+    counts them, and the next eager call on the cache says so."""
+    from hf_dilated.ops import sparse_far_static
+
+    s = _decode_settings(far_group=1, far_window=None)
+    g = torch.Generator().manual_seed(5)
+    batch, heads, kv_heads, slots, dim = 2, 4, 2, 80, 8
+    q = torch.randn(batch, heads, slots, dim, generator=g, dtype=torch.float64).mul(2).round()
+    k = torch.randn(batch, kv_heads, slots, dim, generator=g, dtype=torch.float64).mul(2).round()
+    v = torch.randn(batch, kv_heads, slots, dim, generator=g, dtype=torch.float64)
+    real = torch.ones(batch, slots, dtype=torch.bool)
+    first, steps = 40, 30
+    ref = _decode_reference(q[:, :, :first + steps], k[:, :, :first + steps], v[:, :, :first + steps], s, None)
+    monkeypatch.setattr(sparse_far_static, "TIE_SLOTS", 20)  # room for every tie here
+    outs, kept = _kept_steps(s, q, k, v, real, None, first, steps)
+    for t, out in enumerate(outs):
+        assert (out - ref[:, :, first + t:first + t + 1]).abs().max().item() < TOL, t
+    assert int(kept.cut) == 0
+    monkeypatch.setattr(sparse_far_static, "TIE_SLOTS", 0)
+    outs, kept = _kept_steps(s, q, k, v, real, None, first, steps)
+    assert int(kept.cut) > 0  # ties were cut: these steps read only the top_k
+    assert any((out - ref[:, :, first + t:first + t + 1]).abs().max().item() > 1e-6 for t, out in enumerate(outs))
+    from hf_dilated.kinds import KINDS, STATIC_SUMMARIES
+
+    with pytest.warns(RuntimeWarning, match="tied at the far_top_k-th bound"):
+        KINDS["dilated"].static_keep(k, s, real=real, seen=first + steps, q_len=1, rope_frequencies=None,
+                                     state={STATIC_SUMMARIES: kept})
+
+
 # --- decode: the band, the sinks and the chosen blocks only, summaries kept between steps ---------
 
 def _decode_settings(**over):

@@ -166,6 +166,7 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
             not torch.equal(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]):
         raise ValueError(f"attn_implementation={name!r}: cu_seq_lens_q and cu_seq_lens_k differ; only causal "
                          "self-attention over packed sequences is supported")
+    cache_keys = key  # a static cache's own tensor (static_keep follows its writes)
     key, value, mask, positions = kernel_inputs(
         query, key, value, attention_mask, kwargs.get("position_ids"), sequence_parallel=group is not None,
         cu_seq_lens=kwargs.get("cu_seq_lens_q"))
@@ -185,6 +186,11 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
                        rope_frequencies=rope_frequencies, state=_layer_state(module))
         if group is None and mask is not None:
             out = padded_last_query_as_sdpa(out, query, key, value, mask, scaling, window)
+        if kind.static_keep is not None and group is None and is_static_slots(attention_mask):
+            # what the compiled steps after this call read (transformers compiles the steps, not the prefill)
+            real = read_static_slots(attention_mask)[0]  # kernel_inputs kept the `seen` written slots: no read here
+            kind.static_keep(cache_keys, settings, real=real, seen=key.shape[2], q_len=query.shape[2],
+                             rope_frequencies=rope_frequencies, state=_layer_state(module))
     # (batch, heads, q_len, head_dim) -> (batch, q_len, heads, head_dim), as sdpa_attention_forward
     return out.transpose(1, 2).contiguous(), None
 
@@ -209,7 +215,7 @@ def _compiled_static_step(kind, module, query, key, value, slots, scaling, kwarg
     out = kind.static_decode(query, key, value, settings, real=real, seen=seen,
                              scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
                              sliding_window=kwargs.get("sliding_window"),
-                             rope_frequencies=rope_frequencies_for(module, settings))
+                             rope_frequencies=rope_frequencies_for(module, settings), state=_layer_state(module))
     return out.transpose(1, 2).contiguous(), None
 
 
