@@ -784,6 +784,92 @@ def test_model_generation_keeps_the_summaries_and_matches_reference(tmp_path, mo
     assert layers <= made["bounds"] < 9 * layers, made  # 9 steps after the prefill
 
 
+@pytest.mark.parametrize("family", ("llama", "gpt_neox"))
+def test_graphed_steps_on_an_in_place_cache_match_reference(tmp_path, monkeypatch, family):
+    """The step a GPU replays as one CUDA graph (sparse_far_static.ReservedStep: kept_step over the
+    whole buffer of hf_dilated.ReservedCache, the query and the written count its only inputs),
+    called here on the CPU: generate() on a left-padded batch picks the reference's tokens (per
+    row, each alone, unpadded); the summaries are built once per buffer and then folded one
+    token a step, and the buffer's growth (past 30 tokens here) makes a new step that summarises
+    the new buffer."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from hf_dilated import ReservedCache
+    from hf_dilated.integrations import cache as cache_module
+    from hf_dilated.ops import sparse_far_static
+
+    monkeypatch.setattr(sparse_far_static, "GRAPHED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(cache_module, "_MIN_ROOM", 4)
+    builds, steps = [], []
+    real_build, real_step = sparse_far_static.build, sparse_far_static.reserved_step
+    monkeypatch.setattr(sparse_far_static, "build", lambda kept, k, *a: builds.append(k.shape[2]) or
+                        real_build(kept, k, *a))
+    monkeypatch.setattr(sparse_far_static, "reserved_step", lambda *a, **kw: steps.append(1) or real_step(*a, **kw))
+    entry = dict(ENTRY, far_block_size=4)
+    path = _tiny(family, tmp_path, entry)
+    AttentionInterface.register("test_sparse_far_reference", _reference_attention(entry))
+    ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dilated", dtype=torch.float64).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(path, attn_implementation="test_sparse_far_reference",
+                                                  dtype=torch.float64).eval()
+    ids = torch.randint(3, 99, (2, 20), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: the second row's positions are its ranks
+    with torch.no_grad():
+        mine = ours.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, pad_token_id=0,
+                             cache=ReservedCache(config=ours.config))
+        for row, start in ((0, 0), (1, 3)):
+            want = [theirs(mine[row:row + 1, start:t]).logits[:, -1].argmax(-1) for t in range(20, 33)]
+            assert torch.equal(mine[row, 20:], torch.cat(want)), row
+    layers = ours.config.num_hidden_layers
+    assert len(steps) == 12 * layers  # every decode step took the graphed form
+    capacities = sorted(set(builds))
+    assert len(capacities) > 1  # the buffer grew, and the new one was summarised
+    assert len(builds) == layers * len(capacities)  # once per layer and buffer, then one token folded a step
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_graphed_steps_after_a_crop_and_refill_match_reference(monkeypatch, device):
+    """Steps on one buffer (views of its filled start, as hf_dilated.ReservedCache hands them),
+    then a crop and a refill with other keys, then steps again: each equals the reference of the
+    sequence the buffer then holds (the step summarises the buffer again when it is not the last
+    step's plus one token). On CUDA the step is a captured CUDA graph, replayed (float64 there too);
+    on the CPU the same function of the same fixed inputs, called. The room past the written slots
+    holds NaN: no step reads it."""
+    from hf_dilated.kinds import KINDS
+    from hf_dilated.ops import sparse_far_static
+
+    monkeypatch.setattr(sparse_far_static, "GRAPHED_ON", ("cuda", "cpu"))
+    s = _decode_settings()
+    g = torch.Generator().manual_seed(12)
+    batch, heads, kv_heads, n, dim = 1, 4, 2, 70, 8
+    q, k, v = (torch.randn(batch, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    k2, v2 = (torch.randn(batch, kv_heads, n, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    kb, vb = (torch.full((batch, kv_heads, 96, dim), float("nan"), dtype=torch.float64, device=device) for _ in "kv")
+    kw = dict(is_causal=True, attention_mask=None, position_ids=None, scale=None, dropout_p=0.0, group=None,
+              layout=None, rope_frequencies=inv_freq.to(device))
+    state = {}
+
+    def steps(keys, values, lo, hi):
+        ref = _decode_reference(q[:, :, :hi], keys[:, :, :hi], values[:, :, :hi], s, inv_freq)
+        kb[:, :, :lo].copy_(keys[:, :, :lo])
+        vb[:, :, :lo].copy_(values[:, :, :lo])
+        kb[:, :, lo:], vb[:, :, lo:] = float("nan"), float("nan")
+        for t in range(lo, hi):
+            kb[:, :, t:t + 1].copy_(keys[:, :, t:t + 1])
+            vb[:, :, t:t + 1].copy_(values[:, :, t:t + 1])
+            with torch.no_grad():
+                out = KINDS["dilated"].run(q[:, :, t:t + 1].to(device), kb[:, :, :t + 1], vb[:, :, :t + 1], s,
+                                           state=state, **kw)
+            assert (out.cpu() - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
+
+    steps(k, v, 40, 60)
+    runner = state["reserved_far_step"]  # the graphed form ran
+    assert (runner.graph is not None) == (device == "cuda")
+    k2[:, :, :30], v2[:, :, :30] = k[:, :, :30], v[:, :, :30]
+    steps(k2, v2, 50, 70)  # cropped to 30, refilled to 50 with other keys, then steps
+
+
 def test_inference_path_takes_strided_inputs():
     """q, k, v as transformers hands them (views of (batch, n, heads, d) projections, transposed):
     the plain path reads them without a flat view (a bug found by the eval's pair count)."""

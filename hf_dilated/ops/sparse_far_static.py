@@ -35,7 +35,7 @@ import torch
 
 from .far_selection import FarSelection, bound_dtype, bound_operands, bounds, select
 from .merge import merge_dtype
-from .rope import rotate_by
+from .rope import far_queries_static, rotate_by
 from .token_layout import mask_ranks
 
 TIE_SLOTS = 8  # blocks tied at the k-th bound that a kept step reads beyond its top_k
@@ -172,8 +172,9 @@ def kept_step(q, k, v, q_far, *, local_window: int, far_band: int | None, select
     def gather(x, slots):  # x (batch, kv_heads, N, d) at slots (batch, kv_heads, m)
         return x.gather(2, slots[..., None].expand(-1, -1, -1, dim))
 
-    def slot_of(ranks):  # (batch, m) ranks -> the slots holding them
-        return torch.searchsorted(count, ranks + 1).clamp(max=n - 1)
+    def slot_of(ranks, ok):  # (batch, m) ranks -> the slots holding them; where not ok, the query's own
+        # (a slot past the written ones may hold anything, NaN included: reserved room is not cleared)
+        return torch.where(ok, torch.searchsorted(count, ranks + 1).clamp(max=n - 1), slot)
 
     outs = []
     for t in range(q_len):
@@ -184,7 +185,7 @@ def kept_step(q, k, v, q_far, *, local_window: int, far_band: int | None, select
         # The band: the last `local_window` ranks (every query's widest band), those within its own kept.
         band_rank = p - band_offsets  # (batch, W)
         band_ok = (band_rank > last_far) & (band_rank >= 0)
-        band_slot = slot_of(band_rank)[:, None].expand(-1, kv_heads, -1)
+        band_slot = slot_of(band_rank, band_ok)[:, None].expand(-1, kv_heads, -1)
         qt = q[:, :, t].unflatten(1, (kv_heads, group)).to(acc) * scale  # (batch, kv_heads, group, d)
         near = (qt @ gather(k, band_slot).to(acc).transpose(-1, -2)).masked_fill(~band_ok[:, None, None], float("-inf"))
         # The far blocks: the sinks, then the top_k candidates by bound and up to TIE_SLOTS tied at the k-th.
@@ -209,7 +210,7 @@ def kept_step(q, k, v, q_far, *, local_window: int, far_band: int | None, select
         blocks, ok = torch.cat(chosen, -1), torch.cat(taken, -1)  # (batch, heads, S)
         key_rank = (blocks[..., None] * size + key_offsets).flatten(2)  # (batch, heads, S * B)
         key_ok = ok.repeat_interleave(size, -1) & (key_rank <= last_far[:, :, None])
-        key_slot = slot_of(key_rank.flatten(1)).view(batch, kv_heads, -1)  # per kv head: its group's keys
+        key_slot = slot_of(key_rank.flatten(1), key_ok.flatten(1)).view(batch, kv_heads, -1)  # per kv head
         keys = gather(k, key_slot).view(batch, n_heads, -1, dim)
         if rotation is not None:
             keys = rotate_by(keys.flatten(0, 1)[:, None], (key_rank // rotation[1] - key_rank).flatten(0, 1),
@@ -271,3 +272,112 @@ def every_slot_step(q, k, v, q_far, k_far, *, local_window: int, far_band: int |
         probs = torch.softmax(scores, -1).nan_to_num(0.0).to(v.dtype).unflatten(1, (kv_heads, group))
         outs.append(torch.matmul(probs, v).flatten(1, 2))  # (batch, heads, dim)
     return torch.stack(outs, 2).to(q.dtype)
+
+
+# --- an eager step on a cache that writes in place (ReservedCache, StaticCache), as one CUDA graph ----
+
+# Where an eager step against a buffer with reserved room replays kept_step as one CUDA graph; a step
+# is host-bound on a GPU (its ~100 small launches a layer cost more than the GPU's work: docs/benchmarks.md),
+# and kept_step is one fixed-shape function of the buffer. Elsewhere the eager path (sparse_far_decode).
+GRAPHED_ON = ("cuda",)
+_POOLS = {}  # device -> (memory pool, layers captured into it): one per round of captures
+
+
+class ReservedStep:
+    """One layer's eager decode step against the whole buffer of an in-place cache (module section
+    above): kept_step over the buffer's slots, whose only per-step inputs are the query and the
+    number of written slots, copied into fixed tensors; on a GPU captured as a CUDA graph at its
+    first call and replayed after (elsewhere, for tests, called). Its summaries are rebuilt (eagerly,
+    in place) whenever the cache is not the last step's plus one token (reserved_step)."""
+
+    def __init__(self, key, owner: int, q, k_buffer, first, settings: dict, capture: bool):
+        self.key, self.owner, self.seen, self.version, self.buffers = key, owner, None, None, None
+        device = q.device
+        self.kept = KeptSummaries()
+        _allocate(self.kept, k_buffer, settings["selection"].block_size)
+        self.q = torch.empty_like(q)
+        self.written = torch.zeros((), dtype=torch.long, device=device)
+        slots = torch.arange(k_buffer.shape[2], device=device)
+        first = torch.tensor(first, device=device)[:, None]  # (once, when the step is made)
+
+        def real(written):  # each row's real tokens: one run from its first to the written end (regular rows)
+            return (slots >= first) & (slots < written)
+
+        def step(q, written):
+            rotation = settings["rotation"]
+            q_far = q if rotation is None else far_queries_static(q, real(written), written, *rotation)
+            return kept_step(q, self.buffers[0], self.buffers[1], q_far, kept=self.kept, real=real(written),
+                             seen=written, **settings)
+
+        self.real, self.step = real, step
+        self.capture, self.graph, self.out = capture, None, None
+
+    def _capture(self):
+        """Capture step() on the current inputs: warmed up on a side stream first (torch.cuda.graphs'
+        rule; its fold of the step's token is the one the replay redoes, the same values), into the
+        memory pool the other layers' steps of this round share (replayed in the order captured)."""
+        device = self.q.device
+        pool, owners = _POOLS.get(device, (None, set()))
+        if pool is None or self.owner in owners:  # a layer captures again: a new round
+            pool, owners = torch.cuda.graph_pool_handle(), set()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self.step(self.q, self.written)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.out = self.step(self.q, self.written)
+        owners.add(self.owner)
+        _POOLS[device] = (pool, owners)
+        self.graph = graph
+
+    def __call__(self, q, k_buffer, v_buffer, seen: int):
+        """The step's output; k_buffer, v_buffer the buffers at the addresses of its key (a graph reads
+        them there: they are held during the call only, so that a finished cache is freed)."""
+        self.q.copy_(q)
+        self.written.fill_(seen)
+        self.buffers = (k_buffer, v_buffer)
+        try:
+            if not self.capture:
+                return self.step(self.q, self.written)
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+            return self.out.clone()
+        finally:
+            self.buffers = None
+
+
+def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
+                  first: list[int], shift: list[int], rotation, state: dict):
+    """An eager one-query step on a cache whose keys and values are the filled start of larger
+    buffers (hf_dilated.ReservedCache; StaticCache's slots): ReservedStep, kept in `state`. None
+    (nothing done) where it does not apply: other caches (DynamicCache concatenates into a new
+    tensor), positions other than the mask ranks (rows regular: ops/token_layout.regular_rows)."""
+    k_buffer, v_buffer = k._base, v._base
+    if (k_buffer is None or v_buffer is None or k_buffer.dim() != 4 or v_buffer.shape != k_buffer.shape
+            or k_buffer.shape[:2] + k_buffer.shape[3:] != k.shape[:2] + k.shape[3:]
+            or k.data_ptr() != k_buffer.data_ptr() or v.data_ptr() != v_buffer.data_ptr()
+            or k.stride() != k_buffer.stride() or v.stride() != v_buffer.stride()
+            or any(s != -f for f, s in zip(first, shift)) or q.requires_grad or k.requires_grad):
+        return None
+    seen = k.shape[2]
+    settings = dict(local_window=local_window, far_band=far_band, selection=selection, scale=scale, rotation=rotation)
+    key = (k_buffer.data_ptr(), v_buffer.data_ptr(), tuple(k_buffer.shape), k_buffer.dtype, tuple(q.shape), q.dtype,
+           local_window, far_band, selection, scale, tuple(first),
+           None if rotation is None else (rotation[0], rotation[1], rotation[2].data_ptr()))
+    runner = state.get("reserved_far_step")
+    if runner is None or runner.key != key:
+        runner = state["reserved_far_step"] = ReservedStep(key, id(state), q, k_buffer, first, settings,
+                                                           capture=q.device.type == "cuda")
+    try:
+        version = k_buffer._version
+    except RuntimeError:  # inference mode: no version counter, so no way to tell a rewrite: rebuild
+        version = None
+    if runner.seen != seen - 1 or version is None or runner.version != version - 1:
+        # not the last step's cache plus this token (a first step, a crop, a rewrite): summarise it again
+        build(runner.kept, k_buffer, runner.real(seen), seen, selection.block_size, rotation)
+    out = runner(q, k_buffer, v_buffer, seen)
+    runner.seen, runner.version = seen, version
+    return out
