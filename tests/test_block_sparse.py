@@ -324,3 +324,111 @@ def test_bad_arguments_are_rejected():
         block_sparse_attention(q, k, v, pattern, block_size=BLOCK, is_causal=None)
     with pytest.raises(ValueError, match="dtype"):
         block_sparse_attention(q, k.double(), v, pattern, block_size=BLOCK)
+
+
+# --- the CUDA path of a plain prefill: one FlexAttention call (ops/block_sparse_flex.py) --------
+
+FLEX_PATTERNS = ["local", "dilated", "global_local", "hierarchical", "adaptive", "custom_per_head", "custom_shared"]
+
+
+def _flex_case(name, block_size, n, device="cpu", dtype=torch.float64, grad=False):
+    """A plain prefill of n tokens through the FlexAttention path (FLEX_ON widened to the CPU, whose
+    eager FlexAttention has no backward: forwards there) against the float64 reference of the
+    layout the kernel reports; a custom layout sized for the blocks of n."""
+    from hf_dilated.ops import block_sparse_flex
+
+    pattern = PATTERNS[name]
+    if name.startswith("custom"):
+        blocks = -(-n // block_size)
+        gen = torch.Generator().manual_seed(5)
+        pattern = CustomPattern(torch.rand(pattern.layout.shape[0], blocks, blocks, generator=gen) > 0.4)
+    q, k, v = (x.to(device).requires_grad_(grad) for x in _qkv(n, dtype, seed=4, length=n))
+    with torch.set_grad_enabled(grad):
+        out, layout = block_sparse_attention(q, k, v, pattern, block_size=block_size, return_layout=True)
+    q64, k64, v64 = (x.detach().cpu().double().requires_grad_(grad) for x in (q, k, v))
+    ref = block_sparse_reference(q64, k64, v64, layout.cpu(), block_size)
+    assert (out.detach().cpu().double() - ref).abs().max().item() < TOL[dtype] * (10 if device == "cuda" else 1)
+    if grad:
+        g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+        (out.double() * g.to(device)).sum().backward()
+        (ref * g).sum().backward()
+        for ours, theirs in ((q, q64), (k, k64), (v, v64)):
+            err = (ours.grad.cpu().double() - theirs.grad).abs().max().item()
+            assert err < TOL[dtype] * 10 * max(1.0, theirs.grad.abs().max().item()), err
+    return block_sparse_flex
+
+
+@pytest.mark.parametrize("block_size", [32, 128, 256])
+@pytest.mark.parametrize("name", FLEX_PATTERNS)
+def test_flex_path_matches_reference(name, block_size, monkeypatch):
+    from hf_dilated.ops import block_sparse_flex
+
+    monkeypatch.setattr(block_sparse_flex, "FLEX_ON", ("cuda", "cpu"))
+    calls = []
+    real = block_sparse_flex.attention
+    monkeypatch.setattr(block_sparse_flex, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    _flex_case(name, block_size, 300)
+    assert calls and block_sparse_flex._FAILED is None  # the FlexAttention path ran
+
+
+def test_flex_path_leaves_other_block_sizes_and_layouts_to_the_blocks(monkeypatch):
+    from hf_dilated.ops import block_sparse_flex
+
+    monkeypatch.setattr(block_sparse_flex, "FLEX_ON", ("cuda", "cpu"))
+    calls = []
+    real = block_sparse_flex.attention
+    monkeypatch.setattr(block_sparse_flex, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.no_grad():
+        q, k, v = _qkv(300, torch.float64, length=300)
+        block_sparse_attention(q, k, v, PATTERNS["local"], block_size=48)  # neither tiles nor is tiled by 128
+        mask, pos, q_len, causal = _inputs("padding")
+        q, k, v = _qkv(q_len, torch.float64)
+        block_sparse_attention(q, k, v, PATTERNS["local"], block_size=BLOCK, attention_mask=mask)  # not plain
+    assert not calls
+
+
+@pytest.mark.parametrize("block_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("name", ["global_local", "custom_per_head", "dilated"])
+def test_flex_block_mask_lists_exactly_the_allowed_pairs(name, block_size):
+    """The BlockMask's tiles (FlexAttention's eager form reads mask_mod everywhere, so the CPU
+    results alone do not check them): every allowed causal pair of a real query lies in a listed
+    tile, a "full" tile holds allowed pairs only, and no tile lists a pair a real query may not read."""
+    from hf_dilated.ops import block_sparse_flex
+
+    n = 300
+    blocks = -(-n // block_size)
+    if name.startswith("custom"):
+        layout = (torch.rand(Q_HEADS, blocks, blocks, generator=torch.Generator().manual_seed(2)) > 0.4)[None]
+    else:
+        layout = PATTERNS[name].block_layout(torch.arange(blocks), blocks)
+    mask = block_sparse_flex.block_mask(layout, n, block_size)
+    padded, tile = 512, block_sparse_flex.TILE
+    i = torch.arange(padded)
+    for h in range(layout.shape[1]):
+        lay = layout[0, h]
+        allowed = torch.zeros(padded, padded, dtype=torch.bool)
+        allowed[:n, :n] = lay[i[:n, None] // block_size, i[None, :n] // block_size] & (i[None, :n] <= i[:n, None])
+        listed = torch.zeros(padded, padded, dtype=torch.bool)
+        full = torch.zeros_like(listed)
+        hh = min(h, mask.kv_num_blocks.shape[1] - 1)
+        for qt in range(padded // tile):
+            rows = slice(qt * tile, (qt + 1) * tile)
+            for j in range(int(mask.kv_num_blocks[0, hh, qt])):
+                kt = int(mask.kv_indices[0, hh, qt, j])
+                listed[rows, kt * tile:(kt + 1) * tile] = True
+            for j in range(int(mask.full_kv_num_blocks[0, hh, qt])):
+                kt = int(mask.full_kv_indices[0, hh, qt, j])
+                full[rows, kt * tile:(kt + 1) * tile] = True
+        assert not (listed & full).any()
+        assert (allowed <= (listed | full)).all()  # every allowed pair is read
+        assert not (full[:n] & ~allowed[:n]).any()  # a full tile of a real query: allowed pairs only
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["global_local", "custom_per_head", "adaptive"])
+def test_cuda_flex_path_forward_and_gradients_match_reference(name, dtype):
+    """On CUDA the plain prefill is compiled FlexAttention, forward and backward, against the
+    float64 reference of the reported layout (1,000 tokens, blocks of 128)."""
+    flex = _flex_case(name, 128, 1000, device="cuda", dtype=dtype, grad=True)
+    assert flex._FAILED is None

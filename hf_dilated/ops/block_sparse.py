@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import block_sparse_flex
 from .backend import attention_backward, attention_forward
 from ..config import DECODE_MAX_QUERIES
 from .block_sparse_decode import block_sparse_decode
@@ -109,6 +110,10 @@ def block_sparse_attention(q, k, v, pattern, *, block_size, is_causal=True, scal
     else:
         st, layout, plan = cached
         layout = layout.clone() if return_layout else layout  # the caller may write into it
+    if block_sparse_flex.applies(q, k, st.plain, is_causal, sliding_window, block_size):  # a plain prefill on CUDA
+        out = block_sparse_flex.attention(q, k, v, layout, block_size, scale, key)
+        if out is not None:
+            return (out, layout) if return_layout else out
     out = _BlockSparseAttention.apply(q, k, v, st, plan, scale)
     return (out, layout) if return_layout else out
 

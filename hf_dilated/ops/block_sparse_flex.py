@@ -1,0 +1,121 @@
+"""Block-sparse attention (docs/contract.md 5) of a plain prefill on FlexAttention: the CUDA path.
+
+A plain prefill (one unpadded document per row, causal, no sliding window) is one FlexAttention
+call whose BlockMask comes from the block layout itself (never from an N x N mask): on a GPU the
+block-by-block calls of ops/block_sparse.py are many small launches and host work, where
+FlexAttention with the same mask ran 3-8x faster (docs/benchmarks.md, 2026-11-26). Forward and
+backward (FlexAttention's own), grouped-query heads without expanding K/V.
+
+The mask's tiles are FlexAttention's (128 x 128): a tile is listed where a block pair it holds is
+allowed on or below the diagonal, and "full" (no mask_mod evaluated) where every pair in it is
+allowed and it lies below the diagonal tile; elsewhere mask_mod reads the layout and causality.
+Block sizes that tile a tile or that tiles tile (32, 64, 128, 256, ...) take this path; others keep
+the block-by-block one. Lengths are padded to a power of two (one compile per bucket, as
+ops/sparse_far_flex.py): a padded key is seen only by padded queries (causal), whose rows are
+dropped. Compiled on CUDA; elsewhere (tests, FLEX_ON widened) the eager FlexAttention, which
+computes the same set from the same BlockMask.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+try:  # torch >= 2.5
+    from torch.nn.attention import flex_attention as _flex
+except ImportError:  # pragma: no cover - the package's oldest torch
+    _flex = None
+
+FLEX_ON = ("cuda",)  # devices whose plain prefill runs here
+TILE = 128  # FlexAttention's default tile (queries x keys) of a BlockMask
+_FAILED: str | None = None  # why FlexAttention could not run in this process, once it failed
+_MASKS: dict = {}  # (plan key, padded length) -> BlockMask: every layer of a model reuses the first's
+_MAX_MASKS = 8
+_GRAPHS = 64  # compiled graphs of the FlexAttention call at most (see `attention`)
+
+
+def applies(q, k, plain: bool, is_causal: bool, sliding_window, block_size: int) -> bool:
+    return (_flex is not None and _FAILED is None and q.device.type in FLEX_ON and plain and is_causal
+            and sliding_window is None and q.shape[2] == k.shape[2]
+            and (block_size % TILE == 0 or TILE % block_size == 0))
+
+
+def _bucket(n: int) -> int:
+    return max(TILE, 1 << max(0, n - 1).bit_length())
+
+
+def block_mask(layout: torch.Tensor, n: int, block_size: int):
+    """The BlockMask of `layout` (batch or 1, heads or 1, blocks, blocks) over n tokens padded to
+    their bucket (module docstring)."""
+    padded = _bucket(n)
+    tiles = padded // TILE
+    blocks = -(-padded // block_size)
+    b, h, nb = layout.shape[0], layout.shape[1], min(layout.shape[2], blocks)
+    device = layout.device
+    allowed = torch.zeros(b, h, blocks, blocks, dtype=torch.bool, device=device)
+    allowed[..., :nb, :nb] = layout[..., :nb, :nb]
+    if block_size % TILE == 0:  # each block is r x r tiles
+        r = block_size // TILE
+        some = every = allowed.repeat_interleave(r, 2).repeat_interleave(r, 3)[..., :tiles, :tiles]
+    else:  # each tile is s x s blocks
+        s = TILE // block_size
+        per_tile = allowed.view(b, h, tiles, s, tiles, s)
+        some, every = per_tile.any(5).any(3), per_tile.all(5).all(3)
+    q_tile = torch.arange(tiles, device=device)[:, None]
+    kv_tile = torch.arange(tiles, device=device)[None, :]
+    full = every & (kv_tile < q_tile)
+    partial = some & (kv_tile <= q_tile) & ~full
+
+    def listed(tiles_mask):  # (count, indices): the listed tiles first, in key order
+        order = torch.argsort((~tiles_mask).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
+        return tiles_mask.sum(-1, dtype=torch.int32), order
+
+    def mask_mod(b_idx, h_idx, q_idx, kv_idx):
+        return allowed[b_idx if b > 1 else 0, h_idx if h > 1 else 0, q_idx // block_size, kv_idx // block_size] & (
+            kv_idx <= q_idx)
+
+    return _flex.BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
+                                          seq_lengths=(padded, padded))
+
+
+def _flex_block_sparse(*args, **kwargs):
+    return _flex.flex_attention(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    return torch.compile(_flex_block_sparse, dynamic=False)
+
+
+def attention(q, k, v, layout, block_size: int, scale: float, key=None):
+    """Shaped like q: the plain prefill's block-sparse attention in one FlexAttention call; None
+    (nothing done) where FlexAttention failed to build here (warned once: the caller then takes
+    the block-by-block path). `key`: the call's plan key (ops/block_sparse._plan_key), under which
+    the BlockMask is kept (None: made for this call, as an adaptive layout's)."""
+    global _FAILED
+    n = q.shape[2]
+    padded = _bucket(n)
+    mask = None if key is None else _MASKS.get((key, padded))
+    if mask is None:
+        mask = block_mask(layout, n, block_size)
+        if key is not None:
+            if len(_MASKS) >= _MAX_MASKS:
+                _MASKS.clear()
+            _MASKS[(key, padded)] = mask
+    if padded > n:
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, padded - n)) for t in (q, k, v))
+    fn = _compiled() if q.device.type == "cuda" else _flex.flex_attention
+    try:
+        # One graph per bucket, dtype and grad mode: more than dynamo's default limit of 8 per
+        # function, past which it would run FlexAttention eagerly (the full scores, N x N).
+        with torch._dynamo.config.patch(recompile_limit=max(_GRAPHS, torch._dynamo.config.recompile_limit)):
+            out = fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # a build failure of the compiled kernel
+        _FAILED = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"hf_dilated: FlexAttention failed here ({_FAILED[:500]}); block_sparse takes its "
+                      "block-by-block path from now on (correct, but slower on a GPU)", RuntimeWarning, stacklevel=3)
+        return None
+    return out[:, :, :n]
