@@ -43,11 +43,11 @@ class Kind:
     causal_only: bool  # computes causal attention only (docs/contract.md 6)
     families: tuple = ()  # the model types it serves as a transformers attn_implementation; () : none
     # A decode step against a static cache under torch.compile (no Python value from tensor data):
-    # static_decode(q, k, v, settings, *, real, seen, scale, sliding_window, rope_frequencies, state); None:
+    # static_decode(q, k, v, settings, *, real, seen, scale, sliding_window, rope_frequencies); None:
     # not supported.
     static_decode: Callable | None = None
-    # What an eager call on a static cache keeps for the compiled steps after it, in the layer's
-    # `state`: static_keep(k, settings, *, real, seen, q_len, rope_frequencies, state); None: nothing.
+    # What an eager call on a static cache keeps for the compiled steps after it, on the
+    # cache: static_keep(k, settings, *, real, seen, q_len, rope_frequencies); None: nothing.
     static_keep: Callable | None = None
 
     def check_call(self, *, is_causal, dropout_p, entry: str, causal_only: bool = False) -> None:
@@ -110,7 +110,7 @@ def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, drop
                     out = sparse_far_static.reserved_step(
                         q, k, v, local_window=s["local_window"], far_band=s["far_band"], selection=selection,
                         scale=q.shape[-1] ** -0.5 if scale is None else scale, first=rows[0], shift=rows[1],
-                        rotation=far, state=state)
+                        rotation=far, layer=id(state))
                     if out is not None:
                         return out
                 kept = state.get("far_summaries") or state.setdefault("far_summaries", SummaryState())
@@ -190,7 +190,7 @@ def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, s
                                        position_ids=position_ids, sliding_window=sliding_window)
 
 
-def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None, state=None):
+def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None):
     from .ops.dilated_decode import dilated_decode_static
     from .ops.rope import far_projections_static, far_queries_static
 
@@ -208,8 +208,8 @@ def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_
             raise ValueError(f"{name}: a compiled step on a static cache reads sparse far keys only where one level "
                              "of dilation 1 holds the whole cache and the layer has no sliding_window")
         settings = dict(local_window=s["local_window"], far_band=s["far_band"], scale=scale, real=real, seen=seen)
-        kept = None if state is None else state.get(STATIC_SUMMARIES)
-        if selection is not None and kept is not None and kept.fits(k, selection.block_size):
+        kept = None if selection is None else sparse_far_static.kept_for(k, selection.block_size, far)
+        if kept is not None:  # kept on the cache's key tensor by an eager call on it
             q_far = q if far is None else far_queries_static(q, real, seen, *far)
             return sparse_far_static.kept_step(q, k, v, q_far, selection=selection, rotation=far, kept=kept,
                                                **settings)
@@ -225,13 +225,9 @@ def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_
                                  sliding_window=sliding_window)
 
 
-# Where a layer's state (kinds' `state`) keeps the block summaries of a static cache for compiled steps.
-STATIC_SUMMARIES = "static_far_summaries"
-
-
-def _dilated_static_keep(k, s, *, real, seen: int, q_len: int, rope_frequencies=None, state):
-    """After an eager call on a static cache: keep the block summaries its compiled steps read
-    (ops/sparse_far_static.py); nothing for settings without sparse far keys."""
+def _dilated_static_keep(k, s, *, real, seen: int, q_len: int, rope_frequencies=None):
+    """After an eager call on a static cache whose key tensor is k: keep on it the block summaries
+    its compiled steps read (ops/sparse_far_static.py); nothing for settings without sparse far keys."""
     from .config import DECODE_MAX_QUERIES
     from .ops import sparse_far_static
 
@@ -239,12 +235,11 @@ def _dilated_static_keep(k, s, *, real, seen: int, q_len: int, rope_frequencies=
     if selection is None or s["mode"] != "union" or not any(
             w >= k.shape[2] and r == 1 for w, r in zip(s["segment_lengths"], s["dilation_rates"])):
         return
-    kept = state.get(STATIC_SUMMARIES) or state.setdefault(STATIC_SUMMARIES, sparse_far_static.KeptSummaries())
-    sparse_far_static.keep(kept, k, real, seen, q_len, selection.block_size, _far_keys(s, rope_frequencies),
+    sparse_far_static.keep(k, real, seen, q_len, selection.block_size, _far_keys(s, rope_frequencies),
                            few=DECODE_MAX_QUERIES)
 
 
-def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None, state=None):
+def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None):
     from .ops.dilated_decode import dilated_decode_static
 
     # dense causal attention is one level of dilation 1 whose segment holds the whole cache
@@ -252,8 +247,7 @@ def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_fr
                                  sliding_window=sliding_window)
 
 
-def _block_sparse_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None,
-                         state=None):
+def _block_sparse_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None):
     from .ops.block_sparse_decode import block_sparse_decode_static
 
     return block_sparse_decode_static(q, k, v, s["pattern"], block_size=s["block_size"], scale=scale, real=real,

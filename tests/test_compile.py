@@ -29,8 +29,9 @@ def checkpoints(tmp_path_factory):
         AutoModelForCausalLM.from_config(build_model_config(preset)).save_pretrained(root / "base")
         out[preset] = convert_checkpoint(root / "base", root / "long", preset=preset)
         if preset == "tiny-llama":
+            # (2 blocks of 4 per query: the kept steps rank their candidates, as at length)
             out["tiny-llama-band"] = convert_checkpoint(root / "base", root / "band", attn_implementation="dilated",
-                                                        context_length=128)
+                                                        context_length=128, far_top_k=2, far_block_size=4)
     # Qwen2 without its sliding window (the default): its static cache layers are plain ones
     root = tmp_path_factory.mktemp("qwen2")
     torch.manual_seed(0)
@@ -74,11 +75,11 @@ def _compiled_matches_eager(path, name, backend):
     return model
 
 
-def _kept_summaries(model):
-    from hf_dilated.kinds import STATIC_SUMMARIES
+def _kept_summaries(cache):
+    """The far keys' block summaries kept on each layer's key tensor of a static cache."""
+    from hf_dilated.ops.sparse_far_static import ATTRIBUTE
 
-    return [m.__dict__.get("_hf_dilated_state", {}).get(STATIC_SUMMARIES) for m in model.modules()
-            if "_hf_dilated_state" in m.__dict__]
+    return [getattr(layer.keys, ATTRIBUTE, None) for layer in cache.layers]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -89,9 +90,15 @@ def test_static_cache_compiled_fullgraph_equals_eager_without_recompiling(checkp
 @pytest.mark.parametrize("case", ["tiny-gpt-neox", "tiny-llama-band", "qwen2"])
 def test_static_cache_compiled_fullgraph_other_family_and_band(checkpoints, case):
     model = _compiled_matches_eager(checkpoints[case], "dilated", backend="eager")
-    if case == "tiny-llama-band":  # sparse far keys: the compiled steps read kept block summaries
-        kept = _kept_summaries(model)
-        assert kept and all(s is not None and s.mn is not None and int(s.cut) == 0 for s in kept)
+    if case == "tiny-llama-band":  # sparse far keys: the compiled steps read the block summaries kept on the cache
+        ids, mask = _inputs(1, 40)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False,
+                                 pad_token_id=0, cache_implementation="static", max_cache_len=80,
+                                 compile_config=CompileConfig(fullgraph=True, dynamic=False, backend="eager"),
+                                 return_dict_in_generate=True)
+        kept = _kept_summaries(out.past_key_values)
+        assert kept and all(s is not None and int(s.cut) == 0 for s in kept)
 
 
 def test_static_cache_steps_after_a_prefill_without_mask_match_eager(checkpoints):
@@ -113,7 +120,7 @@ def test_static_cache_steps_after_a_prefill_without_mask_match_eager(checkpoints
             got = compiled(ids[:, t:t + 1], past_key_values=static, cache_position=torch.tensor([t])).logits
             want = model(ids[:, t:t + 1], past_key_values=dynamic).logits
             assert (got - want).abs().max().item() < 1e-4, t
-    assert all(s is not None and s.mn is not None for s in _kept_summaries(model))
+    assert all(s is not None for s in _kept_summaries(static))
 
 
 def test_static_cache_compiled_with_inductor(checkpoints):

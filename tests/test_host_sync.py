@@ -326,11 +326,10 @@ def test_kept_static_step_reads_nothing_back():
     q, k, v = _qkv(n=256, q_len=1, grad=False)
     inv_freq = 1.0 / (100.0 ** (torch.arange(0, q.shape[-1], 2, dtype=torch.float32) / q.shape[-1]))
     real = torch.arange(256)[None].expand(k.shape[0], -1) < 200
-    state = {}
-    KINDS["dilated"].static_keep(k, s, real=real, seen=200, q_len=200, rope_frequencies=inv_freq, state=state)
+    KINDS["dilated"].static_keep(k, s, real=real, seen=200, q_len=200, rope_frequencies=inv_freq)
     seen = torch.tensor(201)
     step = lambda: KINDS["dilated"].static_decode(q, k, v, s, real=real | (torch.arange(256) == 200), seen=seen,
-                                                  scale=0.125, rope_frequencies=inv_freq, state=state)
+                                                  scale=0.125, rope_frequencies=inv_freq)
     step()
     fwd, _ = count_syncs(step)
     assert_no_syncs(fwd, "kept static step")

@@ -247,19 +247,19 @@ def _kept_steps(s, q, k, v, real, inv_freq, first_seen, steps, prefill_queries=0
     """Outputs of compiled-step kernels on a static cache of k, v's slots: an eager call at
     `first_seen` keeps the summaries (static_keep), then `steps` one-query steps each fold in its
     token (kept_step); or, with prefill_queries, one call of that many queries rebuilds them."""
-    from hf_dilated.kinds import KINDS, STATIC_SUMMARIES
+    from hf_dilated.kinds import KINDS
+    from hf_dilated.ops import sparse_far_static
 
     kind = KINDS["dilated"]
     slots = torch.arange(k.shape[2])
-    state = {}
     kind.static_keep(k, s, real=real & (slots < first_seen), seen=first_seen, q_len=first_seen,
-                     rope_frequencies=inv_freq, state=state)
+                     rope_frequencies=inv_freq)
     outs = []
     for seen in range(first_seen + 1, first_seen + 1 + steps):
         q_len = prefill_queries or 1
         outs.append(kind.static_decode(q[:, :, seen - q_len:seen], k, v, s, real=real & (slots < seen),
-                                       seen=torch.tensor(seen), scale=None, rope_frequencies=inv_freq, state=state))
-    return outs, state[STATIC_SUMMARIES]
+                                       seen=torch.tensor(seen), scale=None, rope_frequencies=inv_freq))
+    return outs, getattr(k, sparse_far_static.ATTRIBUTE)
 
 
 @pytest.mark.parametrize("over", ({}, {"far_sinks": 0, "far_group": 1, "far_window": None}, {"far_sinks": 2}),
@@ -284,9 +284,8 @@ def test_kept_static_steps_match_reference(over):
     ref = _decode_reference(q[:, :, :seen], k[:, :, :seen], v[:, :, :seen], s, inv_freq, real[:, :seen].long())
     for t, out in enumerate(outs):
         assert (out - ref[:, :, first + t:first + t + 1]).abs().max().item() < TOL, t
-    rebuilt = sparse_far_static.KeptSummaries()
-    rebuilt.mn, rebuilt.mx = torch.empty_like(kept.mn), torch.empty_like(kept.mx)
     far = (s["far_window"] or s["local_window"], s["far_group"], inv_freq) if s["far_group"] > 1 else None
+    rebuilt = sparse_far_static.KeptSummaries(k, s["far_block_size"], kept.settings)
     sparse_far_static.build(rebuilt, k, real & (torch.arange(slots) < seen), seen, s["far_block_size"], far)
     blocks = kept.mn.shape[2] - 1  # (the last row is where padding and unwritten slots go)
     assert torch.equal(kept.mn[:, :, :blocks], rebuilt.mn[:, :, :blocks])
@@ -298,7 +297,7 @@ def test_eager_calls_on_a_static_cache_fold_in_their_tokens(monkeypatch):
     """Eager calls on one static cache buffer, written in place once a call (StaticCache): each
     call after the first folds in its own tokens (no rebuild), and the summaries equal rebuilt ones;
     a buffer written twice since (a refill) is rebuilt."""
-    from hf_dilated.kinds import KINDS, STATIC_SUMMARIES
+    from hf_dilated.kinds import KINDS
     from hf_dilated.ops import sparse_far_static
 
     s = _decode_settings()
@@ -311,24 +310,96 @@ def test_eager_calls_on_a_static_cache_fold_in_their_tokens(monkeypatch):
     builds = []
     real_build = sparse_far_static.build
     monkeypatch.setattr(sparse_far_static, "build", lambda *a, **kw: builds.append(1) or real_build(*a, **kw))
-    state = {}
     at = torch.arange(slots)
     for seen in [30] + list(range(31, 50)):
         q_len = 30 if seen == 30 else 1
         cache.index_copy_(2, torch.arange(seen - q_len, seen), source[:, :, seen - q_len:seen])
         KINDS["dilated"].static_keep(cache, s, real=real & (at < seen), seen=seen, q_len=q_len,
-                                     rope_frequencies=inv_freq, state=state)
+                                     rope_frequencies=inv_freq)
     assert len(builds) == 1  # the first call only
-    kept = state[STATIC_SUMMARIES]
-    rebuilt = sparse_far_static.KeptSummaries()
-    rebuilt.mn, rebuilt.mx = torch.empty_like(kept.mn), torch.empty_like(kept.mx)
+    kept = getattr(cache, sparse_far_static.ATTRIBUTE)
+    rebuilt = sparse_far_static.KeptSummaries(cache, s["far_block_size"], kept.settings)
     real_build(rebuilt, cache, real & (at < 49), 49, s["far_block_size"], (4, 2, inv_freq))
     assert torch.equal(kept.mn[:, :, :-1], rebuilt.mn[:, :, :-1]) and torch.equal(kept.mx[:, :, :-1], rebuilt.mx[:, :, :-1])
     cache.index_copy_(2, torch.arange(0, 49), source[:, :, 1:50])  # a refill...
     cache.index_copy_(2, torch.arange(49, 50), source[:, :, :1])  # ...and this call's token: two writes
-    KINDS["dilated"].static_keep(cache, s, real=real & (at < 50), seen=50, q_len=1, rope_frequencies=inv_freq,
-                                 state=state)
+    KINDS["dilated"].static_keep(cache, s, real=real & (at < 50), seen=50, q_len=1, rope_frequencies=inv_freq)
     assert len(builds) == 2
+
+
+def _static_case(seed, slots=80, batch=2):
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 4, 2, 8
+    q = torch.randn(batch, heads, slots, dim, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(batch, kv_heads, slots, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    return q, k, v, inv_freq
+
+
+def test_kept_static_steps_after_a_crop_fold_exact_blocks():
+    """A static cache cropped and refilled by compiled one-query steps (assisted decoding crops after
+    a compiled verification): each step's fold makes its block again from the block's keys, so a
+    block that held cropped keys is exact, and every step equals the reference (it read stale
+    keys cropped away once: the fold only took the min / max with what the block held)."""
+    from hf_dilated.kinds import KINDS
+
+    s = _decode_settings()
+    q, k, v, inv_freq = _static_case(13)
+    other_k, other_v = _static_case(14)[1:3]
+    real = torch.ones(2, 80, dtype=torch.bool)
+    slots = torch.arange(80)
+    KINDS["dilated"].static_keep(k, s, real=real & (slots < 60), seen=60, q_len=60, rope_frequencies=inv_freq)
+    k[:, :, 42:], v[:, :, 42:] = other_k[:, :, 42:], other_v[:, :, 42:]  # cropped to 42, refilled by the steps
+    for seen in range(43, 70):
+        out = KINDS["dilated"].static_decode(q[:, :, seen - 1:seen], k, v, s, real=real & (slots < seen),
+                                             seen=torch.tensor(seen), scale=None, rope_frequencies=inv_freq)
+        ref = _decode_reference(q[:, :, :seen], k[:, :, :seen], v[:, :, :seen], s, inv_freq)
+        assert (out - ref[:, :, -1:]).abs().max().item() < TOL, seen
+
+
+def test_kept_static_summaries_belong_to_their_cache():
+    """Two static caches of one shape used in turn (an eager call on each, then steps on the first):
+    each keeps its own summaries on its key tensor, and the steps on the first read the first's."""
+    from hf_dilated.kinds import KINDS
+    from hf_dilated.ops import sparse_far_static
+
+    s = _decode_settings()
+    q, k, v, inv_freq = _static_case(15)
+    k_b, v_b = _static_case(16)[1:3]
+    real = torch.ones(2, 80, dtype=torch.bool)
+    slots = torch.arange(80)
+    for keys in (k, k_b):
+        KINDS["dilated"].static_keep(keys, s, real=real & (slots < 50), seen=50, q_len=50, rope_frequencies=inv_freq)
+    assert getattr(k, sparse_far_static.ATTRIBUTE) is not getattr(k_b, sparse_far_static.ATTRIBUTE)
+    ref = _decode_reference(q[:, :, :60], k[:, :, :60], v[:, :, :60], s, inv_freq)
+    for seen in range(51, 61):
+        out = KINDS["dilated"].static_decode(q[:, :, seen - 1:seen], k, v, s, real=real & (slots < seen),
+                                             seen=torch.tensor(seen), scale=None, rope_frequencies=inv_freq)
+        assert (out - ref[:, :, seen - 1:seen]).abs().max().item() < TOL, seen
+
+
+def test_kept_static_prefill_with_padding_queries_gives_no_nan():
+    """A compiled call of several queries whose first are left padding (rank -1: no key at all),
+    with NaN in the padding slots' values (what a padded row's earlier layer may leave): the
+    padding queries give 0, the real ones the reference, nothing NaN."""
+    from hf_dilated.kinds import KINDS
+
+    s = _decode_settings()
+    q, k, v, inv_freq = _static_case(17)
+    real = torch.ones(2, 80, dtype=torch.bool)
+    real[1, :40] = False  # row 1: 40 slots of left padding, its first real token at slot 40
+    v[1, :, :40] = float("nan")
+    slots = torch.arange(80)
+    KINDS["dilated"].static_keep(k, s, real=real & (slots < 30), seen=30, q_len=30, rope_frequencies=inv_freq)
+    out = KINDS["dilated"].static_decode(q[:, :, 30:50], k, v, s, real=real & (slots < 50), seen=torch.tensor(50),
+                                         scale=None, rope_frequencies=inv_freq)
+    assert torch.isfinite(out).all()
+    assert out[1, :, :10].abs().max() == 0  # row 1's queries at slots 30..39 are padding
+    for row, first in ((0, 0), (1, 40)):
+        ref = _decode_reference(q[row:row + 1, :, first:50], k[row:row + 1, :, first:50], v[row:row + 1, :, first:50],
+                                s, inv_freq)
+        got = out[row:row + 1, :, first - 30:] if first else out[row:row + 1]
+        assert (got - ref[:, :, -got.shape[2]:]).abs().max().item() < TOL, row
 
 
 def test_kept_static_prefill_rebuilds_the_summaries():
@@ -343,11 +414,11 @@ def test_kept_static_prefill_rebuilds_the_summaries():
     real = torch.ones(batch, slots, dtype=torch.bool)
     from hf_dilated.kinds import KINDS
 
-    state = {}
-    KINDS["dilated"].static_keep(other, s, real=real, seen=60, q_len=60, rope_frequencies=inv_freq, state=state)
+    KINDS["dilated"].static_keep(k, s, real=real, seen=60, q_len=60, rope_frequencies=inv_freq)
+    k.copy_(other)  # the cache rewritten (no eager call since): the compiled call of 5 queries rebuilds
     out = KINDS["dilated"].static_decode(q[:, :, 55:60], k, v, s, real=real & (torch.arange(slots) < 60),
-                                         seen=torch.tensor(60), scale=None, rope_frequencies=inv_freq, state=state)
-    ref = _decode_reference(q[:, :, :60], k[:, :, :60], v[:, :, :60], s, inv_freq)
+                                         seen=torch.tensor(60), scale=None, rope_frequencies=inv_freq)
+    ref = _decode_reference(q[:, :, :60], other[:, :, :60], v[:, :, :60], s, inv_freq)
     assert (out - ref[:, :, 55:60]).abs().max().item() < TOL
 
 
@@ -375,11 +446,10 @@ def test_kept_static_steps_read_ties_up_to_their_slots_and_count_the_rest(monkey
     outs, kept = _kept_steps(s, q, k, v, real, None, first, steps)
     assert int(kept.cut) > 0  # ties were cut: these steps read only the top_k
     assert any((out - ref[:, :, first + t:first + t + 1]).abs().max().item() > 1e-6 for t, out in enumerate(outs))
-    from hf_dilated.kinds import KINDS, STATIC_SUMMARIES
+    from hf_dilated.kinds import KINDS
 
     with pytest.warns(RuntimeWarning, match="tied at the far_top_k-th bound"):
-        KINDS["dilated"].static_keep(k, s, real=real, seen=first + steps, q_len=1, rope_frequencies=None,
-                                     state={STATIC_SUMMARIES: kept})
+        KINDS["dilated"].static_keep(k, s, real=real, seen=first + steps, q_len=1, rope_frequencies=None)
 
 
 # --- decode: the band, the sinks and the chosen blocks only, summaries kept between steps ---------
@@ -864,7 +934,7 @@ def test_graphed_steps_after_a_crop_and_refill_match_reference(monkeypatch, devi
             assert (out.cpu() - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
 
     steps(k, v, 40, 60)
-    runner = state["reserved_far_step"]  # the graphed form ran
+    runner = getattr(kb, sparse_far_static._STEP_ATTRIBUTE)  # the graphed form ran
     assert (runner.graph is not None) == (device == "cuda")
     k2[:, :, :30], v2[:, :, :30] = k[:, :, :30], v[:, :, :30]
     steps(k2, v2, 50, 70)  # cropped to 30, refilled to 50 with other keys, then steps

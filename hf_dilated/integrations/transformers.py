@@ -190,7 +190,7 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
             # what the compiled steps after this call read (transformers compiles the steps, not the prefill)
             real = read_static_slots(attention_mask)[0]  # kernel_inputs kept the `seen` written slots: no read here
             kind.static_keep(cache_keys, settings, real=real, seen=key.shape[2], q_len=query.shape[2],
-                             rope_frequencies=rope_frequencies, state=_layer_state(module))
+                             rope_frequencies=rope_frequencies)
     # (batch, heads, q_len, head_dim) -> (batch, q_len, heads, head_dim), as sdpa_attention_forward
     return out.transpose(1, 2).contiguous(), None
 
@@ -215,7 +215,7 @@ def _compiled_static_step(kind, module, query, key, value, slots, scaling, kwarg
     out = kind.static_decode(query, key, value, settings, real=real, seen=seen,
                              scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
                              sliding_window=kwargs.get("sliding_window"),
-                             rope_frequencies=rope_frequencies_for(module, settings), state=_layer_state(module))
+                             rope_frequencies=rope_frequencies_for(module, settings))
     return out.transpose(1, 2).contiguous(), None
 
 

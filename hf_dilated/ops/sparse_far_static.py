@@ -6,9 +6,9 @@ Two forms:
 - `kept_step` reads what the eager decode step reads (ops/sparse_far_decode.py): the band, the
   sink blocks and the chosen blocks, gathered by rank, against block summaries kept between steps
   (`KeptSummaries`: min/max of each block's far keys over the whole cache, one row of them per
-  block a static cache can hold). A step turns only its own token's key and folds it into its
-  block's summary, so it costs O(W + (k + s + TIE_SLOTS) B) keys and O(N / B) bounds where a dense
-  step reads all N keys.
+  block a static cache can hold, kept on the cache's key tensor). A step makes its own token's
+  block summary again (B keys turned), so it costs O(W + (k + s + TIE_SLOTS) B) keys and O(N / B)
+  bounds where a dense step reads all N keys.
 - `every_slot_step` scores every slot and masks (O(N) a step): where no summaries are kept for
   the layer (they are made by an eager call on the cache: transformers' generate() runs the
   prefill eagerly) or a layer reads every far key (far_band without far_top_k).
@@ -16,8 +16,11 @@ Two forms:
 The summaries' life: an eager call on a static cache (`keep`) builds them from the cache, or, when
 the cache is the one they were built on plus this call's tokens, folds in those tokens; a compiled
 call of several queries (a compiled prefill) rebuilds them in its graph; a compiled step of one
-query folds in its token. The tensors are allocated once per cache shape and written in place (a
-compiled step's graph takes them as static inputs, as StaticCache's own key and value tensors).
+query makes its token's block again from the block's keys, exact whatever the block held (keys
+cropped since). They live on the cache's key tensor (an attribute), so two caches used in turn keep
+their own, a compiled graph reads them through the key tensor it is given, and they go with the
+cache; allocated once and written in place (the graph takes them as static inputs, as StaticCache's
+own key and value tensors).
 
 Ties. A step reads a fixed number of blocks: the sinks, the top_k by bound, and up to TIE_SLOTS
 more tied at the k-th bound (the contract reads every tied block). More ties than that (distinct
@@ -29,7 +32,6 @@ eager call reads the cache's length anyway).
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import torch
 
@@ -42,19 +44,42 @@ TIE_SLOTS = 8  # blocks tied at the k-th bound that a kept step reads beyond its
 _BUILD_SLOTS = 1 << 14  # slots turned at a time when building (bounds the temporaries)
 
 
+# The attribute of a cache's key tensor that holds its KeptSummaries: they belong to the cache, not to
+# the layer, so that two caches used in turn each keep their own (a compiled graph reads them as
+# inputs through the key tensor it is given), and they go when the cache goes.
+ATTRIBUTE = "_hf_dilated_far_summaries"
+
+
 class KeptSummaries:
-    """One layer's block summaries of a static cache (module docstring), kept between steps."""
+    """The block summaries of one static cache layer's keys (module docstring), kept between steps."""
 
-    def __init__(self):
-        self.mn = self.mx = None  # (batch, kv_heads, n_blocks + 1, head_dim) in bound_dtype; the last: a dump row
-        self.cut = None  # 0-d int32: ties cut since the last eager call
-        self.record = None  # (buffer weakref, shape, seen, version) after the last eager call, for `keep`
-
-    def fits(self, k: torch.Tensor, size: int) -> bool:
-        """Whether the tensors are shaped for this cache (else a step takes every_slot_step)."""
+    def __init__(self, k: torch.Tensor, size: int, settings: tuple):
         batch, kv_heads, n, dim = k.shape
-        return (self.mn is not None and self.mn.shape == (batch, kv_heads, n // size + 2, dim)
+        self.settings = settings  # (block size, rotation's window and group): what they summarise
+        # (batch, kv_heads, blocks + 1, head_dim) in bound_dtype; the last row: where padding and unwritten slots go
+        self.mn = torch.empty((batch, kv_heads, n // size + 2, dim), dtype=bound_dtype(k.dtype), device=k.device)
+        self.mx = torch.empty_like(self.mn)
+        self.cut = torch.zeros((), dtype=torch.int32, device=k.device)  # ties cut since the last eager call
+        self.seen = self.version = None  # the cache after the last eager call (keep)
+        mark = getattr(torch._dynamo, "mark_static_address", None)
+        if mark is not None:  # a compiled step mutates them: static inputs, like StaticCache's tensors
+            for t in (self.mn, self.mx, self.cut):
+                mark(t)
+
+    def fits(self, k: torch.Tensor, size: int, settings: tuple) -> bool:
+        batch, kv_heads, n, dim = k.shape
+        return (self.settings == settings and self.mn.shape == (batch, kv_heads, n // size + 2, dim)
                 and self.mn.device == k.device and self.mn.dtype == bound_dtype(k.dtype))
+
+
+def settings_of(size: int, rotation) -> tuple:
+    return (size,) if rotation is None else (size, rotation[0], rotation[1])
+
+
+def kept_for(k: torch.Tensor, size: int, rotation) -> KeptSummaries | None:
+    """The summaries kept on the cache tensor k for these settings, or None."""
+    kept = getattr(k, ATTRIBUTE, None)
+    return kept if kept is not None and kept.fits(k, size, settings_of(size, rotation)) else None
 
 
 def _far_turned(keys: torch.Tensor, ranks: torch.Tensor, rotation) -> torch.Tensor:
@@ -63,18 +88,6 @@ def _far_turned(keys: torch.Tensor, ranks: torch.Tensor, rotation) -> torch.Tens
         return keys
     group, inv_freq = rotation[1], rotation[2]
     return rotate_by(keys, ranks // group - ranks, inv_freq)
-
-
-def _allocate(kept: KeptSummaries, k: torch.Tensor, size: int) -> None:
-    batch, kv_heads, n, dim = k.shape
-    shape = (batch, kv_heads, n // size + 2, dim)
-    kept.mn = torch.empty(shape, dtype=bound_dtype(k.dtype), device=k.device)
-    kept.mx = torch.empty_like(kept.mn)
-    kept.cut = torch.zeros((), dtype=torch.int32, device=k.device)
-    mark = getattr(torch._dynamo, "mark_static_address", None)
-    if mark is not None:  # a compiled step mutates them: static inputs, like StaticCache's tensors
-        for t in (kept.mn, kept.mx, kept.cut):
-            mark(t)
 
 
 def build(kept: KeptSummaries, k: torch.Tensor, real: torch.Tensor, seen, size: int, rotation) -> None:
@@ -97,50 +110,51 @@ def build(kept: KeptSummaries, k: torch.Tensor, real: torch.Tensor, seen, size: 
 
 def fold(kept: KeptSummaries, k: torch.Tensor, real: torch.Tensor, rank: torch.Tensor, slot: torch.Tensor,
          size: int, rotation) -> None:
-    """Fold the key at `slot` (a 0-d tensor) into its block's summary, per row: a token whose rank
-    opens its block (rank % B == 0) replaces what the row held (a block of an earlier fill of the
-    cache), a padding slot changes nothing (it goes to the dump row)."""
-    batch, kv_heads, _, dim = k.shape
+    """The summary of the block holding the key at `slot` (a 0-d tensor), made again from that
+    block's keys up to it (B keys), per row: exact whatever the row held before (an earlier fill of
+    the cache, keys cropped since); a padding slot changes nothing (it goes to the dump row)."""
+    batch, kv_heads, n, dim = k.shape
     n_blocks = kept.mn.shape[2] - 1
     at = slot.reshape(1)
     r = rank.index_select(1, at)  # (batch, 1)
-    block = torch.where(real.index_select(1, at), r // size, n_blocks)
-    far = _far_turned(k.index_select(2, at), r, rotation).to(kept.mn.dtype)  # (batch, kv_heads, 1, d)
+    block = torch.where(real.index_select(1, at), r.clamp(min=0) // size, n_blocks)
+    ranks = (r.clamp(min=0) // size) * size + torch.arange(size, device=k.device)  # (batch, B): the block's
+    ok = ranks <= r
+    slots = torch.where(ok, torch.searchsorted(rank + 1, ranks + 1).clamp(max=n - 1), at)
+    keys = _far_turned(k.gather(2, slots[:, None, :, None].expand(batch, kv_heads, size, dim)), ranks, rotation)
+    keys = keys.to(kept.mn.dtype)
     index = block[:, None, :, None].expand(batch, kv_heads, 1, dim)
-    opens = (r % size == 0)[:, None, :, None]
-    kept.mn.scatter_(2, index, torch.where(opens, far, torch.minimum(kept.mn.gather(2, index), far)))
-    kept.mx.scatter_(2, index, torch.where(opens, far, torch.maximum(kept.mx.gather(2, index), far)))
+    kept.mn.scatter_(2, index, keys.masked_fill(~ok[:, None, :, None], float("inf")).amin(2, keepdim=True))
+    kept.mx.scatter_(2, index, keys.masked_fill(~ok[:, None, :, None], float("-inf")).amax(2, keepdim=True))
 
 
-def keep(kept: KeptSummaries, k: torch.Tensor, real: torch.Tensor, seen: int, q_len: int, size: int,
-         rotation, few: int) -> None:
-    """An eager call on a static cache (the call's q_len tokens already written, `seen` slots in
-    all): fold in its tokens where the cache is the buffer of the last eager call, written once
-    since (its version) and grown by exactly them, and there are at most `few`; else rebuild."""
-    buffer = k if k._base is None else k._base
+def keep(k: torch.Tensor, real: torch.Tensor, seen: int, q_len: int, size: int, rotation, few: int) -> None:
+    """After an eager call on a static cache whose key tensor is k (the call's q_len tokens already
+    written, `seen` slots in all): fold in its tokens where the cache is the one of the last eager
+    call, written once since (its version) and grown by exactly them, and there are at most `few`;
+    else summarise it again (made on k at the first call)."""
+    kept = kept_for(k, size, rotation)
+    if kept is None:
+        kept = KeptSummaries(k, size, settings_of(size, rotation))
+        setattr(k, ATTRIBUTE, kept)
     try:
         version = k._version
     except RuntimeError:  # an inference-mode tensor keeps no version
         version = None
-    held = kept.record
-    grown = (held is not None and version is not None and held[0]() is buffer and held[1] == k.shape
-             and held[2] == seen - q_len and held[3] is not None and version == held[3] + 1)
-    if not kept.fits(k, size):
-        _allocate(kept, k, size)
-        grown = False
+    grown = (version is not None and kept.version is not None and kept.seen == seen - q_len
+             and version == kept.version + 1)
     if grown and q_len <= few:  # (no compiled step since the last eager call: nothing cut)
         rank = mask_ranks(real)
         for t in range(q_len):
             fold(kept, k, real, rank, torch.full((), seen - q_len + t, device=k.device), size, rotation)
-        kept.record = (weakref.ref(buffer), k.shape, seen, version)
-        return
-    if int(kept.cut):  # (one read, at a rebuild: after compiled steps every eager call rebuilds)
-        warnings.warn(f"hf_dilated: compiled decode steps met more than {TIE_SLOTS} blocks tied at the far_top_k-th "
-                      f"bound {int(kept.cut)} times and read the first {TIE_SLOTS} of them (docs/contract.md 4.2 "
-                      "reads them all)", RuntimeWarning, stacklevel=3)
-        kept.cut.zero_()
-    build(kept, k, real, seen, size, rotation)
-    kept.record = (weakref.ref(buffer), k.shape, seen, version)
+    else:
+        if int(kept.cut):  # (one read, at a rebuild: after compiled steps every eager call rebuilds)
+            warnings.warn(f"hf_dilated: compiled decode steps met more than {TIE_SLOTS} blocks tied at the "
+                          f"far_top_k-th bound {int(kept.cut)} times and read the first {TIE_SLOTS} of them "
+                          "(docs/contract.md 4.2 reads them all)", RuntimeWarning, stacklevel=3)
+            kept.cut.zero_()
+        build(kept, k, real, seen, size, rotation)
+    kept.seen, kept.version = seen, version
 
 
 def kept_step(q, k, v, q_far, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
@@ -218,9 +232,12 @@ def kept_step(q, k, v, q_far, *, local_window: int, far_band: int | None, select
         qf = q_far[:, :, t, None].to(acc) * scale  # (batch, heads, 1, d)
         far = (qf @ keys.to(acc).transpose(-1, -2))[:, :, 0].masked_fill(~key_ok, float("-inf"))
         width_band = near.shape[-1]
-        probs = torch.softmax(torch.cat([near.flatten(1, 2), far], -1), -1)  # the band holds the query: no empty row
-        out = (probs[..., :width_band].unflatten(1, (kv_heads, group)) @ gather(v, band_slot).to(acc)).flatten(1, 2)
-        far_values = gather(v, key_slot).view(batch, n_heads, -1, dim).to(acc)
+        # (a padding query of a compiled prefill reads no key: its row is 0, as every_slot_step's)
+        probs = torch.softmax(torch.cat([near.flatten(1, 2), far], -1), -1).nan_to_num(0.0)
+        # values of slots not read are 0, not merely weighted 0 (a padding slot's may be NaN)
+        band_values = gather(v, band_slot).to(acc).masked_fill(~band_ok[:, None, :, None], 0.0)
+        out = (probs[..., :width_band].unflatten(1, (kv_heads, group)) @ band_values).flatten(1, 2)
+        far_values = gather(v, key_slot).view(batch, n_heads, -1, dim).to(acc).masked_fill(~key_ok[..., None], 0.0)
         out = out + (probs[:, :, None, width_band:] @ far_values)[:, :, 0]
         outs.append(out)
     return torch.stack(outs, 2).to(q.dtype)
@@ -293,8 +310,8 @@ class ReservedStep:
     def __init__(self, key, owner: int, q, k_buffer, first, settings: dict, capture: bool):
         self.key, self.owner, self.seen, self.version, self.buffers = key, owner, None, None, None
         device = q.device
-        self.kept = KeptSummaries()
-        _allocate(self.kept, k_buffer, settings["selection"].block_size)
+        size = settings["selection"].block_size
+        self.kept = KeptSummaries(k_buffer, size, settings_of(size, settings["rotation"]))
         self.q = torch.empty_like(q)
         self.written = torch.zeros((), dtype=torch.long, device=device)
         slots = torch.arange(k_buffer.shape[2], device=device)
@@ -349,12 +366,17 @@ class ReservedStep:
             self.buffers = None
 
 
+_STEP_ATTRIBUTE = "_hf_dilated_reserved_step"  # where a buffer holds its ReservedStep (it goes with the buffer)
+
+
 def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
-                  first: list[int], shift: list[int], rotation, state: dict):
+                  first: list[int], shift: list[int], rotation, layer: int):
     """An eager one-query step on a cache whose keys and values are the filled start of larger
-    buffers (hf_dilated.ReservedCache; StaticCache's slots): ReservedStep, kept in `state`. None
-    (nothing done) where it does not apply: other caches (DynamicCache concatenates into a new
-    tensor), positions other than the mask ranks (rows regular: ops/token_layout.regular_rows)."""
+    buffers (hf_dilated.ReservedCache; StaticCache's slots): the ReservedStep kept on the key
+    buffer (so two caches used in turn keep theirs; `layer` an id of the calling layer, which the
+    graphs' memory pools follow). None (nothing done) where it does not apply: other caches
+    (DynamicCache concatenates into a new tensor), positions other than the mask ranks (rows
+    regular: ops/token_layout.regular_rows)."""
     k_buffer, v_buffer = k._base, v._base
     if (k_buffer is None or v_buffer is None or k_buffer.dim() != 4 or v_buffer.shape != k_buffer.shape
             or k_buffer.shape[:2] + k_buffer.shape[3:] != k.shape[:2] + k.shape[3:]
@@ -367,10 +389,10 @@ def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection
     key = (k_buffer.data_ptr(), v_buffer.data_ptr(), tuple(k_buffer.shape), k_buffer.dtype, tuple(q.shape), q.dtype,
            local_window, far_band, selection, scale, tuple(first),
            None if rotation is None else (rotation[0], rotation[1], rotation[2].data_ptr()))
-    runner = state.get("reserved_far_step")
+    runner = getattr(k_buffer, _STEP_ATTRIBUTE, None)
     if runner is None or runner.key != key:
-        runner = state["reserved_far_step"] = ReservedStep(key, id(state), q, k_buffer, first, settings,
-                                                           capture=q.device.type == "cuda")
+        runner = ReservedStep(key, layer, q, k_buffer, first, settings, capture=q.device.type == "cuda")
+        setattr(k_buffer, _STEP_ATTRIBUTE, runner)
     try:
         version = k_buffer._version
     except RuntimeError:  # inference mode: no version counter, so no way to tell a rewrite: rebuild
