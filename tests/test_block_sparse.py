@@ -387,6 +387,22 @@ def test_flex_path_leaves_other_block_sizes_and_layouts_to_the_blocks(monkeypatc
     assert not calls
 
 
+@pytest.mark.parametrize("shape", [(1, 4, 3), (1, 3, 5)], ids=("more_query_blocks", "more_key_blocks"))
+def test_flex_path_takes_a_custom_layout_of_other_sides(monkeypatch, shape):
+    """A custom layout whose two block axes differ (accepted by the block path where each covers the
+    input's 3 blocks) on the FlexAttention path: the reference's result (4 x 3 raised: both axes
+    were cut by the first's length)."""
+    from hf_dilated.ops import block_sparse_flex
+
+    monkeypatch.setattr(block_sparse_flex, "FLEX_ON", ("cuda", "cpu"))
+    layout = torch.rand(shape, generator=torch.Generator().manual_seed(3)) > 0.3
+    q, k, v = _qkv(300, torch.float64, length=300)
+    with torch.no_grad():
+        out, reported = block_sparse_attention(q, k, v, CustomPattern(layout), block_size=128, return_layout=True)
+    ref = block_sparse_reference(q, k, v, reported, 128)
+    assert (out - ref).abs().max().item() < TOL[torch.float64] and block_sparse_flex._FAILED is None
+
+
 @pytest.mark.parametrize("block_size", [32, 64, 128, 256])
 @pytest.mark.parametrize("name", ["global_local", "custom_per_head", "dilated"])
 def test_flex_block_mask_lists_exactly_the_allowed_pairs(name, block_size):

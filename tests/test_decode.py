@@ -239,6 +239,11 @@ def test_reserved_layer_appends_crops_and_reorders():
     layer.crop(-2)  # a view of the same buffer, shorter: the next tokens overwrite the cropped ones
     keys, values = layer.update(parts[0], -parts[0])
     assert torch.equal(keys, torch.cat([held[..., :-2, :], parts[0]], 2)) and torch.equal(values, -keys)
+    before = keys.clone()
+    layer.reorder_cache(torch.tensor([1, 0]))  # beam search: rows reordered in place, in the same room
+    assert layer.keys.data_ptr() == first and torch.equal(layer.keys, before[[1, 0]])
+    assert torch.equal(layer.values, -before[[1, 0]])
+    layer.reorder_cache(torch.tensor([1, 0]))
     layer.batch_select_indices(torch.tensor([1]))  # rebinds keys to a new tensor: taken into new room
     keys, values = layer.update(parts[1][1:], -parts[1][1:])
     assert keys.shape == (1, 3, held.shape[2] - 2 + 5 + 1, 4)

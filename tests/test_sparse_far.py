@@ -917,7 +917,7 @@ def test_graphed_steps_after_a_crop_and_refill_match_reference(monkeypatch, devi
     inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     kb, vb = (torch.full((batch, kv_heads, 96, dim), float("nan"), dtype=torch.float64, device=device) for _ in "kv")
     kw = dict(is_causal=True, attention_mask=None, position_ids=None, scale=None, dropout_p=0.0, group=None,
-              layout=None, rope_frequencies=inv_freq.to(device))
+              layout=None, rope_frequencies=inv_freq)  # (on the host: the step moves them once, not per capture)
     state = {}
 
     def steps(keys, values, lo, hi):
@@ -938,6 +938,49 @@ def test_graphed_steps_after_a_crop_and_refill_match_reference(monkeypatch, devi
     assert (runner.graph is not None) == (device == "cuda")
     k2[:, :, :30], v2[:, :, :30] = k[:, :, :30], v[:, :, :30]
     steps(k2, v2, 50, 70)  # cropped to 30, refilled to 50 with other keys, then steps
+
+
+def test_graphed_step_goes_with_its_buffer_and_beam_search_keeps_it(tmp_path, monkeypatch):
+    """The step kept on a cache buffer holds nothing that refers back to it: it is freed with the
+    buffer, without a garbage collection (on a GPU it holds a CUDA graph and its memory). Beam
+    search reorders ReservedCache in place, so its steps keep one buffer and one step per layer
+    (they made a new buffer, and captured a new graph, every step), and pick the tokens of
+    beam search with a DynamicCache (the eager path)."""
+    import gc
+    import weakref
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_dilated import ReservedCache
+    from hf_dilated.ops import sparse_far_static
+
+    monkeypatch.setattr(sparse_far_static, "GRAPHED_ON", ("cuda", "cpu"))
+    made = []
+    real_init = sparse_far_static.ReservedStep.__init__
+    monkeypatch.setattr(sparse_far_static.ReservedStep, "__init__",
+                        lambda self, *a, **kw: made.append(weakref.ref(self)) or real_init(self, *a, **kw))
+    entry = dict(ENTRY, far_block_size=4)
+    model = AutoModelForCausalLM.from_pretrained(_tiny("llama", tmp_path, entry), attn_implementation="dilated",
+                                                 dtype=torch.float64).eval()
+    ids = torch.randint(3, 99, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = model.generate(ids, max_new_tokens=8, do_sample=False, num_beams=2, cache=ReservedCache(config=model.config))
+        monkeypatch.setattr(sparse_far_static, "GRAPHED_ON", ("cuda",))
+        theirs = model.generate(ids, max_new_tokens=8, do_sample=False, num_beams=2)
+    assert torch.equal(ours, theirs)
+    assert len(made) == model.config.num_hidden_layers  # one step per layer for the whole generation
+    monkeypatch.setattr(sparse_far_static, "GRAPHED_ON", ("cuda", "cpu"))
+    gc.disable()
+    try:
+        cache = ReservedCache(config=model.config)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=3, do_sample=False, cache=cache)
+        step = made[-1]
+        assert step() is not None
+        del cache
+        assert step() is None  # freed with its buffer, by reference counting alone
+    finally:
+        gc.enable()
 
 
 def test_inference_path_takes_strided_inputs():

@@ -57,6 +57,17 @@ class ReservedLayer(DynamicLayer):
         self.keys, self.values = keys[..., :held + n_new, :], values[..., :held + n_new, :]
         return self.keys, self.values
 
+    def reorder_cache(self, beam_idx) -> None:
+        """Beam search's reorder, in place inside the buffer: a new tensor every step would give up
+        the room (the next step copies the cache into a new buffer) and, on a GPU, the decode
+        step's CUDA graph kept on it (ops/sparse_far_static.py)."""
+        if self.get_seq_length() > 0 and self._in_room(0):
+            index = beam_idx.to(self.keys.device)
+            self.keys.copy_(self.keys.index_select(0, index))
+            self.values.copy_(self.values.index_select(0, index))
+        else:
+            super().reorder_cache(beam_idx)
+
     def reset(self) -> None:
         self._room = None
         super().reset()

@@ -43,7 +43,7 @@ class _ModelEntry:
     config: DilatedConfig
     owner: object = None  # weakref.ref to the model config: an id is reused once its object is freed
     settings: dict = field(default_factory=dict)  # kind name -> the kind's settings
-    rope_frequencies: torch.Tensor | None = None
+    rope_frequencies: dict | None = None  # device -> inv_freq (rope_frequencies_for)
 
 
 # id(model config) -> its _ModelEntry
@@ -94,15 +94,19 @@ def settings_for(module, kind) -> dict:
     return settings
 
 
-def rope_frequencies_for(module, settings) -> torch.Tensor | None:
+def rope_frequencies_for(module, settings, device) -> torch.Tensor | None:
     """The inv_freq the kind needs for far keys at grouped positions (config.far_keys), from the
-    model's own rotary class (rotary.rotary_frequencies); None when the settings have none."""
+    model's own rotary class (rotary.rotary_frequencies), on `device`; None when the settings have
+    none. Kept per device: a copy from the host inside a step would wait for the device (and a
+    CUDA graph cannot capture it)."""
     if far_keys(settings) is None:
         return None
     entry = _entry(module)
     if entry.rope_frequencies is None:
-        entry.rope_frequencies = rotary_frequencies(module)
-    return entry.rope_frequencies
+        entry.rope_frequencies = {}
+    if device not in entry.rope_frequencies:
+        entry.rope_frequencies[device] = rotary_frequencies(module).to(device)
+    return entry.rope_frequencies[device]
 
 
 # --- the one shared adapter -------------------------------------------------------------------
@@ -179,7 +183,7 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     settings = settings_for(module, kind)
-    rope_frequencies = rope_frequencies_for(module, settings)
+    rope_frequencies = rope_frequencies_for(module, settings, query.device)
     with torch.autocast(device_type, enabled=False):
         out = kind.run(query, key, value, settings, is_causal=True, attention_mask=mask, position_ids=positions,
                        scale=scaling, dropout_p=dropout_p, group=group, layout=layout, sliding_window=window,
@@ -215,7 +219,7 @@ def _compiled_static_step(kind, module, query, key, value, slots, scaling, kwarg
     out = kind.static_decode(query, key, value, settings, real=real, seen=seen,
                              scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
                              sliding_window=kwargs.get("sliding_window"),
-                             rope_frequencies=rope_frequencies_for(module, settings))
+                             rope_frequencies=rope_frequencies_for(module, settings, query.device))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -31,7 +31,7 @@ FLEX_ON = ("cuda",)  # devices whose plain prefill runs here
 TILE = 128  # FlexAttention's default tile (queries x keys) of a BlockMask
 _FAILED: str | None = None  # why FlexAttention could not run in this process, once it failed
 _MASKS: dict = {}  # (plan key, padded length) -> BlockMask: every layer of a model reuses the first's
-_MAX_MASKS = 8
+_MAX_MASKS = 4  # (a per-head layout's mask at 128K tokens is hundreds of MB)
 _GRAPHS = 64  # compiled graphs of the FlexAttention call at most (see `attention`)
 
 
@@ -51,10 +51,11 @@ def block_mask(layout: torch.Tensor, n: int, block_size: int):
     padded = _bucket(n)
     tiles = padded // TILE
     blocks = -(-padded // block_size)
-    b, h, nb = layout.shape[0], layout.shape[1], min(layout.shape[2], blocks)
+    b, h = layout.shape[0], layout.shape[1]
+    rows, cols = min(layout.shape[2], blocks), min(layout.shape[3], blocks)  # (a custom layout may be wider)
     device = layout.device
     allowed = torch.zeros(b, h, blocks, blocks, dtype=torch.bool, device=device)
-    allowed[..., :nb, :nb] = layout[..., :nb, :nb]
+    allowed[..., :rows, :cols] = layout[..., :rows, :cols]
     if block_size % TILE == 0:  # each block is r x r tiles
         r = block_size // TILE
         some = every = allowed.repeat_interleave(r, 2).repeat_interleave(r, 3)[..., :tiles, :tiles]
@@ -96,17 +97,17 @@ def attention(q, k, v, layout, block_size: int, scale: float, key=None):
     global _FAILED
     n = q.shape[2]
     padded = _bucket(n)
-    mask = None if key is None else _MASKS.get((key, padded))
-    if mask is None:
-        mask = block_mask(layout, n, block_size)
-        if key is not None:
-            if len(_MASKS) >= _MAX_MASKS:
-                _MASKS.clear()
-            _MASKS[(key, padded)] = mask
     if padded > n:
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, padded - n)) for t in (q, k, v))
     fn = _compiled() if q.device.type == "cuda" else _flex.flex_attention
     try:
+        mask = None if key is None else _MASKS.get((key, padded))
+        if mask is None:
+            mask = block_mask(layout, n, block_size)
+            if key is not None:
+                if len(_MASKS) >= _MAX_MASKS:
+                    _MASKS.clear()
+                _MASKS[(key, padded)] = mask
         # One graph per bucket, dtype and grad mode: more than dynamo's default limit of 8 per
         # function, past which it would run FlexAttention eagerly (the full scores, N x N).
         with torch._dynamo.config.patch(recompile_limit=max(_GRAPHS, torch._dynamo.config.recompile_limit)):
