@@ -123,8 +123,11 @@ def test_static_cache_steps_after_a_prefill_without_mask_match_eager(checkpoints
     assert all(s is not None for s in _kept_summaries(static))
 
 
-def test_static_cache_compiled_with_inductor(checkpoints):
-    _compiled_matches_eager(checkpoints["tiny-llama"], "dilated", backend="inductor")
+@pytest.mark.parametrize("case", ["tiny-llama", "tiny-llama-band"])
+def test_static_cache_compiled_with_inductor(checkpoints, case):
+    """Inductor's code for the compiled steps: union levels, and sparse far keys (the kept block
+    summaries read and written through the cache's key tensor)."""
+    _compiled_matches_eager(checkpoints[case], "dilated", backend="inductor")
 
 
 # --- transformers' own two compile tests, as its test suite runs them with a forced name -------
