@@ -297,6 +297,44 @@ def test_model_forward_reads_back_at_most_twice_more_than_sdpa(name, sdpa_model_
 # (like `adaptive` block-sparse); what must hold is that those reads do not grow with the context.
 
 
+def _masked_decode_syncs(layers, monkeypatch):
+    """Syncs of one decode step of a Llama of `layers` layers (default conversion, a left-padded
+    batch: an attention mask, as generate() passes) with ReservedCache, on the GPU's path (the
+    sparse far keys' step replayed as a graph: GRAPHED_ON widened, here called)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_dilated import ReservedCache
+    from hf_dilated.bench.gpu_table import _model_entry
+    from hf_dilated.config import CONFIG_KEY
+    from hf_dilated.ops import sparse_far_static
+
+    monkeypatch.setattr(sparse_far_static, "GRAPHED_ON", ("cuda", "cpu"))
+    n = 700
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_hidden_layers=layers, intermediate_size=64, vocab_size=64, max_position_embeddings=n + 8)
+    setattr(config, CONFIG_KEY, _model_entry("default", 256, n + 8))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="dilated").eval()
+    ids = torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cache = ReservedCache(config=config)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        for _ in range(2):  # the second step is counted (the first makes each layer's step)
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            counter, _ = count_syncs(lambda: model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache))
+    return counter
+
+
+def test_masked_decode_step_reads_back_once_a_step_not_once_a_layer(monkeypatch):
+    """A decode step with an attention mask reads the mask's layout back in its first layer only:
+    the layers after it reuse it (by the mask's identity); the count does not grow with the layers
+    (it was 4 reads a layer: the regular rows twice, their two lists, the padded last query)."""
+    two, four = _masked_decode_syncs(2, monkeypatch), _masked_decode_syncs(4, monkeypatch)
+    assert two.total == four.total <= 5, (dict(two.sites), dict(four.sites))
+
+
 def test_sparse_far_decode_step_reads_back_a_constant_number_of_times():
     from hf_dilated.ops.far_selection import FarSelection
     from hf_dilated.ops.sparse_far_decode import SummaryState, sparse_far_decode

@@ -128,6 +128,17 @@ def regular_rows(batch: int, kv_len: int, device, attention_mask=None, position_
     positions this decides from the shapes alone, reading no tensor."""
     if attention_mask is None and position_ids is None:
         return [0] * batch, [0] * batch
+    # every layer of a decode step passes the same mask and positions: only the first reads them back
+    key = ("rows", batch, kv_len, str(device))
+    held = _LAYOUTS.get(key, attention_mask, position_ids)
+    if held is None:
+        held = (_regular_rows(batch, kv_len, device, attention_mask, position_ids),)  # (None too: not regular)
+        _LAYOUTS.put(key, attention_mask, position_ids, held)
+    rows = held[0]
+    return None if rows is None else (list(rows[0]), list(rows[1]))
+
+
+def _regular_rows(batch: int, kv_len: int, device, attention_mask, position_ids):
     index = torch.arange(kv_len, device=device)
     if attention_mask is not None:
         real = attention_mask.to(device=device, dtype=torch.bool).expand(batch, kv_len)
@@ -146,7 +157,8 @@ def regular_rows(batch: int, kv_len: int, device, attention_mask=None, position_
         shift = offset.gather(1, first.clamp(max=kv_len - 1)[:, None]).squeeze(1)
         if not bool(((offset == shift[:, None]) | (index < first[:, None])).all()):
             return None
-    return first.tolist(), shift.tolist()
+    first, shift = torch.stack([first, shift]).tolist()  # (one read back)
+    return first, shift
 
 
 def take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
