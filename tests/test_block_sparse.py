@@ -364,6 +364,7 @@ def test_flex_path_matches_reference(name, block_size, monkeypatch):
     from hf_dilated.ops import block_sparse_flex
 
     monkeypatch.setattr(block_sparse_flex, "FLEX_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(block_sparse_flex, "MIN_TOKENS", 1)
     calls = []
     real = block_sparse_flex.attention
     monkeypatch.setattr(block_sparse_flex, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -371,10 +372,11 @@ def test_flex_path_matches_reference(name, block_size, monkeypatch):
     assert calls and block_sparse_flex._FAILED is None  # the FlexAttention path ran
 
 
-def test_flex_path_leaves_other_block_sizes_and_layouts_to_the_blocks(monkeypatch):
+def test_flex_path_leaves_other_block_sizes_layouts_and_short_prefills_to_the_blocks(monkeypatch):
     from hf_dilated.ops import block_sparse_flex
 
     monkeypatch.setattr(block_sparse_flex, "FLEX_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(block_sparse_flex, "MIN_TOKENS", 1)
     calls = []
     real = block_sparse_flex.attention
     monkeypatch.setattr(block_sparse_flex, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -384,6 +386,9 @@ def test_flex_path_leaves_other_block_sizes_and_layouts_to_the_blocks(monkeypatc
         mask, pos, q_len, causal = _inputs("padding")
         q, k, v = _qkv(q_len, torch.float64)
         block_sparse_attention(q, k, v, PATTERNS["local"], block_size=BLOCK, attention_mask=mask)  # not plain
+        monkeypatch.setattr(block_sparse_flex, "MIN_TOKENS", 4096)
+        q, k, v = _qkv(300, torch.float64, length=300)
+        block_sparse_attention(q, k, v, PATTERNS["local"], block_size=128)  # shorter than MIN_TOKENS
     assert not calls
 
 
@@ -395,6 +400,7 @@ def test_flex_path_takes_a_custom_layout_of_other_sides(monkeypatch, shape):
     from hf_dilated.ops import block_sparse_flex
 
     monkeypatch.setattr(block_sparse_flex, "FLEX_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(block_sparse_flex, "MIN_TOKENS", 1)
     layout = torch.rand(shape, generator=torch.Generator().manual_seed(3)) > 0.3
     q, k, v = _qkv(300, torch.float64, length=300)
     with torch.no_grad():
@@ -442,8 +448,11 @@ def test_flex_block_mask_lists_exactly_the_allowed_pairs(name, block_size):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name, dtype", [("global_local", torch.bfloat16), ("custom_per_head", torch.float32)])
-def test_cuda_flex_path_forward_and_gradients_match_reference(name, dtype):
+def test_cuda_flex_path_forward_and_gradients_match_reference(name, dtype, monkeypatch):
     """On CUDA the plain prefill is compiled FlexAttention, forward and backward, against the
     float64 reference of the reported layout (1,000 tokens, blocks of 128; two cases: each compiles)."""
+    from hf_dilated.ops import block_sparse_flex
+
+    monkeypatch.setattr(block_sparse_flex, "MIN_TOKENS", 1)
     flex = _flex_case(name, 128, 1000, device="cuda", dtype=dtype, grad=True)
     assert flex._FAILED is None

@@ -28,6 +28,9 @@ except ImportError:  # pragma: no cover - the package's oldest torch
     _flex = None
 
 FLEX_ON = ("cuda",)  # devices whose plain prefill runs here
+# Shorter prefills keep the block-by-block path: there the first call of each length bucket would
+# spend seconds compiling (forward and backward) to save little.
+MIN_TOKENS = 4096
 TILE = 128  # FlexAttention's default tile (queries x keys) of a BlockMask
 _FAILED: str | None = None  # why FlexAttention could not run in this process, once it failed
 _MASKS: dict = {}  # (plan key, padded length) -> BlockMask: every layer of a model reuses the first's
@@ -37,7 +40,7 @@ _GRAPHS = 64  # compiled graphs of the FlexAttention call at most (see `attentio
 
 def applies(q, k, plain: bool, is_causal: bool, sliding_window, block_size: int) -> bool:
     return (_flex is not None and _FAILED is None and q.device.type in FLEX_ON and plain and is_causal
-            and sliding_window is None and q.shape[2] == k.shape[2]
+            and sliding_window is None and q.shape[2] == k.shape[2] and q.shape[2] >= MIN_TOKENS
             and (block_size % TILE == 0 or TILE % block_size == 0))
 
 
