@@ -9,9 +9,9 @@ Two forms:
   block a static cache can hold, kept on the cache's key tensor). A step makes its own token's
   block summary again (B keys turned), so it costs O(W + (k + s + TIE_SLOTS) B) keys and O(N / B)
   bounds where a dense step reads all N keys.
-- `every_slot_step` scores every slot and masks (O(N) a step): where no summaries are kept for
-  the layer (they are made by an eager call on the cache: transformers' generate() runs the
-  prefill eagerly) or a layer reads every far key (far_band without far_top_k).
+- `every_slot_step` scores every slot and masks (O(N) a step): where no summaries are kept on
+  the cache (they are made by an eager call on it: transformers' generate() runs the prefill
+  eagerly) or a layer reads every far key (far_band without far_top_k).
 
 The summaries' life: an eager call on a static cache (`keep`) builds them from the cache, or, when
 the cache is the one they were built on plus this call's tokens, folds in those tokens; a compiled
@@ -26,8 +26,8 @@ Ties. A step reads a fixed number of blocks: the sinks, the top_k by bound, and 
 more tied at the k-th bound (the contract reads every tied block). More ties than that (distinct
 blocks whose float32 bounds are bit for bit equal: in practice never, as their far keys sit at
 different grouped positions) are cut in block order, counted in `KeptSummaries.cut`, and reported
-by a warning at the next eager call on the cache (reading the count there is no extra wait: the
-eager call reads the cache's length anyway).
+by a warning when an eager call summarises the cache again (after compiled steps the next eager
+call does; one read of the count there, beside a pass over the whole cache).
 """
 from __future__ import annotations
 
