@@ -297,7 +297,7 @@ def test_model_forward_reads_back_at_most_twice_more_than_sdpa(name, sdpa_model_
 # (like `adaptive` block-sparse); what must hold is that those reads do not grow with the context.
 
 
-def _masked_decode_syncs(layers, monkeypatch):
+def _masked_decode_syncs(layers, monkeypatch, masked=True):
     """Syncs of one decode step of a Llama of `layers` layers (default conversion, a left-padded
     batch: an attention mask, as generate() passes) with ReservedCache, on the GPU's path (the
     sparse far keys' step replayed as a graph: GRAPHED_ON widened, here called)."""
@@ -320,11 +320,20 @@ def _masked_decode_syncs(layers, monkeypatch):
     mask[1, :5] = 0
     cache = ReservedCache(config=config)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask if masked else None, past_key_values=cache)
         for _ in range(2):  # the second step is counted (the first makes each layer's step)
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-            counter, _ = count_syncs(lambda: model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache))
+            counter, _ = count_syncs(lambda: model(input_ids=ids[:, -1:], attention_mask=mask if masked else None,
+                                                   past_key_values=cache))
     return counter
+
+
+def test_graphed_decode_step_reads_nothing_back_without_a_mask(monkeypatch):
+    """The GPU's decode step of the default conversion with ReservedCache (the sparse far keys'
+    step replayed as a graph, here called), no attention mask: a steady-state step reads nothing
+    back, as sdpa's (kernel_step, the copies in and out, the checks of the buffer)."""
+    counter = _masked_decode_syncs(2, monkeypatch, masked=False)
+    assert counter.total == 0, dict(counter.sites)
 
 
 def test_masked_decode_step_reads_back_once_a_step_not_once_a_layer(monkeypatch):
@@ -333,6 +342,35 @@ def test_masked_decode_step_reads_back_once_a_step_not_once_a_layer(monkeypatch)
     (it was 4 reads a layer: the regular rows twice, their two lists, the padded last query)."""
     two, four = _masked_decode_syncs(2, monkeypatch), _masked_decode_syncs(4, monkeypatch)
     assert two.total == four.total <= 5, (dict(two.sites), dict(four.sites))
+
+
+def test_block_sparse_flex_prefill_steady_state_has_no_sync(monkeypatch):
+    """block_sparse's FlexAttention path (a plain prefill on CUDA; FLEX_ON widened here): a second
+    call with the same shapes reuses the plan and the BlockMask and reads nothing back. The
+    FlexAttention call runs outside the counter (on CUDA one compiled kernel; the eager form
+    here compiles its own wrapper, which no dispatch mode may watch)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from hf_dilated.ops import block_sparse_flex
+
+    flex_call = block_sparse_flex._flex_call
+
+    def unwatched(*args):
+        with _disable_current_modes():
+            return flex_call(*args)
+
+    monkeypatch.setattr(block_sparse_flex, "_flex_call", unwatched)
+    monkeypatch.setattr(block_sparse_flex, "FLEX_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(block_sparse_flex, "MIN_TOKENS", 1)
+    calls = []
+    real = block_sparse_flex.attention
+    monkeypatch.setattr(block_sparse_flex, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v = _qkv(n=512, grad=False)
+    with torch.no_grad():
+        fwd, _ = steady_state(lambda: block_sparse_attention(q, k, v, {"type": "global_local", "global_blocks": 1,
+                                                                      "window": 2}, block_size=128), backward=False)
+    assert len(calls) == 2
+    assert_no_syncs(fwd, "block_sparse FlexAttention prefill")
 
 
 def test_sparse_far_decode_step_reads_back_a_constant_number_of_times():

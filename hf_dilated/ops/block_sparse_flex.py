@@ -27,15 +27,16 @@ try:  # torch >= 2.5
 except ImportError:  # pragma: no cover - the package's oldest torch
     _flex = None
 
+from .sparse_far_flex import TILE, length_bucket, tile_lists  # FlexAttention's tile, length buckets, tile lists
+
 FLEX_ON = ("cuda",)  # devices whose plain prefill runs here
 # Shorter prefills keep the block-by-block path: there the first call of each length bucket would
 # spend seconds compiling (forward and backward) to save little.
 MIN_TOKENS = 4096
-TILE = 128  # FlexAttention's default tile (queries x keys) of a BlockMask
 _FAILED: str | None = None  # why FlexAttention could not run in this process, once it failed
 _MASKS: dict = {}  # (plan key, padded length) -> BlockMask: every layer of a model reuses the first's
 _MAX_MASKS = 4  # (a per-head layout's mask at 128K tokens is hundreds of MB)
-_GRAPHS = 64  # compiled graphs of the FlexAttention call at most (see `attention`)
+_GRAPHS = 64  # compiled graphs of the FlexAttention call at most (_flex_call)
 
 
 def applies(q, k, plain: bool, is_causal: bool, sliding_window, block_size: int) -> bool:
@@ -45,7 +46,7 @@ def applies(q, k, plain: bool, is_causal: bool, sliding_window, block_size: int)
 
 
 def _bucket(n: int) -> int:
-    return max(TILE, 1 << max(0, n - 1).bit_length())
+    return max(TILE, length_bucket(n))
 
 
 def block_mask(layout: torch.Tensor, n: int, block_size: int):
@@ -71,15 +72,11 @@ def block_mask(layout: torch.Tensor, n: int, block_size: int):
     full = every & (kv_tile < q_tile)
     partial = some & (kv_tile <= q_tile) & ~full
 
-    def listed(tiles_mask):  # (count, indices): the listed tiles first, in key order
-        order = torch.argsort((~tiles_mask).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
-        return tiles_mask.sum(-1, dtype=torch.int32), order
-
     def mask_mod(b_idx, h_idx, q_idx, kv_idx):
         return allowed[b_idx if b > 1 else 0, h_idx if h > 1 else 0, q_idx // block_size, kv_idx // block_size] & (
             kv_idx <= q_idx)
 
-    return _flex.BlockMask.from_kv_blocks(*listed(partial), *listed(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
+    return _flex.BlockMask.from_kv_blocks(*tile_lists(partial), *tile_lists(full), BLOCK_SIZE=TILE, mask_mod=mask_mod,
                                           seq_lengths=(padded, padded))
 
 
@@ -92,6 +89,16 @@ def _compiled():
     return torch.compile(_flex_block_sparse, dynamic=False)
 
 
+def _flex_call(q, k, v, mask, scale: float):
+    """The FlexAttention call: compiled on CUDA (one graph per bucket, dtype and grad mode: more than
+    dynamo's default limit of 8 per function, past which it would run FlexAttention eagerly, the
+    full N x N scores), eager elsewhere."""
+    if q.device.type != "cuda":
+        return _flex.flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    with torch._dynamo.config.patch(recompile_limit=max(_GRAPHS, torch._dynamo.config.recompile_limit)):
+        return _compiled()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
 def attention(q, k, v, layout, block_size: int, scale: float, key=None):
     """Shaped like q: the plain prefill's block-sparse attention in one FlexAttention call; None
     (nothing done) where FlexAttention failed to build here (warned once: the caller then takes
@@ -102,7 +109,6 @@ def attention(q, k, v, layout, block_size: int, scale: float, key=None):
     padded = _bucket(n)
     if padded > n:
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, padded - n)) for t in (q, k, v))
-    fn = _compiled() if q.device.type == "cuda" else _flex.flex_attention
     try:
         mask = None if key is None else _MASKS.get((key, padded))
         if mask is None:
@@ -111,10 +117,7 @@ def attention(q, k, v, layout, block_size: int, scale: float, key=None):
                 if len(_MASKS) >= _MAX_MASKS:
                     _MASKS.clear()
                 _MASKS[(key, padded)] = mask
-        # One graph per bucket, dtype and grad mode: more than dynamo's default limit of 8 per
-        # function, past which it would run FlexAttention eagerly (the full scores, N x N).
-        with torch._dynamo.config.patch(recompile_limit=max(_GRAPHS, torch._dynamo.config.recompile_limit)):
-            out = fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        out = _flex_call(q, k, v, mask, scale)
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # a build failure of the compiled kernel

@@ -29,7 +29,7 @@ import weakref
 
 import torch
 
-from .far_selection import FarSelection, bound_dtype, bound_operands, bounds, plain_slots, select
+from .far_selection import FarSelection, bound_dtype, bound_operands, plain_slots
 from .merge import merge_dtype
 from .rope import block_turns, offset_turns, rotate_by, rotate_with, turn_by
 
@@ -269,54 +269,3 @@ def _per_kv_head(x, index):
         torch.index_select(x[g], 0, index[g], out=out[g])
     return out
 
-
-# --- the same with static shapes, for torch.compile ------------------------------------------
-
-def sparse_far_decode_static(q, k, v, q_far, k_far, *, local_window: int, far_band: int | None,
-                             selection: FarSelection, scale: float, real, seen):
-    """`sparse_far_decode` for a compiled step against a static cache (no Python value from tensor
-    data; inputs as ops/dilated_decode.dilated_decode_static, q_far/k_far the far projections of
-    every slot): one level holding every earlier key, positions the mask ranks. Every slot is
-    scored and masked, so a step costs O(N) here, and the summaries are rebuilt per step (shapes
-    stay those of the cache, whatever was written)."""
-    batch, n_heads, q_len, dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    group = n_heads // kv_heads
-    size = selection.block_size
-    acc = merge_dtype(q.dtype)
-    dtype = bound_dtype(k_far.dtype)
-    slots = torch.arange(kv_len, device=q.device)
-    written = real & (slots < seen)  # (batch, kv_len)
-    position = real.long().cumsum(-1) - 1  # mask ranks: one document per row
-    n_blocks = kv_len // size + 1  # blocks of the positions a static cache can hold
-    block = torch.where(written, position // size, n_blocks)  # unwritten slots: a dump block
-    index = block[:, None, :, None].expand(batch, kv_heads, kv_len, dim)
-    mn = torch.full((batch, kv_heads, n_blocks + 1, dim), float("inf"), dtype=dtype, device=q.device)
-    mx = torch.full_like(mn, float("-inf"))
-    mn = mn.scatter_reduce(2, index, k_far.to(dtype), "amin")[:, :, :n_blocks]
-    mx = mx.scatter_reduce(2, index, k_far.to(dtype), "amax")[:, :, :n_blocks]
-    number = torch.arange(n_blocks, device=q.device)
-    outs = []
-    for t in range(q_len):
-        slot = seen - q_len + t
-        p = position.index_select(1, slot.reshape(1)).squeeze(1)  # (batch,)
-        width = torch.where(p < local_window, local_window, local_window if far_band is None else far_band)
-        seen_key = written & (slots <= slot)
-        near = seen_key & (position > (p - width)[:, None])  # (batch, kv_len)
-        far = seen_key & ~near
-        holds = torch.zeros(batch, n_blocks + 1, dtype=torch.uint8, device=q.device)
-        holds = holds.scatter_reduce(1, torch.where(far, block, n_blocks), far.to(torch.uint8), "amax")[:, :n_blocks]
-        holds = holds.bool()  # (batch, blocks): the block holds a far key of this query
-        sink = holds & (number < selection.sinks)
-        chosen = select(bounds(q_far[:, :, t:t + 1], mn, mx)[:, :, 0], (holds & ~sink)[:, None].expand(-1, n_heads, -1),
-                        selection.top_k) | sink[:, None]  # (batch, heads, blocks)
-        chosen = torch.cat([chosen, chosen.new_zeros(batch, n_heads, 1)], -1)
-        read_far = far[:, None] & chosen.gather(2, block[:, None].expand(-1, n_heads, -1))  # (batch, heads, kv_len)
-        qh, qfh = q[:, :, t].unflatten(1, (kv_heads, group)), q_far[:, :, t].unflatten(1, (kv_heads, group))
-        near_scores = torch.matmul(qh, k.transpose(-1, -2)).to(acc).flatten(1, 2) * scale  # (batch, heads, kv_len)
-        far_scores = torch.matmul(qfh, k_far.transpose(-1, -2)).to(acc).flatten(1, 2) * scale
-        scores = torch.where(near[:, None], near_scores, far_scores).masked_fill(~(near[:, None] | read_far),
-                                                                                   float("-inf"))
-        probs = torch.softmax(scores, -1).nan_to_num(0.0).to(v.dtype).unflatten(1, (kv_heads, group))
-        outs.append(torch.matmul(probs, v).flatten(1, 2))  # (batch, heads, dim)
-    return torch.stack(outs, 2).to(q.dtype)

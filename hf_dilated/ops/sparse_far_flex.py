@@ -102,7 +102,7 @@ def _flex_call(q, k, v, block_mask, scale, kind: str = "by_query"):
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
 
 
-def _length_bucket(n: int) -> int:
+def length_bucket(n: int) -> int:
     """The key length a FlexAttention call is compiled for: the power of two at or above n."""
     return 1 << max(0, n - 1).bit_length()
 
@@ -112,6 +112,13 @@ def _tile_overlap(n_blocks: int, n_tiles: int, block_size: int, device) -> torch
     c = torch.arange(n_blocks, device=device)[:, None]
     t = torch.arange(n_tiles, device=device)[None, :]
     return ((c * block_size < (t + 1) * TILE) & (t * TILE < (c + 1) * block_size)).float()
+
+
+def tile_lists(listed: torch.Tensor):
+    """A BlockMask's (count, indices) of the key tiles marked in listed (..., tiles): int32, the
+    listed tiles first, in key order."""
+    return (listed.sum(-1, dtype=torch.int32),
+            torch.argsort((~listed).to(torch.uint8), dim=-1, stable=True).to(torch.int32))
 
 
 def listed_tiles(chosen: torch.Tensor, n_tiles: int, block_size: int) -> torch.Tensor:
@@ -146,7 +153,7 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     # `chunk` query rows, the last chunk moved back to end at n (merging only the rows not merged
     # yet), a row shorter than a chunk padded with queries that read nothing. Every operand is
     # contiguous: a compiled call specialises on strides too, and a slice of a longer row has others.
-    n_keys = _length_bucket(n)
+    n_keys = length_bucket(n)
     size = selection.block_size
     n_blocks = -(-(-(-n_keys // TILE) * TILE) // size)
     operands = far_selection.bound_operands(*far_selection.plain_summaries(k_far, size, n_blocks),
@@ -219,8 +226,7 @@ def by_query_mask(chosen, last, n: int, size: int):
     # tile; the listed tiles first, in key order.
     per_tile = chosen[..., :padded_blocks].unflatten(2, (q_rows // TILE, TILE)).any(3)  # (batch, heads, q tiles, blocks)
     listed = listed_tiles(per_tile, n_tiles, size)
-    kv_indices = torch.argsort((~listed).to(torch.uint8), dim=-1, stable=True).to(torch.int32)
-    kv_count = listed.sum(-1, dtype=torch.int32)
+    kv_count, kv_indices = tile_lists(listed)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return chosen[b, h, q_idx, kv_idx // size] & (kv_idx <= last[q_idx])
