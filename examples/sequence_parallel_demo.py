@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 
 import torch
 
@@ -115,10 +116,17 @@ def main(argv=None):
         state = accelerator.unwrap_model(model).state_dict()
         save_file({k: v.contiguous() for k, v in state.items()}, args.out + ".safetensors")
     accelerator.wait_for_everyone()
-    # No accelerator.end_training(): its destroy_process_group() over several gloo subgroups (the
-    # DP x SP grid) hung once at exit in a CI-like run (cf. pytorch/pytorch#75097). Every rank has
-    # passed the barrier above, so the processes simply exit, which releases the groups.
+    return launched
 
 
 if __name__ == "__main__":
-    main()
+    if main():
+        # Every rank has passed the last barrier and written what it writes: leave without tearing
+        # the gloo groups down. Both ways of tearing them down fail now and then: destroy_process_group()
+        # over the DP x SP subgroups hung once in a CI-like run (pytorch/pytorch#75097), and the
+        # interpreter's own exit, which leaves them to their destructors, aborted a rank once in CI
+        # ("terminate called without an active exception": gloo's worker threads racing the
+        # interpreter's teardown, pytorch/pytorch#190489). Ending the process releases them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
