@@ -336,6 +336,36 @@ def test_graphed_decode_step_reads_nothing_back_without_a_mask(monkeypatch):
     assert counter.total == 0, dict(counter.sites)
 
 
+def test_compiled_step_on_a_dynamic_cache_reads_nothing_back(monkeypatch):
+    """The GPU's decode step of the default conversion with transformers' DynamicCache (the step
+    sparse_far_static.concatenated_step compiles, with fullgraph; under this counter, a dispatch
+    mode, the same function runs uncompiled), no attention mask: a steady-state step reads nothing
+    back. (The eager path read back in every layer: checking its kept summaries against the new
+    tensor.)"""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from hf_dilated.bench.gpu_table import _model_entry
+    from hf_dilated.config import CONFIG_KEY
+    from hf_dilated.ops import sparse_far_static
+
+    monkeypatch.setattr(sparse_far_static, "COMPILED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_static, "_COMPILE_FAILED", None)
+    n = 700
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_hidden_layers=2, intermediate_size=64, vocab_size=64, max_position_embeddings=n + 8)
+    setattr(config, CONFIG_KEY, _model_entry("default", 256, n + 8))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="dilated").eval()
+    ids = torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(1))
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+        for _ in range(2):  # the second step is counted
+            counter, _ = count_syncs(lambda: model(input_ids=ids[:, -1:], past_key_values=cache))
+    assert "concatenated" in model.model.layers[0].self_attn.__dict__["_hf_dilated_state"]
+    assert counter.total == 0, dict(counter.sites)
+
+
 def test_masked_decode_step_reads_back_once_a_step_not_once_a_layer(monkeypatch):
     """A decode step with an attention mask reads the mask's layout back in its first layer only:
     the layers after it reuse it (by the mask's identity); the count does not grow with the layers

@@ -983,6 +983,124 @@ def test_graphed_step_goes_with_its_buffer_and_beam_search_keeps_it(tmp_path, mo
         gc.enable()
 
 
+@pytest.fixture
+def compiled_steps(monkeypatch):
+    """The compiled step of a concatenating cache (sparse_far_static.concatenated_step) taken on the
+    CPU too (COMPILED_ON widened), compiled by aot_eager (dynamo's graph, run as aten ops: the
+    inductor build of the GPU is left to a test of its own); returns dynamo's frame counter."""
+    import torch._dynamo.testing as dynamo_testing
+
+    from hf_dilated.ops import sparse_far_static
+
+    counter = dynamo_testing.CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(sparse_far_static, "COMPILED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_static, "BACKEND", counter)
+    monkeypatch.setattr(sparse_far_static, "_COMPILED", {})
+    monkeypatch.setattr(sparse_far_static, "_COMPILE_FAILED", None)
+    torch._dynamo.reset()
+    yield counter
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layout", ("plain", "left", "offset"))
+@pytest.mark.parametrize("over", ({}, {"far_group": 1, "far_window": None}, {"far_top_k": 0, "far_sinks": 2}),
+                         ids=("grouped", "own_positions", "sinks"))
+def test_compiled_steps_on_a_concatenating_cache_match_reference(layout, over, compiled_steps):
+    """Steps against a cache that concatenates into a new tensor each step (DynamicCache), the GPU's
+    form (summaries made again in each compiled step, no state to check): each equals the reference
+    of the whole sequence, after a crop and refill with other keys too, and one graph serves every
+    length (no recompile per step). Positions other than the mask ranks (offset) take the eager path,
+    exact as well."""
+    from hf_dilated.kinds import KINDS
+
+    s = _decode_settings(**over)
+    g = torch.Generator().manual_seed(17)
+    batch, heads, kv_heads, n, dim = 2, 4, 2, 70, 8
+    q, k, v = (torch.randn(batch, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    k2, v2 = (torch.randn(batch, kv_heads, n, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    k2[:, :, :30], v2[:, :, :30] = k[:, :, :30], v[:, :, :30]
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    mask = pos = None
+    if layout == "left":
+        mask = torch.ones(batch, n, dtype=torch.long)
+        mask[1, :9] = 0
+    if layout == "offset":
+        pos = torch.arange(n)[None].expand(batch, n) + torch.tensor([[3], [0]])
+    state = {}
+    for keys_all, values_all, lo, hi in ((k, v, 40, 60), (k2, v2, 50, 70)):  # the second: cropped to 30, refilled
+        ref = _decode_reference(q[:, :, :hi], keys_all[:, :, :hi], values_all[:, :, :hi], s, inv_freq,
+                                None if mask is None else mask[:, :hi], None if pos is None else pos[:, :hi])
+        cache = _ConcatCache(keys_all, values_all, lo)
+        for t in range(lo, hi):
+            keys, values = cache.append(keys_all[:, :, t:t + 1], values_all[:, :, t:t + 1])
+            kw = dict(is_causal=True, attention_mask=None if mask is None else mask[:, :t + 1],
+                      position_ids=None if pos is None else pos[:, :t + 1], scale=None, dropout_p=0.0, group=None,
+                      layout=None, rope_frequencies=inv_freq)
+            with torch.no_grad():
+                out = KINDS["dilated"].run(q[:, :, t:t + 1], keys, values, s, state=state, **kw)
+            assert (out - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
+    if layout == "offset":
+        assert compiled_steps.frame_count == 0 and "far_summaries" in state
+    else:
+        assert compiled_steps.frame_count == 1 and "far_summaries" not in state  # 40 lengths, one graph
+
+
+def test_generation_with_a_dynamic_cache_takes_the_compiled_step_and_matches_reference(tmp_path, compiled_steps):
+    """generate() with transformers' DynamicCache on a left-padded batch, the GPU's form of its
+    steps (compiled, summaries made in the step): the reference's tokens, row by row, and one
+    graph for every step of every layer."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    entry = dict(ENTRY, far_block_size=4)
+    path = _tiny("llama", tmp_path, entry)
+    AttentionInterface.register("test_sparse_far_reference", _reference_attention(entry))
+    ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dilated", dtype=torch.float64).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(path, attn_implementation="test_sparse_far_reference",
+                                                  dtype=torch.float64).eval()
+    ids = torch.randint(3, 99, (2, 20), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        mine = ours.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, pad_token_id=0)
+        for row, start in ((0, 0), (1, 3)):
+            want = [theirs(mine[row:row + 1, start:t]).logits[:, -1].argmax(-1) for t in range(20, 33)]
+            assert torch.equal(mine[row, 20:], torch.cat(want)), row
+    assert compiled_steps.frame_count == 1
+    assert all("concatenated" in layer.self_attn.__dict__["_hf_dilated_state"] for layer in ours.model.layers)
+
+
+def test_compiled_step_on_a_concatenating_cache_builds_with_inductor():
+    """The GPU's form compiled as the GPU compiles it (inductor; C++ here, Triton there): it builds,
+    and matches the eager path's kernel (sparse_far_decode, tested against the reference above) in
+    float32, with the cache's length dynamic (one graph for two lengths)."""
+    import torch._dynamo.testing as dynamo_testing
+
+    from hf_dilated.ops import sparse_far_static
+    from hf_dilated.ops.sparse_far_decode import sparse_far_decode
+
+    counter = dynamo_testing.CompileCounterWithBackend("inductor")
+    g = torch.Generator().manual_seed(5)
+    selection, dim = FarSelection(2, 8, 1), 16
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    settings = dict(local_window=32, far_band=16, selection=selection, scale=0.25, first=[0, 3], shift=[0, -3],
+                    rotation=(8, 2, inv_freq))
+    torch._dynamo.reset()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sparse_far_static, "BACKEND", counter)
+            mp.setattr(sparse_far_static, "_COMPILED", {})
+            for n in (150, 151):
+                q = torch.randn(2, 4, 1, dim, generator=g)
+                k, v = (torch.randn(2, 2, n, dim, generator=g) for _ in "kv")
+                with torch.no_grad():
+                    out = sparse_far_static.concatenated_step(q, k, v, state={}, **settings)
+                    want = sparse_far_decode(q, k, v, **settings)
+                torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1
+
+
 def test_inference_path_takes_strided_inputs():
     """q, k, v as transformers hands them (views of (batch, n, heads, d) projections, transposed):
     the plain path reads them without a flat view (a bug found by the eval's pair count)."""

@@ -476,8 +476,9 @@ WARM_PARTS = ("model", "static")
 
 def warm_plan(parts, s: dict, device: str) -> list[tuple[str, dict]]:
     """(part|key, spec) of the cases of `parts` whose first call compiles on a GPU: the default
-    conversion's prefill (its selection plan and FlexAttention, one graph per length) and every
-    StaticCache decode step (the whole model under torch.compile)."""
+    conversion's prefill (its selection plan and FlexAttention, one graph per length) and its
+    DynamicCache decode step (ops/sparse_far_static.concatenated_step), and every StaticCache
+    decode step (the whole model under torch.compile)."""
     out = []
     for part in parts:
         if part not in WARM_PARTS:
@@ -504,7 +505,10 @@ def warm_case(spec: dict) -> float:
     model.eval()
     start = time.perf_counter()
     with torch.no_grad():
-        _prefill(model, ids, DynamicCache(config=config))
+        cache = DynamicCache(config=config)
+        _prefill(model, ids, cache)
+        # and a decode step: on a GPU, a DynamicCache's step with sparse far keys compiles its own
+        model(input_ids=ids[:, -1:], **{_cache_arg(model): cache}, use_cache=True)
     if ids.is_cuda:
         torch.cuda.synchronize()
     return time.perf_counter() - start

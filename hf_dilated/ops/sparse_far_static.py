@@ -13,6 +13,10 @@ Two forms:
   the cache (they are made by an eager call on it: transformers' generate() runs the prefill
   eagerly) or a layer reads every far key (far_band without far_top_k).
 
+kept_step also serves eager steps on a GPU (sections at the end): replayed as a CUDA graph over
+the buffer of a cache that writes in place (`reserved_step`), and compiled, its summaries made
+in the step, for a cache that concatenates (`concatenated_step`, transformers' DynamicCache).
+
 The summaries' life: an eager call on a static cache (`keep`) builds them from the cache, or, when
 the cache is the one they were built on plus this call's tokens, folds in those tokens; a compiled
 call of several queries (a compiled prefill) rebuilds them in its graph; a compiled step of one
@@ -158,11 +162,12 @@ def keep(k: torch.Tensor, real: torch.Tensor, seen: int, q_len: int, size: int, 
 
 
 def kept_step(q, k, v, q_far, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
-              real, seen, rotation, kept: KeptSummaries):
+              real, seen, rotation, kept: KeptSummaries, refresh: bool = True):
     """A compiled step's output (shaped like q) from kept summaries (module docstring). q (batch,
     heads, q_len, d) the queries at slots seen - q_len .. seen - 1, q_far the same at their far
     positions; k, v (batch, kv_heads, N, d) the cache's slots; real (batch, N) the written slots
-    holding tokens; seen a 0-d tensor. q_len > 1 (a compiled prefill) rebuilds the summaries first."""
+    holding tokens; seen a 0-d tensor. q_len > 1 (a compiled prefill) rebuilds the summaries first;
+    refresh=False: the caller made them from the whole cache (concatenated_step)."""
     batch, n_heads, q_len, dim = q.shape
     kv_heads, n = k.shape[1], k.shape[2]
     group = n_heads // kv_heads
@@ -171,9 +176,9 @@ def kept_step(q, k, v, q_far, *, local_window: int, far_band: int | None, select
     device = q.device
     rank = mask_ranks(real)
     count = rank + 1  # real tokens up to each slot: the first slot of count r + 1 holds rank r
-    if q_len > 1:
+    if refresh and q_len > 1:
         build(kept, k, real, seen, size, rotation)
-    else:
+    elif refresh:
         fold(kept, k, real, rank, seen - 1, size, rotation)
     n_blocks = kept.mn.shape[2] - 1
     summary, empty = bound_operands(kept.mn[:, :, :n_blocks], kept.mx[:, :, :n_blocks], group)
@@ -427,4 +432,133 @@ def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection
                       stacklevel=3)
         return None
     runner.seen, runner.version = seen, version
+    return out
+
+
+# --- an eager step on a cache that concatenates (DynamicCache), compiled -----------------------------
+
+# Where an eager one-query step against a cache that concatenates into a new tensor every step
+# (transformers' DynamicCache) runs compiled (torch.compile, the cache's length dynamic), with the
+# summaries made again from the whole cache in the same call. No graph can hold such a cache (its
+# address changes every step), and summaries kept between its steps cannot be trusted without
+# reading it (a crop, a beam search's reorder, a rewrite): the eager path (sparse_far_decode) checks
+# them by checksums, one pass over the keys and a read back per layer, then ~100 launches. Made in
+# the step, fused, they cost the same pass and nothing else: the rotation to grouped positions and
+# the blocks' minima and maxima in one kernel, exact whatever happened to the cache, no read back.
+# Elsewhere (the CPU: no launches to save, and summaries kept between steps are cheaper there) the
+# eager path.
+COMPILED_ON = ("cuda",)
+BACKEND = "inductor"  # torch.compile's backend for it (tests on the CPU may take a lighter one)
+CUT_CHECK_EVERY = 256  # steps between reads of the ties cut (module docstring: Ties), one read per layer
+_COMPILED = {}  # settings -> the compiled step
+_COMPILE_FAILED: str | None = None  # why compiling failed in this process (steps then take the eager path)
+
+
+class MadeSummaries:
+    """Summaries made from the whole cache in the call (summarise_rows), and the layer's count of
+    ties cut, kept between calls: what kept_step reads as `kept` with refresh=False."""
+
+    def __init__(self, mn, mx, cut):
+        self.mn, self.mx, self.cut = mn, mx, cut
+
+
+def summarise_rows(k: torch.Tensor, first: torch.Tensor, size: int, rotation, dtype) -> tuple:
+    """(mn, mx) as KeptSummaries holds them, (batch, kv_heads, N // size + 2, d), of a cache whose
+    row b holds its real tokens at slots first[b] .. N - 1 (regular rows; positions their ranks):
+    block c of row b is slots first[b] + c B ... One gather, rotation and reduction over the keys,
+    which a compiled call fuses into one pass."""
+    batch, kv_heads, n, dim = k.shape
+    n_blocks = n // size + 1
+    rank = torch.arange(n_blocks * size, device=k.device)
+    slot = first[:, None] + rank  # (batch, blocks * B)
+    ok = (slot < n)[:, None, :, None]
+    keys = k.gather(2, slot.clamp(max=n - 1)[:, None, :, None].expand(batch, kv_heads, -1, dim))
+    keys = _far_turned(keys, rank.expand(batch, -1), rotation).to(dtype)
+    mn = keys.masked_fill(~ok, float("inf")).unflatten(2, (n_blocks, size)).amin(3)
+    mx = keys.masked_fill(~ok, float("-inf")).unflatten(2, (n_blocks, size)).amax(3)
+    dump = mn.new_full((batch, kv_heads, 1, dim), float("inf"))  # kept_step's last row: nobody's block
+    return torch.cat([mn, dump], 2), torch.cat([mx, -dump], 2)
+
+
+def _concatenated(q, k, v, first, cut, inv_freq, *, local_window: int, far_band: int | None,
+                  selection: FarSelection, scale: float, far: tuple | None):
+    """The step that concatenated_step compiles: summaries from the whole cache, then kept_step."""
+    n = k.shape[2]
+    rotation = None if far is None else (*far, inv_freq)
+    real = torch.arange(n, device=k.device) >= first[:, None]
+    seen = torch.full((), n, dtype=torch.long, device=k.device)
+    mn, mx = summarise_rows(k, first, selection.block_size, rotation, bound_dtype(k.dtype))
+    q_far = q if rotation is None else far_queries_static(q, real, seen, *rotation)
+    return kept_step(q, k, v, q_far, local_window=local_window, far_band=far_band, selection=selection, scale=scale,
+                     real=real, seen=seen, rotation=rotation, kept=MadeSummaries(mn, mx, cut), refresh=False)
+
+
+class ConcatenatedState:
+    """What a layer keeps between its compiled steps: the rows' first slots on the device (made once
+    per layout, so that no step copies from the host) and the count of ties cut."""
+
+    def __init__(self, device):
+        self.rows, self.first = None, None
+        self.cut = torch.zeros((), dtype=torch.int32, device=device)
+        self.steps = self.length = 0  # steps in a row, and the cache's length at the last one
+
+
+def _compiled(settings: dict):
+    key = tuple(sorted(settings.items(), key=lambda item: item[0]))
+    step = _COMPILED.get(key)
+    if step is None:
+        def concatenated(q, k, v, first, cut, inv_freq):
+            return _concatenated(q, k, v, first, cut, inv_freq, **settings)
+
+        step = _COMPILED[key] = torch.compile(concatenated, backend=BACKEND, fullgraph=True)
+    return step
+
+
+def concatenated_step(q, k, v, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
+                      first: list[int], shift: list[int], rotation, state: dict):
+    """An eager one-query step on a cache that concatenates (module section above), compiled, or
+    None (nothing done) where it does not apply: a key tensor that is a view (an in-place cache:
+    reserved_step's), positions other than the mask ranks, inside an outer torch.compile, and once
+    compiling failed here (warned once), and with dynamo switched off (TORCHDYNAMO_DISABLE=1: the
+    eager path keeps its summaries, cheaper uncompiled). `state` the layer's dict (kinds.py)."""
+    global _COMPILE_FAILED
+    if (_COMPILE_FAILED is not None or torch._dynamo.config.disable or torch.compiler.is_compiling()
+            or k._base is not None or v._base is not None or any(s != -f for f, s in zip(first, shift))
+            or q.requires_grad or k.requires_grad):
+        return None
+    held = state.get("concatenated")
+    if held is None or held.cut.device != q.device:
+        held = state["concatenated"] = ConcatenatedState(q.device)
+    if held.rows != tuple(first):  # (a copy from the host once per layout, not per step)
+        held.rows, held.first = tuple(first), torch.tensor(first, dtype=torch.long, device=q.device)
+    far = None if rotation is None else (rotation[0], rotation[1])
+    inv_freq = (torch.empty(0, device=q.device) if rotation is None else rotation[2]).to(q.device)
+    settings = dict(local_window=local_window, far_band=far_band, selection=selection, scale=scale, far=far)
+    for t in (k, v):  # the cache's length changes every step: one graph for all of them
+        torch._dynamo.maybe_mark_dynamic(t, 2)
+    # Under a dispatch mode of the user's (a FLOP counter, a debug mode) dynamo compiles nothing: the
+    # same step, called.
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    step = (_compiled(settings) if _get_current_dispatch_mode() is None
+            else lambda *a: _concatenated(*a, **settings))
+    try:
+        out = step(q, k, v, held.first, held.cut, inv_freq)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:  # compiling failed: the eager step from now on
+        _COMPILE_FAILED = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"hf_dilated: compiling the decode step for a concatenating cache failed "
+                      f"({_COMPILE_FAILED[:500]}); decode steps take the eager path from now on (the same "
+                      "results, more launches)", RuntimeWarning, stacklevel=3)
+        return None
+    # The ties cut are read back (one read) at a step that does not follow the last one (the next
+    # generation's first: a read is due there anyway, after its prefill) and every CUT_CHECK_EVERY steps.
+    held.steps = held.steps + 1 if k.shape[2] == held.length + 1 else 0
+    held.length = k.shape[2]
+    if held.steps % CUT_CHECK_EVERY == 0 and int(held.cut):
+        warnings.warn(f"hf_dilated: decode steps met more than {TIE_SLOTS} blocks tied at the far_top_k-th bound "
+                      f"{int(held.cut)} times and read the first {TIE_SLOTS} of them (docs/contract.md 4.2 reads "
+                      "them all)", RuntimeWarning, stacklevel=3)
+        held.cut.zero_()
     return out
