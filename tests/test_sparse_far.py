@@ -1069,6 +1069,40 @@ def test_generation_with_a_dynamic_cache_takes_the_compiled_step_and_matches_ref
     assert all("concatenated" in layer.self_attn.__dict__["_hf_dilated_state"] for layer in ours.model.layers)
 
 
+@pytest.mark.cuda
+def test_cuda_compiled_steps_on_a_concatenating_cache_match_reference(monkeypatch):
+    """On CUDA, as it runs there: steps against a DynamicCache-like cache (a new tensor each step),
+    left-padded, compiled by inductor (Triton), float64: each equals the float64 reference, and no
+    step fell back to the eager path (nothing failed to compile)."""
+    import warnings
+
+    from hf_dilated.kinds import KINDS
+    from hf_dilated.ops import sparse_far_static
+
+    monkeypatch.setattr(sparse_far_static, "_COMPILED", {})
+    monkeypatch.setattr(sparse_far_static, "_COMPILE_FAILED", None)
+    s = _decode_settings()
+    g = torch.Generator().manual_seed(19)
+    batch, heads, kv_heads, n, dim = 2, 4, 2, 70, 8
+    q, k, v = (torch.randn(batch, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    mask = torch.ones(batch, n, dtype=torch.long)
+    mask[1, :9] = 0
+    ref = _decode_reference(q, k, v, s, inv_freq, mask)
+    cache = _ConcatCache(k.cuda(), v.cuda(), 40)
+    state = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback warns
+        for t in range(40, n - 1):
+            keys, values = cache.append(k[:, :, t:t + 1].cuda(), v[:, :, t:t + 1].cuda())
+            kw = dict(is_causal=True, attention_mask=mask[:, :t + 1].cuda(), position_ids=None, scale=None,
+                      dropout_p=0.0, group=None, layout=None, rope_frequencies=inv_freq.cuda())
+            with torch.no_grad():
+                out = KINDS["dilated"].run(q[:, :, t:t + 1].cuda(), keys, values, s, state=state, **kw)
+            assert (out.cpu() - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
+    assert "concatenated" in state and "far_summaries" not in state
+
+
 def test_compiled_step_on_a_concatenating_cache_builds_with_inductor():
     """The GPU's form compiled as the GPU compiles it (inductor; C++ here, Triton there): it builds,
     and matches the eager path's kernel (sparse_far_decode, tested against the reference above) in
