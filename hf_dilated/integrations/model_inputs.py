@@ -65,7 +65,11 @@ def padding_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attenti
                              f"{kv_offset + kv_length}")
         return attention_mask.to(torch.bool)
     q_offset, q_length = int(q_offset or 0), int(q_length)
-    if q_offset == 0 and q_length > 1 and mask_function is not None:
+    # transformers clears allow_is_causal_skip wherever it lays its packed-sequence overlay on the mask
+    # function (masking_utils, every version we support): while it is set there is nothing to find,
+    # and the check (a read back: a stall on a GPU) is skipped.
+    may_be_packed = not kwargs.get("allow_is_causal_skip", False)
+    if q_offset == 0 and q_length > 1 and mask_function is not None and may_be_packed:
         starts = _document_starts(mask_function, batch_size, q_length, device)
         if starts is not None:
             return starts
