@@ -338,10 +338,11 @@ def test_graphed_decode_step_reads_nothing_back_without_a_mask(monkeypatch):
 
 def test_compiled_step_on_a_dynamic_cache_reads_nothing_back(monkeypatch):
     """The GPU's decode step of the default conversion with transformers' DynamicCache (the step
-    sparse_far_static.concatenated_step compiles, with fullgraph; under this counter, a dispatch
-    mode, the same function runs uncompiled), no attention mask: a steady-state step reads nothing
-    back. (The eager path read back in every layer: checking its kept summaries against the new
-    tensor.)"""
+    sparse_far_static.concatenated_step compiles; under this counter, a dispatch mode, the same
+    function runs uncompiled), no attention mask: a steady-state step reads nothing back. (The
+    eager path read back in every layer: checking its kept summaries against the new tensor.) The
+    compiled form cannot read back either: it compiles with fullgraph=True, where a read back is a
+    graph break, and a graph break an error."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
     from hf_dilated.bench.gpu_table import _model_entry

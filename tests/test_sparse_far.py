@@ -1045,6 +1045,56 @@ def test_compiled_steps_on_a_concatenating_cache_match_reference(layout, over, c
         assert compiled_steps.frame_count == 1 and "far_summaries" not in state  # 40 lengths, one graph
 
 
+def test_compiled_steps_on_a_concatenating_cache_keep_one_graph_from_the_first_block(compiled_steps):
+    """A cache growing from 2 tokens to more blocks than top_k + the tie slots (where a compiled
+    step's Python decisions on the block count would change): every step equals the reference,
+    all of them with one graph (the summaries carry spare empty blocks)."""
+    from hf_dilated.kinds import KINDS
+
+    s = _decode_settings(far_top_k=3)
+    g = torch.Generator().manual_seed(23)
+    heads, kv_heads, n, dim = 4, 2, 70, 8  # blocks of 4: 1 block at first, 18 at the end (3 + 8 tie slots + 1 sink)
+    q, k, v = (torch.randn(1, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    ref = _decode_reference(q, k, v, s, inv_freq)
+    cache, state = _ConcatCache(k, v, 2), {}
+    kw = dict(is_causal=True, attention_mask=None, position_ids=None, scale=None, dropout_p=0.0, group=None,
+              layout=None, rope_frequencies=inv_freq)
+    for t in range(2, n):
+        keys, values = cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        with torch.no_grad():
+            out = KINDS["dilated"].run(q[:, :, t:t + 1], keys, values, s, state=state, **kw)
+        assert (out - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
+    assert compiled_steps.frame_count == 1
+
+
+def test_compiled_steps_on_a_concatenating_cache_stay_compiled_across_settings_and_modes(compiled_steps):
+    """Each layer's settings compile apart (dynamo's recompile limit counts per code object: shared,
+    the settings of a few layers, or their dtypes and batch sizes, ran out of it and turned the
+    compiled steps off for the process), and a step under inference mode, then one outside it,
+    both stay compiled (the kept tie counter is a normal tensor)."""
+    from hf_dilated.ops import sparse_far_static
+
+    g = torch.Generator().manual_seed(29)
+    q = torch.randn(1, 4, 1, 8, generator=g)
+    k, v = (torch.randn(1, 2, 60, 8, generator=g) for _ in "kv")
+    with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
+        for top_k in (1, 2, 3):  # three settings, one graph each, under a limit of one graph per code object
+            out = sparse_far_static.concatenated_step(q, k, v, local_window=16, far_band=8,
+                                                      selection=FarSelection(top_k, 4, 1), scale=0.3, first=[0],
+                                                      shift=[0], rotation=None, state={})
+            assert out is not None
+    assert compiled_steps.frame_count == 3 and sparse_far_static._COMPILE_FAILED is None
+    state = {}
+    settings = dict(local_window=16, far_band=8, selection=FarSelection(2, 4, 1), scale=0.3, first=[0], shift=[0],
+                    rotation=None, state=state)
+    with torch.inference_mode():
+        assert sparse_far_static.concatenated_step(q, k, v, **settings) is not None
+    with torch.no_grad():
+        assert sparse_far_static.concatenated_step(q, k, v, **settings) is not None
+    assert sparse_far_static._COMPILE_FAILED is None
+
+
 def test_generation_with_a_dynamic_cache_takes_the_compiled_step_and_matches_reference(tmp_path, compiled_steps):
     """generate() with transformers' DynamicCache on a left-padded batch, the GPU's form of its
     steps (compiled, summaries made in the step): the reference's tokens, row by row, and one

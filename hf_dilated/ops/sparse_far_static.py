@@ -35,6 +35,7 @@ call does; one read of the count there, beside a pass over the whole cache).
 """
 from __future__ import annotations
 
+import types
 import warnings
 
 import torch
@@ -452,6 +453,7 @@ BACKEND = "inductor"  # torch.compile's backend for it (tests on the CPU may tak
 CUT_CHECK_EVERY = 256  # steps between reads of the ties cut (module docstring: Ties), one read per layer
 _COMPILED = {}  # settings -> the compiled step
 _COMPILE_FAILED: str | None = None  # why compiling failed in this process (steps then take the eager path)
+_RECOMPILE_LIMIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())  # (what fullgraph raises there)
 
 
 class MadeSummaries:
@@ -462,13 +464,15 @@ class MadeSummaries:
         self.mn, self.mx, self.cut = mn, mx, cut
 
 
-def summarise_rows(k: torch.Tensor, first: torch.Tensor, size: int, rotation, dtype) -> tuple:
-    """(mn, mx) as KeptSummaries holds them, (batch, kv_heads, N // size + 2, d), of a cache whose
-    row b holds its real tokens at slots first[b] .. N - 1 (regular rows; positions their ranks):
-    block c of row b is slots first[b] + c B ... One gather, rotation and reduction over the keys,
-    which a compiled call fuses into one pass."""
+def summarise_rows(k: torch.Tensor, first: torch.Tensor, size: int, rotation, dtype, spare: int = 0) -> tuple:
+    """(mn, mx) as KeptSummaries holds them, (batch, kv_heads, N // size + 2 + spare, d), of a cache
+    whose row b holds its real tokens at slots first[b] .. N - 1 (regular rows; positions their
+    ranks): block c of row b is slots first[b] + c B ... One gather, rotation and reduction over the
+    keys, which a compiled call fuses into one pass. `spare` empty blocks more past the end (never
+    reached: no key) give a compiled step's Python decisions on the block count (top k, ties) one
+    answer at every length, so that one graph serves them all."""
     batch, kv_heads, n, dim = k.shape
-    n_blocks = n // size + 1
+    n_blocks = n // size + 1 + spare
     rank = torch.arange(n_blocks * size, device=k.device)
     slot = first[:, None] + rank  # (batch, blocks * B)
     ok = (slot < n)[:, None, :, None]
@@ -487,7 +491,9 @@ def _concatenated(q, k, v, first, cut, inv_freq, *, local_window: int, far_band:
     rotation = None if far is None else (*far, inv_freq)
     real = torch.arange(n, device=k.device) >= first[:, None]
     seen = torch.full((), n, dtype=torch.long, device=k.device)
-    mn, mx = summarise_rows(k, first, selection.block_size, rotation, bound_dtype(k.dtype))
+    # spare blocks: at least top_k + TIE_SLOTS + 1 blocks, and two in the reduction (no 0/1 specialisation)
+    mn, mx = summarise_rows(k, first, selection.block_size, rotation, bound_dtype(k.dtype),
+                            spare=selection.sinks + selection.top_k + TIE_SLOTS + 2)
     q_far = q if rotation is None else far_queries_static(q, real, seen, *rotation)
     return kept_step(q, k, v, q_far, local_window=local_window, far_band=far_band, selection=selection, scale=scale,
                      real=real, seen=seen, rotation=rotation, kept=MadeSummaries(mn, mx, cut), refresh=False)
@@ -498,9 +504,19 @@ class ConcatenatedState:
     per layout, so that no step copies from the host) and the count of ties cut."""
 
     def __init__(self, device):
-        self.rows, self.first = None, None
-        self.cut = torch.zeros((), dtype=torch.int32, device=device)
+        self.first = {}  # rows' first slots (a tuple) -> on the device; a few layouts
+        with torch.inference_mode(False):  # written by steps in and out of inference mode alike
+            self.cut = torch.zeros((), dtype=torch.int32, device=device)
         self.steps = self.length = 0  # steps in a row, and the cache's length at the last one
+
+    def first_slots(self, first: list[int], device) -> torch.Tensor:
+        held = self.first.get(tuple(first))
+        if held is None:  # (a copy from the host once per layout, not per step)
+            if len(self.first) >= 8:
+                self.first.clear()
+            with torch.inference_mode(False):
+                held = self.first[tuple(first)] = torch.tensor(first, dtype=torch.long, device=device)
+        return held
 
 
 def _compiled(settings: dict):
@@ -510,7 +526,11 @@ def _compiled(settings: dict):
         def concatenated(q, k, v, first, cut, inv_freq):
             return _concatenated(q, k, v, first, cut, inv_freq, **settings)
 
-        step = _COMPILED[key] = torch.compile(concatenated, backend=BACKEND, fullgraph=True)
+        # A code object of its own per settings: dynamo keeps at most recompile_limit (8) graphs per code
+        # object, and each settings' dtypes, batch sizes, grad modes and devices take some.
+        code = concatenated.__code__.replace(co_name=f"concatenated_{len(_COMPILED)}")
+        own = types.FunctionType(code, concatenated.__globals__, code.co_name, None, concatenated.__closure__)
+        step = _COMPILED[key] = torch.compile(own, backend=BACKEND, fullgraph=True)
     return step
 
 
@@ -529,8 +549,6 @@ def concatenated_step(q, k, v, *, local_window: int, far_band: int | None, selec
     held = state.get("concatenated")
     if held is None or held.cut.device != q.device:
         held = state["concatenated"] = ConcatenatedState(q.device)
-    if held.rows != tuple(first):  # (a copy from the host once per layout, not per step)
-        held.rows, held.first = tuple(first), torch.tensor(first, dtype=torch.long, device=q.device)
     far = None if rotation is None else (rotation[0], rotation[1])
     inv_freq = (torch.empty(0, device=q.device) if rotation is None else rotation[2]).to(q.device)
     settings = dict(local_window=local_window, far_band=far_band, selection=selection, scale=scale, far=far)
@@ -543,9 +561,11 @@ def concatenated_step(q, k, v, *, local_window: int, far_band: int | None, selec
     step = (_compiled(settings) if _get_current_dispatch_mode() is None
             else lambda *a: _concatenated(*a, **settings))
     try:
-        out = step(q, k, v, held.first, held.cut, inv_freq)
+        out = step(q, k, v, held.first_slots(first, q.device), held.cut, inv_freq)
     except torch.OutOfMemoryError:
         raise
+    except _RECOMPILE_LIMIT:  # graphs enough for these settings (dtypes, batches, devices): this call eagerly
+        return None
     except Exception as exc:  # compiling failed: the eager step from now on
         _COMPILE_FAILED = f"{type(exc).__name__}: {exc}"
         warnings.warn(f"hf_dilated: compiling the decode step for a concatenating cache failed "
