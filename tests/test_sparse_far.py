@@ -1153,6 +1153,30 @@ def test_cuda_compiled_steps_on_a_concatenating_cache_match_reference(monkeypatc
     assert "concatenated" in state and "far_summaries" not in state
 
 
+@pytest.mark.parametrize("chunk_slots", (1 << 14, 8), ids=("one_pass", "chunks_of_2_blocks"))
+def test_summaries_made_in_a_step_equal_the_kept_ones(chunk_slots, monkeypatch):
+    """summarise_rows (the compiled step's summaries: a gather by rank, in chunks when uncompiled)
+    equals `build` (the kept summaries' scatter by mask rank) on a left-padded cache, rotation to
+    grouped positions included; its spare blocks are empty."""
+    from hf_dilated.ops import sparse_far_static
+
+    monkeypatch.setattr(sparse_far_static, "_BUILD_SLOTS", chunk_slots)
+    g = torch.Generator().manual_seed(31)
+    k = torch.randn(3, 2, 45, 8, generator=g, dtype=torch.float64)
+    first = torch.tensor([0, 5, 44])
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    rotation = (8, 2, inv_freq)
+    real = torch.arange(45)[None] >= first[:, None]
+    kept = sparse_far_static.KeptSummaries(k, 4, sparse_far_static.settings_of(4, rotation))
+    sparse_far_static.build(kept, k, real, torch.tensor(45), 4, rotation)
+    mn, mx = sparse_far_static.summarise_rows(k, first, 4, rotation, kept.mn.dtype, spare=3)
+    blocks = kept.mn.shape[2] - 1
+    torch.testing.assert_close(mn[:, :, :blocks], kept.mn[:, :, :blocks], rtol=0, atol=1e-12)
+    torch.testing.assert_close(mx[:, :, :blocks], kept.mx[:, :, :blocks], rtol=0, atol=1e-12)
+    assert mn.shape[2] == blocks + 3 + 1 and bool((mn[:, :, blocks:] == float("inf")).all())
+    assert bool((mx[:, :, blocks:] == float("-inf")).all())
+
+
 def test_compiled_step_on_a_concatenating_cache_builds_with_inductor():
     """The GPU's form compiled as the GPU compiles it (inductor; C++ here, Triton there): it builds,
     and matches the eager path's kernel (sparse_far_decode, tested against the reference above) in

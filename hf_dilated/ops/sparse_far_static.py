@@ -473,15 +473,23 @@ def summarise_rows(k: torch.Tensor, first: torch.Tensor, size: int, rotation, dt
     answer at every length, so that one graph serves them all."""
     batch, kv_heads, n, dim = k.shape
     n_blocks = n // size + 1 + spare
-    rank = torch.arange(n_blocks * size, device=k.device)
-    slot = first[:, None] + rank  # (batch, blocks * B)
-    ok = (slot < n)[:, None, :, None]
-    keys = k.gather(2, slot.clamp(max=n - 1)[:, None, :, None].expand(batch, kv_heads, -1, dim))
-    keys = _far_turned(keys, rank.expand(batch, -1), rotation).to(dtype)
-    mn = keys.masked_fill(~ok, float("inf")).unflatten(2, (n_blocks, size)).amin(3)
-    mx = keys.masked_fill(~ok, float("-inf")).unflatten(2, (n_blocks, size)).amax(3)
-    dump = mn.new_full((batch, kv_heads, 1, dim), float("inf"))  # kept_step's last row: nobody's block
-    return torch.cat([mn, dump], 2), torch.cat([mx, -dump], 2)
+
+    def blocks(c0, c1):  # (mn, mx) of blocks c0 .. c1 - 1
+        rank = torch.arange(c0 * size, c1 * size, device=k.device)
+        slot = first[:, None] + rank  # (batch, (c1 - c0) B)
+        ok = (slot < n)[:, None, :, None]
+        keys = k.gather(2, slot.clamp(max=n - 1)[:, None, :, None].expand(batch, kv_heads, -1, dim))
+        keys = _far_turned(keys, rank.expand(batch, -1), rotation).to(dtype)
+        return (keys.masked_fill(~ok, float("inf")).unflatten(2, (c1 - c0, size)).amin(3),
+                keys.masked_fill(~ok, float("-inf")).unflatten(2, (c1 - c0, size)).amax(3))
+
+    if torch.compiler.is_compiling():  # one fused pass: no temporaries
+        parts = [blocks(0, n_blocks)]
+    else:  # uncompiled (under a dispatch mode): in chunks, which bound the temporaries
+        step = max(1, _BUILD_SLOTS // size)
+        parts = [blocks(c, min(n_blocks, c + step)) for c in range(0, n_blocks, step)]
+    dump = torch.full((batch, kv_heads, 1, dim), float("inf"), dtype=dtype, device=k.device)  # kept_step's last row
+    return (torch.cat([p[0] for p in parts] + [dump], 2), torch.cat([p[1] for p in parts] + [-dump], 2))
 
 
 def _concatenated(q, k, v, first, cut, inv_freq, *, local_window: int, far_band: int | None,
