@@ -668,8 +668,8 @@ def test_gpu_table_compiles_ahead_the_cases_whose_first_call_compiles(tmp_path):
         f"static|{key}" for key, spec in gpu_table.plan("static", s, "cpu") if not spec.get("fallback")]
     data = gpu_table.warm(["model"], s, tmp_path, budget_s=300, log=lambda m: None)
     assert list(data["cases"]) == keys[:len(s["prefill_lengths"])]
-    for case in data["cases"].values():
-        assert case["rc"] == 0 and case["first_s"] > 0, case
+    for case in data["cases"].values():  # the prefill's first call, then its first decode step's
+        assert case["rc"] == 0 and case["first_s"] > 0 and case["step_s"] > 0, case
     assert json.loads((tmp_path / "warm.json").read_text())["cases"] == data["cases"]
     # the table names what was compiled ahead, and each prefill row its first call there
     text = gpu_table.render(s, tmp_path)

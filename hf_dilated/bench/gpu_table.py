@@ -402,7 +402,7 @@ def block_sparse_case(spec: dict, own_process: bool = False) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# The plan: every case of a part, in the order it runs (cheap first, sdpa before ours)
+# The plan: every case of a part, in the order it runs (sdpa before ours; cheap first, but training)
 # --------------------------------------------------------------------------------------------
 
 def _kind(name: str) -> str:
@@ -491,29 +491,34 @@ def warm_plan(parts, s: dict, device: str) -> list[tuple[str, dict]]:
     return out
 
 
-def warm_case(spec: dict) -> float:
-    """Seconds of the compiling first call of one case (a static case runs whole: its steps are few).
-    Run beside the tests, so its kernels' autotuning choices are not kept (the timed case makes its
-    own, on a quiet GPU); what it compiled is."""
+def warm_case(spec: dict, report=print) -> None:
+    """Reports (`report`, a line each) the seconds of the compiling first call of one case: "first
+    call X s" (the prefill; a static case runs whole: its steps are few), then for a model case
+    "first step Y s" (a decode step on the prefill's DynamicCache: on a GPU the default conversion's
+    compiles its own). Run beside the tests, so its kernels' autotuning choices are not kept (the
+    timed case makes its own, on a quiet GPU); what it compiled is."""
     import torch
     from transformers import DynamicCache
 
     torch._inductor.config.autotune_local_cache = False  # not part of the compiled graphs' cache key
-    if spec["kind"].endswith(":static_case"):
+
+    def timed(fn):
         start = time.perf_counter()
-        static_case(spec)
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return time.perf_counter() - start
+
+    if spec["kind"].endswith(":static_case"):
+        report(f"first call {timed(lambda: static_case(spec)):.3f} s")
+        return
     model, config, ids = _build_model(spec)
     model.eval()
-    start = time.perf_counter()
+    cache = DynamicCache(config=config)
     with torch.no_grad():
-        cache = DynamicCache(config=config)
-        _prefill(model, ids, cache)
-        # and a decode step: on a GPU, a DynamicCache's step with sparse far keys compiles its own
-        model(input_ids=ids[:, -1:], **{_cache_arg(model): cache}, use_cache=True)
-    if ids.is_cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+        report(f"first call {timed(lambda: _prefill(model, ids, cache)):.3f} s")
+        step = lambda: model(input_ids=ids[:, -1:], **{_cache_arg(model): cache}, use_cache=True)  # noqa: E731
+        report(f"first step {timed(step):.3f} s")
 
 
 def warm(parts, s: dict, out: Path, budget_s: float, log=None) -> dict:
@@ -547,15 +552,26 @@ def warm(parts, s: dict, out: Path, budget_s: float, log=None) -> dict:
             proc.wait()
             result = {"rc": None, "error": f"still compiling after the {budget_s:.0f} s: stopped"}
         text = (logs / f"{i}.log").read_text(errors="replace")
-        found = re.findall(r"^first call ([0-9.]+) s$", text, re.M)
-        if found:
-            result["first_s"] = float(found[-1])
-        elif result["rc"] is not None:
+        for name, field in (("call", "first_s"), ("step", "step_s")):  # the prefill's, then a decode step's
+            found = re.findall(rf"^first {name} ([0-9.]+) s$", text, re.M)
+            if found:
+                result[field] = float(found[-1])
+        if "first_s" not in result and result["rc"] is not None:
             result["error"] = text.strip().splitlines()[-1][:300] if text.strip() else f"exit {result['rc']}"
         data["cases"][key] = result
-        log(f"  warm {key}: " + (f"first call {result['first_s']:.1f} s" if "first_s" in result else result["error"]))
+        log(f"  warm {key}: {_warmed(result)}")
     _write(out / "warm.json", data)
     return data
+
+
+def _warmed(case: dict) -> str:
+    """A warm case in words: its first call (and first decode step), or why none."""
+    said = [f"first call {case['first_s']:.1f} s"] if "first_s" in case else []
+    if "step_s" in case:
+        said.append(f"first decode step {case['step_s']:.1f} s")
+    if case.get("error"):
+        said.append(case["error"])
+    return ", ".join(said) or "?"
 
 
 def _write(path: Path, data: dict) -> None:
@@ -928,8 +944,7 @@ def markdown(s: dict, rows: list[dict], tests: dict, env: dict, parts: dict) -> 
     warmed = parts.get("warm", {}).get("cases", {})
     if warmed:
         lines.append("- compiled ahead, beside the tests: " + "; ".join(
-            f"{key} " + (f"first call {c['first_s']:.1f} s" if "first_s" in c else c.get("error", "?"))
-            for key, c in warmed.items()))
+            f"{key} {_warmed(c)}" for key, c in warmed.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -975,7 +990,7 @@ def main(argv=None) -> int:
         q.add_argument("--smoke", action="store_true", help="tiny sizes (checks the script on a CPU)")
     args = p.parse_args(argv)
     if args.command == "warm-case":
-        print(f"first call {warm_case(args.spec):.1f} s", flush=True)
+        warm_case(args.spec, report=lambda line: print(line, flush=True))
         return 0
     s = settings(args.smoke)
     if args.command == "run":
