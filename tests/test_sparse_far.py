@@ -1068,6 +1068,24 @@ def test_compiled_steps_on_a_concatenating_cache_keep_one_graph_from_the_first_b
     assert compiled_steps.frame_count == 1
 
 
+def test_compiled_step_waits_for_far_keys(compiled_steps):
+    """A converted model used within its original context (no query past local_window: no far key)
+    compiles nothing (tens of seconds on a GPU, for no far key): its steps take the eager path,
+    which reads the band alone; the first step with a far key compiles."""
+    from hf_dilated.ops import sparse_far_static
+
+    g = torch.Generator().manual_seed(37)
+    settings = dict(local_window=16, far_band=8, selection=FarSelection(2, 4, 1), scale=0.3, rotation=None)
+    q = torch.randn(2, 4, 1, 8, generator=g)
+    k, v = (torch.randn(2, 2, 19, 8, generator=g) for _ in "kv")
+    with torch.no_grad():  # row 1 starts at slot 3: its last token at position 15, row 0's at 18
+        assert sparse_far_static.concatenated_step(q, k[:, :, 3:].clone(), v[:, :, 3:].clone(), first=[0, 0],
+                                                   shift=[0, 0], state={}, **settings) is None  # positions 0..15
+        assert sparse_far_static.concatenated_step(q, k.clone(), v.clone(), first=[0, 3], shift=[0, -3], state={},
+                                                   **settings) is not None  # row 0 at 18: far keys
+    assert compiled_steps.frame_count == 1
+
+
 def test_compiled_steps_on_a_concatenating_cache_stay_compiled_across_settings_and_modes(compiled_steps):
     """Each layer's settings compile apart (dynamo's recompile limit counts per code object: shared,
     the settings of a few layers, or their dtypes and batch sizes, ran out of it and turned the

@@ -546,13 +546,18 @@ def concatenated_step(q, k, v, *, local_window: int, far_band: int | None, selec
                       first: list[int], shift: list[int], rotation, state: dict):
     """An eager one-query step on a cache that concatenates (module section above), compiled, or
     None (nothing done) where it does not apply: a key tensor that is a view (an in-place cache:
-    reserved_step's), positions other than the mask ranks, inside an outer torch.compile, and once
-    compiling failed here (warned once), and with dynamo switched off (TORCHDYNAMO_DISABLE=1: the
-    eager path keeps its summaries, cheaper uncompiled). `state` the layer's dict (kinds.py)."""
+    reserved_step's), positions other than the mask ranks, no far key yet, inside an outer
+    torch.compile, once compiling failed here (warned once), and with dynamo switched off
+    (TORCHDYNAMO_DISABLE=1: the eager path keeps its summaries, cheaper uncompiled). `state` the
+    layer's dict (kinds.py)."""
     global _COMPILE_FAILED
     if (_COMPILE_FAILED is not None or torch._dynamo.config.disable or torch.compiler.is_compiling()
             or k._base is not None or v._base is not None or any(s != -f for f, s in zip(first, shift))
             or q.requires_grad or k.requires_grad):
+        return None
+    if k.shape[2] - 1 - min(first) < local_window:
+        # No query has a far key yet (a context within the original one): the eager step reads the band
+        # alone, in a few launches; compiling (tens of seconds on a GPU) waits until far keys exist.
         return None
     held = state.get("concatenated")
     if held is None or held.cut.device != q.device:
