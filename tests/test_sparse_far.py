@@ -854,6 +854,30 @@ def test_model_generation_keeps_the_summaries_and_matches_reference(tmp_path, mo
     assert layers <= made["bounds"] < 9 * layers, made  # 9 steps after the prefill
 
 
+def _left_padded_generation_matches_reference(family, tmp_path, seed, cache_of):
+    """A tiny `family` model (ENTRY, blocks of 4) under `dilated` generates 13 greedy tokens for a
+    left-padded batch of 2 x 20 (generate()'s extra arguments: cache_of(model)); asserts each row's
+    tokens are the float64 reference's (per row, alone, unpadded); returns the model."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    entry = dict(ENTRY, far_block_size=4)
+    path = _tiny(family, tmp_path, entry)
+    AttentionInterface.register("test_sparse_far_reference", _reference_attention(entry))
+    ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dilated", dtype=torch.float64).eval()
+    theirs = AutoModelForCausalLM.from_pretrained(path, attn_implementation="test_sparse_far_reference",
+                                                  dtype=torch.float64).eval()
+    ids = torch.randint(3, 99, (2, 20), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding: the second row's positions are its ranks
+    with torch.no_grad():
+        mine = ours.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, pad_token_id=0,
+                             **cache_of(ours))
+        for row, start in ((0, 0), (1, 3)):
+            want = [theirs(mine[row:row + 1, start:t]).logits[:, -1].argmax(-1) for t in range(20, 33)]
+            assert torch.equal(mine[row, 20:], torch.cat(want)), row
+    return ours
+
+
 @pytest.mark.parametrize("family", ("llama", "gpt_neox"))
 def test_graphed_steps_on_an_in_place_cache_match_reference(tmp_path, monkeypatch, family):
     """The step a GPU replays as one CUDA graph (sparse_far_static.ReservedStep: kept_step over the
@@ -862,8 +886,6 @@ def test_graphed_steps_on_an_in_place_cache_match_reference(tmp_path, monkeypatc
     row, each alone, unpadded); the summaries are built once per buffer and then folded one
     token a step, and the buffer's growth (past 30 tokens here) makes a new step that summarises
     the new buffer."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
-
     from hf_dilated import ReservedCache
     from hf_dilated.integrations import cache as cache_module
     from hf_dilated.ops import sparse_far_static
@@ -875,21 +897,8 @@ def test_graphed_steps_on_an_in_place_cache_match_reference(tmp_path, monkeypatc
     monkeypatch.setattr(sparse_far_static, "build", lambda kept, k, *a: builds.append(k.shape[2]) or
                         real_build(kept, k, *a))
     monkeypatch.setattr(sparse_far_static, "reserved_step", lambda *a, **kw: steps.append(1) or real_step(*a, **kw))
-    entry = dict(ENTRY, far_block_size=4)
-    path = _tiny(family, tmp_path, entry)
-    AttentionInterface.register("test_sparse_far_reference", _reference_attention(entry))
-    ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dilated", dtype=torch.float64).eval()
-    theirs = AutoModelForCausalLM.from_pretrained(path, attn_implementation="test_sparse_far_reference",
-                                                  dtype=torch.float64).eval()
-    ids = torch.randint(3, 99, (2, 20), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # left padding: the second row's positions are its ranks
-    with torch.no_grad():
-        mine = ours.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, pad_token_id=0,
-                             cache=ReservedCache(config=ours.config))
-        for row, start in ((0, 0), (1, 3)):
-            want = [theirs(mine[row:row + 1, start:t]).logits[:, -1].argmax(-1) for t in range(20, 33)]
-            assert torch.equal(mine[row, 20:], torch.cat(want)), row
+    ours = _left_padded_generation_matches_reference(family, tmp_path, 2, lambda model: {
+        "cache": ReservedCache(config=model.config)})
     layers = ours.config.num_hidden_layers
     assert len(steps) == 12 * layers  # every decode step took the graphed form
     capacities = sorted(set(builds))
@@ -1117,22 +1126,7 @@ def test_generation_with_a_dynamic_cache_takes_the_compiled_step_and_matches_ref
     """generate() with transformers' DynamicCache on a left-padded batch, the GPU's form of its
     steps (compiled, summaries made in the step): the reference's tokens, row by row, and one
     graph for every step of every layer."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
-
-    entry = dict(ENTRY, far_block_size=4)
-    path = _tiny("llama", tmp_path, entry)
-    AttentionInterface.register("test_sparse_far_reference", _reference_attention(entry))
-    ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dilated", dtype=torch.float64).eval()
-    theirs = AutoModelForCausalLM.from_pretrained(path, attn_implementation="test_sparse_far_reference",
-                                                  dtype=torch.float64).eval()
-    ids = torch.randint(3, 99, (2, 20), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    with torch.no_grad():
-        mine = ours.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, pad_token_id=0)
-        for row, start in ((0, 0), (1, 3)):
-            want = [theirs(mine[row:row + 1, start:t]).logits[:, -1].argmax(-1) for t in range(20, 33)]
-            assert torch.equal(mine[row, 20:], torch.cat(want)), row
+    ours = _left_padded_generation_matches_reference("llama", tmp_path, 3, lambda model: {})  # its DynamicCache
     assert compiled_steps.frame_count == 1
     assert all("concatenated" in layer.self_attn.__dict__["_hf_dilated_state"] for layer in ours.model.layers)
 
