@@ -767,12 +767,14 @@ def test_flex_plan_and_merge_compile_to_the_eager_results():
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 4, 256, 8, generator=g)
     k = torch.randn(1, 2, 512, 8, generator=g)
-    operands = far_selection.bound_operands(*far_selection.plain_summaries(k, 16, 32), 2)
+    operands = far_selection.bound_operands(*far_selection.plain_summaries(k, 32, 16), 2)
     last = torch.where(torch.arange(256) < 200, torch.arange(256) + 200, -1)
-    args = (q, *operands, last, 3, 1, 16, 512)
+    args = (q, *operands, last, 3, 1, 32, 512)
     torch._dynamo.reset()
     eager, compiled = sparse_far_flex.by_block_plan(*args), torch.compile(sparse_far_flex.by_block_plan)(*args)
-    for a, b in zip(eager, compiled):
+    flat = [(a, b) for a, b in zip(eager, compiled) if not isinstance(a, tuple)] + list(zip(eager[-1], compiled[-1]))
+    assert len(flat) == 11 and eager[5].any()  # blocks of 32: key tiles of 32, some of them full
+    for a, b in flat:
         assert torch.equal(a, b)
     o = torch.randn(1, 2, eager[0].shape[2], 8, generator=g).to(torch.bfloat16)
     part = torch.randn(1, 2, eager[0].shape[2], generator=g).masked_fill(eager[1] < 0, float("-inf"))
@@ -1315,13 +1317,15 @@ def check_flex_far_path(setting, heads, chunked, layout, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ("by_query", "by_block"))
-@pytest.mark.parametrize("block_size", (16, 48, 200))
+@pytest.mark.parametrize("block_size", (16, 64, 48, 200))
 def test_flex_block_mask_lists_every_tile_its_mask_reads(block_size, layout, monkeypatch):
-    """FlexAttention computes only the tiles its BlockMask lists (the eager form used above applies
-    the mask_mod alone, so this is checked here): every (row, key) the mask_mod allows lies in a
-    listed tile, the allowed pairs are the chosen ones, and with small blocks most tiles are not
-    listed (by block, a few: a tile of rows holds one block or neighbours). Leaving out the
-    selected tiles fails this test."""
+    """FlexAttention computes only the tiles its BlockMask lists, and every pair of a full tile
+    without its mask_mod (the eager form used above applies the mask_mod alone, so this is checked
+    here): what the kernel reads (the mask_mod's pairs in the partial tiles, every pair of the full
+    ones) is exactly the chosen pairs, and with small blocks most tiles are not listed (by block, a
+    few: a tile of rows holds one block or neighbours). By block with blocks of 64, a key tile is a
+    block, and a tile of rows of one block that all read the whole of it is full. Leaving out the selected tiles fails this test, and so
+    does a tile of rows of one block called full where a row stops inside it."""
     from torch.nn.attention.flex_attention import create_mask
 
     from hf_dilated.ops import far_selection, sparse_far_flex
@@ -1334,29 +1338,70 @@ def test_flex_block_mask_lists_every_tile_its_mask_reads(block_size, layout, mon
     chosen = far_selection.plain_choice(q_far[:, :, s:], None, None, s, band, selection, operands)
     last = torch.arange(s, n) - band
 
+    def tiles_of(block_mask, count, indices, rows):
+        q_tile, k_tile = block_mask.BLOCK_SIZE
+        dense = sparse_far_flex._flex.BlockMask.from_kv_blocks(count, indices, BLOCK_SIZE=(q_tile, k_tile)).to_dense()
+        return dense.bool().repeat_interleave(q_tile, 2).repeat_interleave(k_tile, 3)[:, :, :rows, :n]
+
     def listed_and_read():
         if layout == "by_query":
             block_mask, heads = sparse_far_flex.by_query_mask(chosen, last, n, block_size), 4
         else:
-            _, *plan, _, tied = sparse_far_flex.by_block_plan(q_far[:, :, s:], *operands, last, 2, 1, block_size, n)
-            assert not tied.any()
+            _, *plan, _, tied_lists = sparse_far_flex.by_block_plan(q_far[:, :, s:], *operands, last, 2, 1, block_size, n)
+            assert not tied_lists[0].any()
             block_mask, heads = sparse_far_flex.by_block_mask(*plan, block_size, n), 2
         rows = block_mask.seq_lengths[0]
         allowed = create_mask(block_mask.mask_mod, 2, heads, rows, n, device="cpu")  # (b, h, rows, k)
-        tiles = block_mask.to_dense().bool()  # (b, h, row tiles, k tiles)
-        tiles = tiles.repeat_interleave(128, 2).repeat_interleave(128, 3)[:, :, :rows, :n]
-        return tiles, allowed
+        partial = tiles_of(block_mask, block_mask.kv_num_blocks, block_mask.kv_indices, rows)
+        full = torch.zeros_like(partial)
+        if block_mask.full_kv_num_blocks is not None:
+            full = tiles_of(block_mask, block_mask.full_kv_num_blocks, block_mask.full_kv_indices, rows)
+        assert not (partial & full).any()
+        return partial, full, allowed
 
-    tiles, allowed = listed_and_read()
-    assert allowed.any() and not (allowed & ~tiles).any()
+    partial, full, allowed = listed_and_read()
+    assert allowed.any() and torch.equal((partial & allowed) | full, allowed)
     assert int(allowed.sum()) == sparse_far_flex.pairs_read(chosen, s, band, block_size)
     if block_size < 128:  # 3 blocks of 200 cover most of 700 keys
-        assert tiles.float().mean() < (0.8 if layout == "by_query" else 0.3)
+        assert (partial | full).float().mean() < (0.8 if layout == "by_query" else 0.3)
+    if layout == "by_block" and block_size == 64:
+        assert full.any()
     if layout == "by_query":
         listed = sparse_far_flex.listed_tiles
         monkeypatch.setattr(sparse_far_flex, "listed_tiles", lambda *a: torch.zeros_like(listed(*a)))
-        tiles, allowed = listed_and_read()
-        assert (allowed & ~tiles).any()
+        partial, full, allowed = listed_and_read()
+        assert (allowed & ~(partial | full)).any()
+
+
+def test_flex_kernel_tile_divides_the_block_masks_on_cuda():
+    """A by-block BlockMask of blocks of 64 has key tiles of 64 keys; on CUDA the compiled kernel
+    is told to take key tiles of 64 too (its own choice, 128 for bfloat16 with head_dim 64 on an
+    H100, does not divide them: torch raises). 128-key tiles, and every call off CUDA, keep the
+    kernel's defaults."""
+    from hf_dilated.ops import sparse_far_flex
+
+    rows = torch.zeros(1, 1, 128, dtype=torch.long)
+    count, indices = torch.zeros(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 8, dtype=torch.int32)
+    mask_64 = sparse_far_flex.by_block_mask(rows, rows, count, indices, count, 64, 512)
+    mask_16 = sparse_far_flex.by_block_mask(rows, rows, count, indices, None, 16, 512)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert mask_64.BLOCK_SIZE == (128, 64) and mask_16.BLOCK_SIZE == (128, 128)
+    assert sparse_far_flex.kernel_options(cuda, mask_64) == {"kernel_options": {"BLOCK_N": 64}}
+    assert sparse_far_flex.kernel_options(cuda, mask_16) == {} and sparse_far_flex.kernel_options(cpu, mask_64) == {}
+
+
+def test_flex_bounds_only_the_blocks_a_query_reaches(monkeypatch):
+    """Bounds and picks cover the blocks up to the last query's last far key, their keys rounded up
+    to a power of two (500 keys, band 300: 256 keys, 16 blocks of 16), not the blocks of the keys'
+    own bucket (512 keys, 32 blocks: twice the bounds); the results stay the reference's."""
+    from hf_dilated.ops import sparse_far_flex
+
+    widths = []
+    real = sparse_far_flex.by_block_plan
+    monkeypatch.setattr(sparse_far_flex, "by_block_plan", lambda q, summary, *rest: widths.append(
+        summary.shape[2]) or real(q, summary, *rest))
+    flex_row_matches_reference(500, FarSelection(2, 16, 1), far_band=300, window=320)
+    assert widths and set(widths) == {16}
 
 
 def test_flex_by_block_reads_tied_blocks_beyond_its_slots():
@@ -1372,7 +1417,8 @@ def test_flex_by_block_reads_tied_blocks_beyond_its_slots():
     selection = FarSelection(2, 4, 0)
     operands = far_selection.bound_operands(*far_selection.plain_summaries(k, 4, 128), 2)
     chosen = far_selection.plain_choice(q[:, :, 200:], None, None, 200, 16, selection, operands)
-    tied = sparse_far_flex.by_block_plan(q[:, :, 200:], *operands, torch.arange(200, 400) - 16, 2, 0, 4, 512)[-1]
+    tied_lists = sparse_far_flex.by_block_plan(q[:, :, 200:], *operands, torch.arange(200, 400) - 16, 2, 0, 4, 512)[-1]
+    tied = tied_lists[0][:, :, :200, :chosen.shape[-1]]
     assert tied.any() and not (tied & ~chosen).any() and int((chosen & ~tied).sum(-1).max()) == 2
     with pair_count.counting() as tally:
         out = sparse_far_plain.sparse_far_forward(q, k, v, q, k, 32, 16, selection, 0.5, far_kernel="flex")

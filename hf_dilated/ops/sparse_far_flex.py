@@ -95,11 +95,20 @@ def _kernel(device: torch.device, kind: str):
 def _flex_call(q, k, v, block_mask, scale, kind: str = "by_query"):
     """(out, lse) of one FlexAttention call; lse natural-log, -inf (out 0) for a row with no key."""
     fn = _kernel(q.device, kind)
+    kw = dict(block_mask=block_mask, scale=scale, enable_gqa=True, **kernel_options(q.device, block_mask))
     aux = getattr(_flex, "AuxRequest", None)
     if aux is not None:
-        out, extra = fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_aux=aux(lse=True))
+        out, extra = fn(q, k, v, return_aux=aux(lse=True), **kw)
         return out, extra.lse
-    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True, return_lse=True)
+    return fn(q, k, v, return_lse=True, **kw)
+
+
+def kernel_options(device: torch.device, block_mask) -> dict:
+    """flex_attention's keyword for a call on `device`: on CUDA, where the BlockMask's key tiles are
+    under 128 keys, the kernel's key tile (BLOCK_N) set to theirs, which it must divide (the compiled
+    kernel's default goes up to 128 keys: an H100's for bfloat16 with head_dim 64)."""
+    key_tile = block_mask.BLOCK_SIZE[1]
+    return {"kernel_options": {"BLOCK_N": key_tile}} if device.type == "cuda" and key_tile < TILE else {}
 
 
 def length_bucket(n: int) -> int:
@@ -149,19 +158,26 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     # Every call has one shape per power of two of the length (one compile for all the lengths in
     # it, where one per length would recompile at each new prompt): the keys are padded to it (no
     # query reaches a padded key, and no tile of them is listed: they cost memory, not work), the
-    # blocks' summaries to the blocks of its tiles (empty ones: never chosen), every call takes
+    # blocks' summaries to a bucket of their own (below; empty ones: never chosen), every call takes
     # `chunk` query rows, the last chunk moved back to end at n (merging only the rows not merged
     # yet), a row shorter than a chunk padded with queries that read nothing. Every operand is
     # contiguous: a compiled call specialises on strides too, and a slice of a longer row has others.
     n_keys = length_bucket(n)
     size = selection.block_size
-    n_blocks = -(-(-(-n_keys // TILE) * TILE) // size)
-    operands = far_selection.bound_operands(*far_selection.plain_summaries(k_far, size, n_blocks),
-                                            n_heads // k_far.shape[1])
+    # Bounds and picks are computed for the blocks holding the far keys of the last query (keys up
+    # to n - 1 - band), their keys rounded up to a power of two like the length: one shape per
+    # bucket of each, and half the blocks or fewer of the keys' bucket (at n = 16K + 64, band 4K:
+    # 256 blocks of 64, not 512).
+    n_blocks = -(-length_bucket(n - band) // size)
+    operands = far_selection.bound_operands(
+        *far_selection.plain_summaries(k_far[:, :, :n_blocks * size], size, n_blocks), n_heads // k_far.shape[1])
     k_far, v = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else t.contiguous()
                 for t in (k_far, v))
     entry_elements = batch * n_heads * slots * q_far.shape[-1] if LAYOUT == "by_block" else 0
     chunk = min(query_chunk(batch * n_heads, n_blocks, entry_elements), max(TILE, n_keys))
+    # each query's last far key (i - band), made once; the rows past n pad a short row and read nothing
+    position = torch.arange(n + chunk, device=q_far.device)
+    lasts = torch.where(position < n, position - band, -1)
     lo = start
     while lo < n:
         e = min(n, lo + chunk)
@@ -169,9 +185,7 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
         q_chunk = q_far[:, :, s:e].contiguous()
         if e - s < chunk:
             q_chunk = torch.nn.functional.pad(q_chunk, (0, 0, 0, chunk - (e - s)))
-        # each query's last far key, on the device; padding queries (rows past e - s) read nothing
-        index = torch.arange(chunk, device=q_far.device)
-        last = torch.where(index < e - s, index + (s - band), -1)
+        last = lasts[s:s + chunk]
         pairs = None
         if pair_count.TALLY.active or LAYOUT != "by_block":
             chosen = far_selection.plain_choice(q_chunk[:, :, :e - s], None, None, s, band, selection, operands)
@@ -213,9 +227,13 @@ def by_query_mask(chosen, last, n: int, size: int):
     """The BlockMask of a chunk's queries (rows of chosen: (batch, heads, rows, blocks)) over n
     keys, rows as they are: its mask_mod reads each query's own selection (keys j <= last[query]
     of its chosen blocks); its tiles are those some query of a 128-query tile chose a block of."""
+    return by_query_block_mask(*by_query_lists(chosen, last, n, size), size, n, chosen.shape[2])
+
+
+def by_query_lists(chosen, last, n: int, size: int):
+    """by_query_mask's tensors: (chosen, last) padded so that the mask_mod's index of every (query,
+    key) of the listed tiles stays inside them, and the BlockMask's (kv_count, kv_indices)."""
     batch, n_heads, rows, n_blocks = chosen.shape
-    # Captured tensors are indexed by every (query, key) of the padded tiles: pad them so that no
-    # index past the sequence reads outside them.
     n_tiles = -(-n // TILE)
     q_rows = -(-rows // TILE) * TILE
     padded_blocks = (n_tiles * TILE - 1) // size + 1
@@ -225,9 +243,11 @@ def by_query_mask(chosen, last, n: int, size: int):
     # Per (query tile, key tile): whether some query of the tile chose a block overlapping the key
     # tile; the listed tiles first, in key order.
     per_tile = chosen[..., :padded_blocks].unflatten(2, (q_rows // TILE, TILE)).any(3)  # (batch, heads, q tiles, blocks)
-    listed = listed_tiles(per_tile, n_tiles, size)
-    kv_count, kv_indices = tile_lists(listed)
+    return (chosen, last, *tile_lists(listed_tiles(per_tile, n_tiles, size)))
 
+
+def by_query_block_mask(chosen, last, kv_count, kv_indices, size: int, n: int, rows: int):
+    """The BlockMask over n keys of by_query_lists' tensors for `rows` queries (before padding)."""
     def mask_mod(b, h, q_idx, kv_idx):
         return chosen[b, h, q_idx, kv_idx // size] & (kv_idx <= last[q_idx])
 
@@ -246,15 +266,15 @@ def by_block_plan(q_chunk, summary, empty, last, top_k: int, sinks: int, size: i
     `last`, not a Python int): compiled on CUDA, one graph per shape (_fused).
 
     q_chunk (batch, heads, rows, d), rows a multiple of TILE; (summary, empty) the far blocks'
-    bound_operands (blocks covering n keys rounded up to a tile, n padded); last (rows,) each
-    query's last far key (-1: a padding query, reads nothing). Each (query, head) gets
+    bound_operands (at least the blocks holding a far key of the last query; n keys, padded); last
+    (rows,) each query's last far key (-1: a padding query, reads nothing). Each (query, head) gets
     min(sinks, blocks) + top_k slots: its sink blocks, then top_picks' blocks (-1: none). Returns
     q_entries (batch, kv_heads, rows', d): the query of each FlexAttention row (rows' the entries
     padded to a tile); row_block, row_last (batch, kv_heads, rows'): its block and last far key (-1
-    on padding rows: they read nothing); kv_count, kv_indices: each row tile's key tiles (the
-    BlockMask's); inverse (batch, kv_heads, entries): the FlexAttention row of each entry, entry
-    ((head in group) * rows + query) * slots + slot; tied (batch, heads, rows, blocks): the blocks
-    tied at a query's top_k-th bound beyond its slots (read by query: usually none)."""
+    on padding rows: they read nothing); kv_count, kv_indices, full_count: by_block_mask's tile
+    lists; inverse (batch, kv_heads, entries): the FlexAttention row of each entry, entry
+    ((head in group) * rows + query) * slots + slot; tied_lists: by_query_lists of the blocks tied
+    at a query's top_k-th bound beyond its slots (read by query: usually none, no tile listed)."""
     batch, n_heads, rows, dim = q_chunk.shape
     kv_heads, n_blocks = summary.shape[1], summary.shape[2]
     device = q_chunk.device
@@ -277,15 +297,23 @@ def by_block_plan(q_chunk, summary, empty, last, top_k: int, sinks: int, size: i
     q_entries = q_chunk.reshape(batch, kv_heads, -1, dim).gather(2, source[..., None].expand(-1, -1, -1, dim))
     inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(entries, device=device).expand_as(order))
     # Per 128-row tile: its entries' blocks are a sorted run lo .. hi; list the key tiles they overlap.
-    n_tiles = -(-n // TILE)
+    kv_tile = key_tile(size)
+    n_tiles = -(-n // kv_tile)
     per_tile = row_block.unflatten(-1, (padded // TILE, TILE))
     hi = per_tile.amax(-1)
     lo = torch.where(per_tile >= 0, per_tile, n_blocks).amin(-1)
-    first = (lo * size // TILE).clamp(max=n_tiles - 1)
-    last_tile = (((hi + 1) * size - 1) // TILE).clamp(max=n_tiles - 1)
+    first = (lo * size // kv_tile).clamp(max=n_tiles - 1)
+    last_tile = (((hi + 1) * size - 1) // kv_tile).clamp(max=n_tiles - 1)
     kv_count = torch.where(hi >= 0, last_tile - first + 1, 0).to(torch.int32)
     kv_indices = (first[..., None] + torch.arange(n_tiles, device=device)).clamp(max=n_tiles - 1).to(torch.int32)
-    return q_entries, row_block, row_last, kv_count, kv_indices, inverse, tied
+    full_count = None
+    if kv_tile == size:  # a row tile of one block whose rows all reach its last key reads every key of it
+        full = (hi >= 0) & (per_tile.amin(-1) == hi) & (
+            row_last.unflatten(-1, (padded // TILE, TILE)).amin(-1) >= (hi + 1) * size - 1)
+        full_count = full.to(torch.int32)
+        kv_count = kv_count.masked_fill(full, 0)  # listed as full, where FlexAttention skips the mask_mod
+    tied_lists = by_query_lists(tied, last, n, size)
+    return q_entries, row_block, row_last, kv_count, kv_indices, full_count, inverse, tied_lists
 
 
 def merge_entries(o, part, inverse, heads: int, rows: int, tied_out, tied_lse):
@@ -311,21 +339,30 @@ def _by_block_call(q_chunk, k_far, v, operands, last, selection: FarSelection, s
     batch, n_heads, rows, _ = q_chunk.shape
     n = k_far.shape[2]
     size = selection.block_size
-    q_entries, *plan, inverse, tied = _fused(by_block_plan)(q_chunk, *operands, last, selection.top_k,
-                                                             selection.sinks, size, n)
+    q_entries, *plan, inverse, tied_lists = _fused(by_block_plan)(q_chunk, *operands, last, selection.top_k,
+                                                                   selection.sinks, size, n)
     o, part = _flex_call(q_entries, k_far, v, by_block_mask(*plan, size, n), scale, "by_block")
-    o2, part2 = _flex_call(q_chunk, k_far, v, by_query_mask(tied, last, n, size), scale)
+    o2, part2 = _flex_call(q_chunk, k_far, v, by_query_block_mask(*tied_lists, size, n, rows), scale)
     return _fused(merge_entries)(o, part, inverse, n_heads, rows, o2, part2)
 
 
-def by_block_mask(row_block, row_last, kv_count, kv_indices, size: int, n: int):
+def key_tile(block_size: int) -> int:
+    """The keys of a by-block BlockMask's tile: the far block itself where it is 32, 64 or 128 keys
+    (a row tile of one block then lists one key tile, all of it that block's: with 128-key tiles and
+    blocks of 64, half of every tile read was another block's, masked), else TILE."""
+    return block_size if block_size in (32, 64, 128) else TILE
+
+
+def by_block_mask(row_block, row_last, kv_count, kv_indices, full_count, size: int, n: int):
     """The BlockMask of by_block_plan's rows over n keys: row r reads the keys of block row_block[r]
-    up to row_last[r], in the key tiles listed for its tile."""
+    up to row_last[r], in the key tiles listed for its tile (tiles of key_tile(size) keys), and
+    every key of a full tile (full_count: one, or None where a key tile is not a block)."""
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx // size == row_block[b, h, q_idx]) & (kv_idx <= row_last[b, h, q_idx])
 
-    return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
-                                          seq_lengths=(row_block.shape[-1], n), **_FORWARD_ONLY)
+    full = {} if full_count is None else {"full_kv_num_blocks": full_count, "full_kv_indices": kv_indices}
+    return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=(TILE, key_tile(size)), mask_mod=mask_mod,
+                                          seq_lengths=(row_block.shape[-1], n), **full, **_FORWARD_ONLY)
 
 
 # The selection and the entries' plan and merge (elementwise passes and row reductions over
