@@ -104,16 +104,16 @@ def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, drop
         if rows is not None and max(rows[0]) <= k.shape[2] - q.shape[2]:  # no padded query
             kept = None
             if state is not None:
-                from .ops import sparse_far_static
+                from .ops import sparse_far_concatenated, sparse_far_reserved
 
                 step = dict(local_window=s["local_window"], far_band=s["far_band"], selection=selection,
                             scale=q.shape[-1] ** -0.5 if scale is None else scale, first=rows[0], shift=rows[1],
                             rotation=far)
                 out = None
-                if q.shape[2] == 1 and q.device.type in sparse_far_static.GRAPHED_ON:  # an in-place cache, on a GPU
-                    out = sparse_far_static.reserved_step(q, k, v, layer=id(state), **step)
-                if out is None and q.shape[2] == 1 and q.device.type in sparse_far_static.COMPILED_ON:
-                    out = sparse_far_static.concatenated_step(q, k, v, state=state, **step)  # a DynamicCache
+                if q.shape[2] == 1 and q.device.type in sparse_far_reserved.GRAPHED_ON:  # an in-place cache, on a GPU
+                    out = sparse_far_reserved.reserved_step(q, k, v, layer=id(state), **step)
+                if out is None and q.shape[2] == 1 and q.device.type in sparse_far_concatenated.COMPILED_ON:
+                    out = sparse_far_concatenated.concatenated_step(q, k, v, state=state, **step)  # a DynamicCache
                 if out is not None:
                     return out
                 kept = state.get("far_summaries") or state.setdefault("far_summaries", SummaryState())

@@ -306,9 +306,9 @@ def _masked_decode_syncs(layers, monkeypatch, masked=True):
     from hf_dilated import ReservedCache
     from hf_dilated.bench.gpu_table import _model_entry
     from hf_dilated.config import CONFIG_KEY
-    from hf_dilated.ops import sparse_far_static
+    from hf_dilated.ops import sparse_far_reserved
 
-    monkeypatch.setattr(sparse_far_static, "GRAPHED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_reserved, "GRAPHED_ON", ("cuda", "cpu"))
     n = 700
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          num_hidden_layers=layers, intermediate_size=64, vocab_size=64, max_position_embeddings=n + 8)
@@ -338,7 +338,7 @@ def test_graphed_decode_step_reads_nothing_back_without_a_mask(monkeypatch):
 
 def test_compiled_step_on_a_dynamic_cache_reads_nothing_back(monkeypatch):
     """The GPU's decode step of the default conversion with transformers' DynamicCache (the step
-    sparse_far_static.concatenated_step compiles; under this counter, a dispatch mode, the same
+    sparse_far_concatenated.concatenated_step compiles; under this counter, a dispatch mode, the same
     function runs uncompiled), no attention mask: a steady-state step reads nothing back. (The
     eager path read back in every layer: checking its kept summaries against the new tensor.) The
     compiled form cannot read back either: it compiles with fullgraph=True, where a read back is a
@@ -347,10 +347,10 @@ def test_compiled_step_on_a_dynamic_cache_reads_nothing_back(monkeypatch):
 
     from hf_dilated.bench.gpu_table import _model_entry
     from hf_dilated.config import CONFIG_KEY
-    from hf_dilated.ops import sparse_far_static
+    from hf_dilated.ops import sparse_far_concatenated
 
-    monkeypatch.setattr(sparse_far_static, "COMPILED_ON", ("cuda", "cpu"))
-    monkeypatch.setattr(sparse_far_static, "_COMPILE_FAILED", None)
+    monkeypatch.setattr(sparse_far_concatenated, "COMPILED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_concatenated, "_COMPILE_FAILED", None)
     n = 700
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          num_hidden_layers=2, intermediate_size=64, vocab_size=64, max_position_embeddings=n + 8)

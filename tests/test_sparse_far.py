@@ -882,7 +882,7 @@ def _left_padded_generation_matches_reference(family, tmp_path, seed, cache_of):
 
 @pytest.mark.parametrize("family", ("llama", "gpt_neox"))
 def test_graphed_steps_on_an_in_place_cache_match_reference(tmp_path, monkeypatch, family):
-    """The step a GPU replays as one CUDA graph (sparse_far_static.ReservedStep: kept_step over the
+    """The step a GPU replays as one CUDA graph (sparse_far_reserved.ReservedStep: kept_step over the
     whole buffer of hf_dilated.ReservedCache, the query and the written count its only inputs),
     called here on the CPU: generate() on a left-padded batch picks the reference's tokens (per
     row, each alone, unpadded); the summaries are built once per buffer and then folded one
@@ -890,15 +890,15 @@ def test_graphed_steps_on_an_in_place_cache_match_reference(tmp_path, monkeypatc
     the new buffer."""
     from hf_dilated import ReservedCache
     from hf_dilated.integrations import cache as cache_module
-    from hf_dilated.ops import sparse_far_static
+    from hf_dilated.ops import sparse_far_reserved, sparse_far_static
 
-    monkeypatch.setattr(sparse_far_static, "GRAPHED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_reserved, "GRAPHED_ON", ("cuda", "cpu"))
     monkeypatch.setattr(cache_module, "_MIN_ROOM", 4)
     builds, steps = [], []
-    real_build, real_step = sparse_far_static.build, sparse_far_static.reserved_step
-    monkeypatch.setattr(sparse_far_static, "build", lambda kept, k, *a: builds.append(k.shape[2]) or
-                        real_build(kept, k, *a))
-    monkeypatch.setattr(sparse_far_static, "reserved_step", lambda *a, **kw: steps.append(1) or real_step(*a, **kw))
+    real_build, real_step = sparse_far_static.build, sparse_far_reserved.reserved_step
+    for module in (sparse_far_static, sparse_far_reserved):
+        monkeypatch.setattr(module, "build", lambda kept, k, *a: builds.append(k.shape[2]) or real_build(kept, k, *a))
+    monkeypatch.setattr(sparse_far_reserved, "reserved_step", lambda *a, **kw: steps.append(1) or real_step(*a, **kw))
     ours = _left_padded_generation_matches_reference(family, tmp_path, 2, lambda model: {
         "cache": ReservedCache(config=model.config)})
     layers = ours.config.num_hidden_layers
@@ -917,9 +917,9 @@ def test_graphed_steps_after_a_crop_and_refill_match_reference(monkeypatch, devi
     on the CPU the same function of the same fixed inputs, called. The room past the written slots
     holds NaN: no step reads it."""
     from hf_dilated.kinds import KINDS
-    from hf_dilated.ops import sparse_far_static
+    from hf_dilated.ops import sparse_far_reserved
 
-    monkeypatch.setattr(sparse_far_static, "GRAPHED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_reserved, "GRAPHED_ON", ("cuda", "cpu"))
     s = _decode_settings()
     g = torch.Generator().manual_seed(12)
     batch, heads, kv_heads, n, dim = 1, 4, 2, 70, 8
@@ -945,7 +945,7 @@ def test_graphed_steps_after_a_crop_and_refill_match_reference(monkeypatch, devi
             assert (out.cpu() - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
 
     steps(k, v, 40, 60)
-    runner = getattr(kb, sparse_far_static._STEP_ATTRIBUTE)  # the graphed form ran
+    runner = getattr(kb, sparse_far_reserved._STEP_ATTRIBUTE)  # the graphed form ran
     assert (runner.graph is not None) == (device == "cuda")
     k2[:, :, :30], v2[:, :, :30] = k[:, :, :30], v[:, :, :30]
     steps(k2, v2, 50, 70)  # cropped to 30, refilled to 50 with other keys, then steps
@@ -963,12 +963,12 @@ def test_graphed_step_goes_with_its_buffer_and_beam_search_keeps_it(tmp_path, mo
     from transformers import AutoModelForCausalLM
 
     from hf_dilated import ReservedCache
-    from hf_dilated.ops import sparse_far_static
+    from hf_dilated.ops import sparse_far_reserved
 
-    monkeypatch.setattr(sparse_far_static, "GRAPHED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_reserved, "GRAPHED_ON", ("cuda", "cpu"))
     made = []
-    real_init = sparse_far_static.ReservedStep.__init__
-    monkeypatch.setattr(sparse_far_static.ReservedStep, "__init__",
+    real_init = sparse_far_reserved.ReservedStep.__init__
+    monkeypatch.setattr(sparse_far_reserved.ReservedStep, "__init__",
                         lambda self, *a, **kw: made.append(weakref.ref(self)) or real_init(self, *a, **kw))
     entry = dict(ENTRY, far_block_size=4)
     model = AutoModelForCausalLM.from_pretrained(_tiny("llama", tmp_path, entry), attn_implementation="dilated",
@@ -976,11 +976,11 @@ def test_graphed_step_goes_with_its_buffer_and_beam_search_keeps_it(tmp_path, mo
     ids = torch.randint(3, 99, (1, 20), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ours = model.generate(ids, max_new_tokens=8, do_sample=False, num_beams=2, cache=ReservedCache(config=model.config))
-        monkeypatch.setattr(sparse_far_static, "GRAPHED_ON", ("cuda",))
+        monkeypatch.setattr(sparse_far_reserved, "GRAPHED_ON", ("cuda",))
         theirs = model.generate(ids, max_new_tokens=8, do_sample=False, num_beams=2)
     assert torch.equal(ours, theirs)
     assert len(made) == model.config.num_hidden_layers  # one step per layer for the whole generation
-    monkeypatch.setattr(sparse_far_static, "GRAPHED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_reserved, "GRAPHED_ON", ("cuda", "cpu"))
     gc.disable()
     try:
         cache = ReservedCache(config=model.config)
@@ -996,18 +996,18 @@ def test_graphed_step_goes_with_its_buffer_and_beam_search_keeps_it(tmp_path, mo
 
 @pytest.fixture
 def compiled_steps(monkeypatch):
-    """The compiled step of a concatenating cache (sparse_far_static.concatenated_step) taken on the
+    """The compiled step of a concatenating cache (sparse_far_concatenated.concatenated_step) taken on the
     CPU too (COMPILED_ON widened), compiled by aot_eager (dynamo's graph, run as aten ops: the
     inductor build of the GPU is left to a test of its own); returns dynamo's frame counter."""
     import torch._dynamo.testing as dynamo_testing
 
-    from hf_dilated.ops import sparse_far_static
+    from hf_dilated.ops import sparse_far_concatenated
 
     counter = dynamo_testing.CompileCounterWithBackend("aot_eager")
-    monkeypatch.setattr(sparse_far_static, "COMPILED_ON", ("cuda", "cpu"))
-    monkeypatch.setattr(sparse_far_static, "BACKEND", counter)
-    monkeypatch.setattr(sparse_far_static, "_COMPILED", {})
-    monkeypatch.setattr(sparse_far_static, "_COMPILE_FAILED", None)
+    monkeypatch.setattr(sparse_far_concatenated, "COMPILED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_concatenated, "BACKEND", counter)
+    monkeypatch.setattr(sparse_far_concatenated, "_COMPILED", {})
+    monkeypatch.setattr(sparse_far_concatenated, "_COMPILE_FAILED", None)
     torch._dynamo.reset()
     yield counter
     torch._dynamo.reset()
@@ -1083,16 +1083,16 @@ def test_compiled_step_waits_for_far_keys(compiled_steps):
     """A converted model used within its original context (no query past local_window: no far key)
     compiles nothing (tens of seconds on a GPU, for no far key): its steps take the eager path,
     which reads the band alone; the first step with a far key compiles."""
-    from hf_dilated.ops import sparse_far_static
+    from hf_dilated.ops import sparse_far_concatenated
 
     g = torch.Generator().manual_seed(37)
     settings = dict(local_window=16, far_band=8, selection=FarSelection(2, 4, 1), scale=0.3, rotation=None)
     q = torch.randn(2, 4, 1, 8, generator=g)
     k, v = (torch.randn(2, 2, 19, 8, generator=g) for _ in "kv")
     with torch.no_grad():  # row 1 starts at slot 3: its last token at position 15, row 0's at 18
-        assert sparse_far_static.concatenated_step(q, k[:, :, 3:].clone(), v[:, :, 3:].clone(), first=[0, 0],
+        assert sparse_far_concatenated.concatenated_step(q, k[:, :, 3:].clone(), v[:, :, 3:].clone(), first=[0, 0],
                                                    shift=[0, 0], state={}, **settings) is None  # positions 0..15
-        assert sparse_far_static.concatenated_step(q, k.clone(), v.clone(), first=[0, 3], shift=[0, -3], state={},
+        assert sparse_far_concatenated.concatenated_step(q, k.clone(), v.clone(), first=[0, 3], shift=[0, -3], state={},
                                                    **settings) is not None  # row 0 at 18: far keys
     assert compiled_steps.frame_count == 1
 
@@ -1102,26 +1102,26 @@ def test_compiled_steps_on_a_concatenating_cache_stay_compiled_across_settings_a
     the settings of a few layers, or their dtypes and batch sizes, ran out of it and turned the
     compiled steps off for the process), and a step under inference mode, then one outside it,
     both stay compiled (the kept tie counter is a normal tensor)."""
-    from hf_dilated.ops import sparse_far_static
+    from hf_dilated.ops import sparse_far_concatenated
 
     g = torch.Generator().manual_seed(29)
     q = torch.randn(1, 4, 1, 8, generator=g)
     k, v = (torch.randn(1, 2, 60, 8, generator=g) for _ in "kv")
     with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
         for top_k in (1, 2, 3):  # three settings, one graph each, under a limit of one graph per code object
-            out = sparse_far_static.concatenated_step(q, k, v, local_window=16, far_band=8,
+            out = sparse_far_concatenated.concatenated_step(q, k, v, local_window=16, far_band=8,
                                                       selection=FarSelection(top_k, 4, 1), scale=0.3, first=[0],
                                                       shift=[0], rotation=None, state={})
             assert out is not None
-    assert compiled_steps.frame_count == 3 and sparse_far_static._COMPILE_FAILED is None
+    assert compiled_steps.frame_count == 3 and sparse_far_concatenated._COMPILE_FAILED is None
     state = {}
     settings = dict(local_window=16, far_band=8, selection=FarSelection(2, 4, 1), scale=0.3, first=[0], shift=[0],
                     rotation=None, state=state)
     with torch.inference_mode():
-        assert sparse_far_static.concatenated_step(q, k, v, **settings) is not None
+        assert sparse_far_concatenated.concatenated_step(q, k, v, **settings) is not None
     with torch.no_grad():
-        assert sparse_far_static.concatenated_step(q, k, v, **settings) is not None
-    assert sparse_far_static._COMPILE_FAILED is None
+        assert sparse_far_concatenated.concatenated_step(q, k, v, **settings) is not None
+    assert sparse_far_concatenated._COMPILE_FAILED is None
 
 
 def test_generation_with_a_dynamic_cache_takes_the_compiled_step_and_matches_reference(tmp_path, compiled_steps):
@@ -1141,10 +1141,10 @@ def test_cuda_compiled_steps_on_a_concatenating_cache_match_reference(monkeypatc
     import warnings
 
     from hf_dilated.kinds import KINDS
-    from hf_dilated.ops import sparse_far_static
+    from hf_dilated.ops import sparse_far_concatenated
 
-    monkeypatch.setattr(sparse_far_static, "_COMPILED", {})
-    monkeypatch.setattr(sparse_far_static, "_COMPILE_FAILED", None)
+    monkeypatch.setattr(sparse_far_concatenated, "_COMPILED", {})
+    monkeypatch.setattr(sparse_far_concatenated, "_COMPILE_FAILED", None)
     s = _decode_settings()
     g = torch.Generator().manual_seed(19)
     batch, heads, kv_heads, n, dim = 2, 4, 2, 70, 8
@@ -1172,9 +1172,9 @@ def test_summaries_made_in_a_step_equal_the_kept_ones(chunk_slots, monkeypatch):
     """summarise_rows (the compiled step's summaries: a gather by rank, in chunks when uncompiled)
     equals `build` (the kept summaries' scatter by mask rank) on a left-padded cache, rotation to
     grouped positions included; its spare blocks are empty."""
-    from hf_dilated.ops import sparse_far_static
+    from hf_dilated.ops import sparse_far_concatenated, sparse_far_static
 
-    monkeypatch.setattr(sparse_far_static, "_BUILD_SLOTS", chunk_slots)
+    monkeypatch.setattr(sparse_far_concatenated, "BUILD_SLOTS", chunk_slots)
     g = torch.Generator().manual_seed(31)
     k = torch.randn(3, 2, 45, 8, generator=g, dtype=torch.float64)
     first = torch.tensor([0, 5, 44])
@@ -1183,7 +1183,7 @@ def test_summaries_made_in_a_step_equal_the_kept_ones(chunk_slots, monkeypatch):
     real = torch.arange(45)[None] >= first[:, None]
     kept = sparse_far_static.KeptSummaries(k, 4, sparse_far_static.settings_of(4, rotation))
     sparse_far_static.build(kept, k, real, torch.tensor(45), 4, rotation)
-    mn, mx = sparse_far_static.summarise_rows(k, first, 4, rotation, kept.mn.dtype, spare=3)
+    mn, mx = sparse_far_concatenated.summarise_rows(k, first, 4, rotation, kept.mn.dtype, spare=3)
     blocks = kept.mn.shape[2] - 1
     torch.testing.assert_close(mn[:, :, :blocks], kept.mn[:, :, :blocks], rtol=0, atol=1e-12)
     torch.testing.assert_close(mx[:, :, :blocks], kept.mx[:, :, :blocks], rtol=0, atol=1e-12)
@@ -1197,7 +1197,7 @@ def test_compiled_step_on_a_concatenating_cache_builds_with_inductor():
     float32, with the cache's length dynamic (one graph for two lengths)."""
     import torch._dynamo.testing as dynamo_testing
 
-    from hf_dilated.ops import sparse_far_static
+    from hf_dilated.ops import sparse_far_concatenated
     from hf_dilated.ops.sparse_far_decode import sparse_far_decode
 
     counter = dynamo_testing.CompileCounterWithBackend("inductor")
@@ -1209,13 +1209,13 @@ def test_compiled_step_on_a_concatenating_cache_builds_with_inductor():
     torch._dynamo.reset()
     try:
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(sparse_far_static, "BACKEND", counter)
-            mp.setattr(sparse_far_static, "_COMPILED", {})
+            mp.setattr(sparse_far_concatenated, "BACKEND", counter)
+            mp.setattr(sparse_far_concatenated, "_COMPILED", {})
             for n in (150, 151):
                 q = torch.randn(2, 4, 1, dim, generator=g)
                 k, v = (torch.randn(2, 2, n, dim, generator=g) for _ in "kv")
                 with torch.no_grad():
-                    out = sparse_far_static.concatenated_step(q, k, v, state={}, **settings)
+                    out = sparse_far_concatenated.concatenated_step(q, k, v, state={}, **settings)
                     want = sparse_far_decode(q, k, v, **settings)
                 torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     finally:

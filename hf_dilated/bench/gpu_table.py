@@ -479,7 +479,7 @@ WARM_PARTS = ("model", "static")
 def warm_plan(parts, s: dict, device: str) -> list[tuple[str, dict]]:
     """(part|key, spec) of the cases of `parts` whose first call compiles on a GPU: the default
     conversion's prefill (its selection plan and FlexAttention, one graph per length) and its
-    DynamicCache decode step (ops/sparse_far_static.concatenated_step), and every StaticCache
+    DynamicCache decode step (ops/sparse_far_concatenated.concatenated_step), and every StaticCache
     decode step (the whole model under torch.compile)."""
     out = []
     for part in parts:

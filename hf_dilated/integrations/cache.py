@@ -60,7 +60,7 @@ class ReservedLayer(DynamicLayer):
     def reorder_cache(self, beam_idx) -> None:
         """Beam search's reorder, in place inside the buffer: a new tensor every step would give up
         the room (the next step copies the cache into a new buffer) and, on a GPU, the decode
-        step's CUDA graph kept on it (ops/sparse_far_static.py)."""
+        step's CUDA graph kept on it (ops/sparse_far_reserved.py)."""
         if self.get_seq_length() > 0 and self._in_room(0):
             index = beam_idx.to(self.keys.device)
             self.keys.copy_(self.keys.index_select(0, index))

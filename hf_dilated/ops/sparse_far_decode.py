@@ -22,7 +22,8 @@ summarised block's checksum (the sum of its keys, bit for bit) is that of the ke
 on, one pass over the cache without rotating it (a rebuild rotates every key); any other change
 rebuilds. Two different blocks with the same sum bit for bit would pass: a DynamicCache's own
 growth never makes one. (On a GPU one-query steps take fixed-shape forms instead: a CUDA graph for
-an in-place cache, a compiled step for a concatenating one; ops/sparse_far_static.py.)
+an in-place cache, ops/sparse_far_reserved.py; a compiled step for a concatenating one,
+ops/sparse_far_concatenated.py.)
 """
 from __future__ import annotations
 

@@ -1,0 +1,168 @@
+"""Sparse far keys (docs/contract.md 4.2): an eager decode step on a cache that concatenates into a
+new tensor every step (transformers' DynamicCache), compiled.
+
+No CUDA graph can hold such a cache (its address changes every step), and summaries kept between
+its steps cannot be trusted without reading it (a crop, a beam search's reorder, a rewrite): the
+eager path (ops/sparse_far_decode.py) checks them by checksums, one pass over the keys and a read
+back per layer, then ~100 launches. Here the step is one compiled call (torch.compile, the cache's
+length dynamic) of ops/sparse_far_static.kept_step with the summaries made again from the whole
+cache in the same call: fused, they cost that same pass and nothing else (the rotation to grouped
+positions and the blocks' minima and maxima in one kernel), exact whatever happened to the cache,
+no read back. On CUDA only: on the CPU there are no launches to save, and summaries kept between
+steps are cheaper.
+"""
+from __future__ import annotations
+
+import types
+import warnings
+
+import torch
+
+from .far_selection import FarSelection, bound_dtype
+from .rope import far_queries_static
+from .sparse_far_static import BUILD_SLOTS, TIE_SLOTS, far_turned, kept_step, warn_ties_cut
+
+COMPILED_ON = ("cuda",)
+BACKEND = "inductor"  # torch.compile's backend for it (tests on the CPU may take a lighter one)
+CUT_CHECK_EVERY = 256  # steps between reads of the ties cut (sparse_far_static: Ties), one read per layer
+_COMPILED = {}  # settings -> the compiled step
+_COMPILE_FAILED: str | None = None  # why compiling failed in this process (steps then take the eager path)
+_RECOMPILE_LIMIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())  # (what fullgraph raises there)
+
+
+class MadeSummaries:
+    """Summaries made from the whole cache in the call (summarise_rows), and the layer's count of
+    ties cut, kept between calls: what kept_step reads as `kept` with refresh=False."""
+
+    def __init__(self, mn, mx, cut):
+        self.mn, self.mx, self.cut = mn, mx, cut
+
+
+def summarise_rows(k: torch.Tensor, first: torch.Tensor, size: int, rotation, dtype, spare: int = 0) -> tuple:
+    """(mn, mx) as KeptSummaries holds them, (batch, kv_heads, N // size + 2 + spare, d), of a cache
+    whose row b holds its real tokens at slots first[b] .. N - 1 (regular rows; positions their
+    ranks): block c of row b is slots first[b] + c B ... One gather, rotation and reduction over the
+    keys, which a compiled call fuses into one pass. `spare` empty blocks more past the end (never
+    reached: no key) give a compiled step's Python decisions on the block count (top k, ties) one
+    answer at every length, so that one graph serves them all."""
+    batch, kv_heads, n, dim = k.shape
+    n_blocks = n // size + 1 + spare
+
+    def blocks(c0, c1):  # (mn, mx) of blocks c0 .. c1 - 1
+        rank = torch.arange(c0 * size, c1 * size, device=k.device)
+        slot = first[:, None] + rank  # (batch, (c1 - c0) B)
+        ok = (slot < n)[:, None, :, None]
+        keys = k.gather(2, slot.clamp(max=n - 1)[:, None, :, None].expand(batch, kv_heads, -1, dim))
+        keys = far_turned(keys, rank.expand(batch, -1), rotation).to(dtype)
+        return (keys.masked_fill(~ok, float("inf")).unflatten(2, (c1 - c0, size)).amin(3),
+                keys.masked_fill(~ok, float("-inf")).unflatten(2, (c1 - c0, size)).amax(3))
+
+    if torch.compiler.is_compiling():  # one fused pass: no temporaries
+        parts = [blocks(0, n_blocks)]
+    else:  # uncompiled (under a dispatch mode): in chunks, which bound the temporaries
+        step = max(1, BUILD_SLOTS // size)
+        parts = [blocks(c, min(n_blocks, c + step)) for c in range(0, n_blocks, step)]
+    dump = torch.full((batch, kv_heads, 1, dim), float("inf"), dtype=dtype, device=k.device)  # kept_step's last row
+    return (torch.cat([p[0] for p in parts] + [dump], 2), torch.cat([p[1] for p in parts] + [-dump], 2))
+
+
+def _concatenated(q, k, v, first, cut, inv_freq, *, local_window: int, far_band: int | None,
+                  selection: FarSelection, scale: float, far: tuple | None):
+    """The step that concatenated_step compiles: summaries from the whole cache, then kept_step."""
+    n = k.shape[2]
+    rotation = None if far is None else (*far, inv_freq)
+    real = torch.arange(n, device=k.device) >= first[:, None]
+    seen = torch.full((), n, dtype=torch.long, device=k.device)
+    # spare blocks: at least top_k + TIE_SLOTS + 1 blocks, and two in the reduction (no 0/1 specialisation)
+    mn, mx = summarise_rows(k, first, selection.block_size, rotation, bound_dtype(k.dtype),
+                            spare=selection.sinks + selection.top_k + TIE_SLOTS + 2)
+    q_far = q if rotation is None else far_queries_static(q, real, seen, *rotation)
+    return kept_step(q, k, v, q_far, local_window=local_window, far_band=far_band, selection=selection, scale=scale,
+                     real=real, seen=seen, rotation=rotation, kept=MadeSummaries(mn, mx, cut), refresh=False)
+
+
+class ConcatenatedState:
+    """What a layer keeps between its compiled steps: the rows' first slots on the device (made once
+    per layout, so that no step copies from the host) and the count of ties cut."""
+
+    def __init__(self, device):
+        self.first = {}  # rows' first slots (a tuple) -> on the device; a few layouts
+        with torch.inference_mode(False):  # written by steps in and out of inference mode alike
+            self.cut = torch.zeros((), dtype=torch.int32, device=device)
+        self.steps = self.length = 0  # steps in a row, and the cache's length at the last one
+
+    def first_slots(self, first: list[int], device) -> torch.Tensor:
+        held = self.first.get(tuple(first))
+        if held is None:  # (a copy from the host once per layout, not per step)
+            if len(self.first) >= 8:
+                self.first.clear()
+            with torch.inference_mode(False):
+                held = self.first[tuple(first)] = torch.tensor(first, dtype=torch.long, device=device)
+        return held
+
+
+def _compiled(settings: dict):
+    key = tuple(sorted(settings.items(), key=lambda item: item[0]))
+    step = _COMPILED.get(key)
+    if step is None:
+        def concatenated(q, k, v, first, cut, inv_freq):
+            return _concatenated(q, k, v, first, cut, inv_freq, **settings)
+
+        # A code object of its own per settings: dynamo keeps at most recompile_limit (8) graphs per code
+        # object, and each settings' dtypes, batch sizes, grad modes and devices take some.
+        code = concatenated.__code__.replace(co_name=f"concatenated_{len(_COMPILED)}")
+        own = types.FunctionType(code, concatenated.__globals__, code.co_name, None, concatenated.__closure__)
+        step = _COMPILED[key] = torch.compile(own, backend=BACKEND, fullgraph=True)
+    return step
+
+
+def concatenated_step(q, k, v, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
+                      first: list[int], shift: list[int], rotation, state: dict):
+    """An eager one-query step on a cache that concatenates (module docstring), compiled, or
+    None (nothing done) where it does not apply: a key tensor that is a view (an in-place cache:
+    reserved_step's), positions other than the mask ranks, no far key yet, inside an outer
+    torch.compile, once compiling failed here (warned once), and with dynamo switched off
+    (TORCHDYNAMO_DISABLE=1: the eager path keeps its summaries, cheaper uncompiled). `state` the
+    layer's dict (kinds.py)."""
+    global _COMPILE_FAILED
+    if (_COMPILE_FAILED is not None or torch._dynamo.config.disable or torch.compiler.is_compiling()
+            or k._base is not None or v._base is not None or any(s != -f for f, s in zip(first, shift))
+            or q.requires_grad or k.requires_grad):
+        return None
+    if k.shape[2] - 1 - min(first) < local_window:
+        # No query has a far key yet (a context within the original one): the eager step reads the band
+        # alone, in a few launches; compiling (tens of seconds on a GPU) waits until far keys exist.
+        return None
+    held = state.get("concatenated")
+    if held is None or held.cut.device != q.device:
+        held = state["concatenated"] = ConcatenatedState(q.device)
+    far = None if rotation is None else (rotation[0], rotation[1])
+    inv_freq = (torch.empty(0, device=q.device) if rotation is None else rotation[2]).to(q.device)
+    settings = dict(local_window=local_window, far_band=far_band, selection=selection, scale=scale, far=far)
+    for t in (k, v):  # the cache's length changes every step: one graph for all of them
+        torch._dynamo.maybe_mark_dynamic(t, 2)
+    # Under a dispatch mode of the user's (a FLOP counter, a debug mode) dynamo compiles nothing: the
+    # same step, called.
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    step = (_compiled(settings) if _get_current_dispatch_mode() is None
+            else lambda *a: _concatenated(*a, **settings))
+    try:
+        out = step(q, k, v, held.first_slots(first, q.device), held.cut, inv_freq)
+    except torch.OutOfMemoryError:
+        raise
+    except _RECOMPILE_LIMIT:  # graphs enough for these settings (dtypes, batches, devices): this call eagerly
+        return None
+    except Exception as exc:  # compiling failed: the eager step from now on
+        _COMPILE_FAILED = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"hf_dilated: compiling the decode step for a concatenating cache failed "
+                      f"({_COMPILE_FAILED[:500]}); decode steps take the eager path from now on (the same "
+                      "results, more launches)", RuntimeWarning, stacklevel=3)
+        return None
+    # The ties cut are read back (one read) at a step that does not follow the last one (the next
+    # generation's first: a read is due there anyway, after its prefill) and every CUT_CHECK_EVERY steps.
+    held.steps = held.steps + 1 if k.shape[2] == held.length + 1 else 0
+    held.length = k.shape[2]
+    if held.steps % CUT_CHECK_EVERY == 0:
+        warn_ties_cut(held.cut, stacklevel=4)
+    return out
