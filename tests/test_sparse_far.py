@@ -856,10 +856,11 @@ def test_model_generation_keeps_the_summaries_and_matches_reference(tmp_path, mo
     assert layers <= made["bounds"] < 9 * layers, made  # 9 steps after the prefill
 
 
-def _left_padded_generation_matches_reference(family, tmp_path, seed, cache_of):
+def _left_padded_generation_matches_reference(family, tmp_path, seed, cache_of, grad_mode=torch.no_grad):
     """A tiny `family` model (ENTRY, blocks of 4) under `dilated` generates 13 greedy tokens for a
-    left-padded batch of 2 x 20 (generate()'s extra arguments: cache_of(model)); asserts each row's
-    tokens are the float64 reference's (per row, alone, unpadded); returns the model."""
+    left-padded batch of 2 x 20 (generate()'s extra arguments: cache_of(model), in grad_mode());
+    asserts each row's tokens are the float64 reference's (per row, alone, unpadded); returns the
+    model."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     entry = dict(ENTRY, far_block_size=4)
@@ -871,23 +872,27 @@ def _left_padded_generation_matches_reference(family, tmp_path, seed, cache_of):
     ids = torch.randint(3, 99, (2, 20), generator=torch.Generator().manual_seed(seed))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding: the second row's positions are its ranks
-    with torch.no_grad():
+    with grad_mode():
         mine = ours.generate(ids, attention_mask=mask, max_new_tokens=13, do_sample=False, pad_token_id=0,
                              **cache_of(ours))
+    with torch.no_grad():
         for row, start in ((0, 0), (1, 3)):
             want = [theirs(mine[row:row + 1, start:t]).logits[:, -1].argmax(-1) for t in range(20, 33)]
             assert torch.equal(mine[row, 20:], torch.cat(want)), row
     return ours
 
 
-@pytest.mark.parametrize("family", ("llama", "gpt_neox"))
-def test_graphed_steps_on_an_in_place_cache_match_reference(tmp_path, monkeypatch, family):
+@pytest.mark.parametrize("family, grad_mode", [("llama", torch.no_grad), ("gpt_neox", torch.no_grad),
+                                               ("llama", torch.inference_mode)], ids=("llama", "gpt_neox", "llama-inference_mode"))
+def test_graphed_steps_on_an_in_place_cache_match_reference(tmp_path, monkeypatch, family, grad_mode):
     """The step a GPU replays as one CUDA graph (sparse_far_reserved.ReservedStep: kept_step over the
     whole buffer of hf_dilated.ReservedCache, the query and the written count its only inputs),
     called here on the CPU: generate() on a left-padded batch picks the reference's tokens (per
     row, each alone, unpadded); the summaries are built once per buffer and then folded one
     token a step, and the buffer's growth (past 30 tokens here) makes a new step that summarises
-    the new buffer."""
+    the new buffer. Under torch.inference_mode too, where views keep no base and tensors no
+    version: ReservedCache tells its views their buffer and writes (every step took the compiled
+    O(N) form there before)."""
     from hf_dilated import ReservedCache
     from hf_dilated.integrations import cache as cache_module
     from hf_dilated.ops import sparse_far_reserved, sparse_far_static
@@ -898,24 +903,28 @@ def test_graphed_steps_on_an_in_place_cache_match_reference(tmp_path, monkeypatc
     real_build, real_step = sparse_far_static.build, sparse_far_reserved.reserved_step
     for module in (sparse_far_static, sparse_far_reserved):
         monkeypatch.setattr(module, "build", lambda kept, k, *a: builds.append(k.shape[2]) or real_build(kept, k, *a))
-    monkeypatch.setattr(sparse_far_reserved, "reserved_step", lambda *a, **kw: steps.append(1) or real_step(*a, **kw))
+    monkeypatch.setattr(sparse_far_reserved, "reserved_step", lambda *a, **kw: (
+        lambda out: steps.append(out is not None) or out)(real_step(*a, **kw)))
     ours = _left_padded_generation_matches_reference(family, tmp_path, 2, lambda model: {
-        "cache": ReservedCache(config=model.config)})
+        "cache": ReservedCache(config=model.config)}, grad_mode)
     layers = ours.config.num_hidden_layers
-    assert len(steps) == 12 * layers  # every decode step took the graphed form
+    assert len(steps) == 12 * layers and all(steps)  # every decode step took the graphed form
     capacities = sorted(set(builds))
     assert len(capacities) > 1  # the buffer grew, and the new one was summarised
     assert len(builds) == layers * len(capacities)  # once per layer and buffer, then one token folded a step
 
 
+@pytest.mark.parametrize("first_mode", [torch.no_grad, torch.inference_mode], ids=("no_grad", "inference_mode_first"))
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_graphed_steps_after_a_crop_and_refill_match_reference(monkeypatch, device):
+def test_graphed_steps_after_a_crop_and_refill_match_reference(monkeypatch, device, first_mode):
     """Steps on one buffer (views of its filled start, as hf_dilated.ReservedCache hands them),
     then a crop and a refill with other keys, then steps again: each equals the reference of the
     sequence the buffer then holds (the step summarises the buffer again when it is not the last
     step's plus one token). On CUDA the step is a captured CUDA graph, replayed (float64 there too);
     on the CPU the same function of the same fixed inputs, called. The room past the written slots
-    holds NaN: no step reads it."""
+    holds NaN: no step reads it. The first steps may run under torch.inference_mode and the later
+    ones outside it (the step made inside it held inference tensors, which the later steps could
+    not write: they raised)."""
     from hf_dilated.kinds import KINDS
     from hf_dilated.ops import sparse_far_reserved
 
@@ -931,7 +940,7 @@ def test_graphed_steps_after_a_crop_and_refill_match_reference(monkeypatch, devi
               layout=None, rope_frequencies=inv_freq)  # (on the host: the step moves them once, not per capture)
     state = {}
 
-    def steps(keys, values, lo, hi):
+    def steps(keys, values, lo, hi, mode=torch.no_grad):
         ref = _decode_reference(q[:, :, :hi], keys[:, :, :hi], values[:, :, :hi], s, inv_freq)
         kb[:, :, :lo].copy_(keys[:, :, :lo])
         vb[:, :, :lo].copy_(values[:, :, :lo])
@@ -939,12 +948,12 @@ def test_graphed_steps_after_a_crop_and_refill_match_reference(monkeypatch, devi
         for t in range(lo, hi):
             kb[:, :, t:t + 1].copy_(keys[:, :, t:t + 1])
             vb[:, :, t:t + 1].copy_(values[:, :, t:t + 1])
-            with torch.no_grad():
+            with mode():
                 out = KINDS["dilated"].run(q[:, :, t:t + 1].to(device), kb[:, :, :t + 1], vb[:, :, :t + 1], s,
                                            state=state, **kw)
             assert (out.cpu() - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
 
-    steps(k, v, 40, 60)
+    steps(k, v, 40, 60, first_mode)
     runner = getattr(kb, sparse_far_reserved._STEP_ATTRIBUTE)  # the graphed form ran
     assert (runner.graph is not None) == (device == "cuda")
     k2[:, :, :30], v2[:, :, :30] = k[:, :, :30], v[:, :, :30]
@@ -1388,6 +1397,33 @@ def test_flex_kernel_tile_divides_the_block_masks_on_cuda():
     assert mask_64.BLOCK_SIZE == (128, 64) and mask_16.BLOCK_SIZE == (128, 128)
     assert sparse_far_flex.kernel_options(cuda, mask_64) == {"kernel_options": {"BLOCK_N": 64}}
     assert sparse_far_flex.kernel_options(cuda, mask_16) == {} and sparse_far_flex.kernel_options(cpu, mask_64) == {}
+
+
+def test_flex_falls_back_to_whole_key_tiles_before_blocks(monkeypatch):
+    """Where FlexAttention fails to build with key tiles of a far block (32 keys here), the chunk is
+    done again with tiles of 128 keys (warned once), and the path stays on FlexAttention: the
+    results stay the reference's, and later calls take 128-key tiles from the start."""
+    from hf_dilated.ops import sparse_far_flex
+
+    key_tiles = []
+    real = sparse_far_flex._flex_call
+
+    def picky(q, k, v, block_mask, scale, kind="by_query"):
+        key_tiles.append(block_mask.BLOCK_SIZE[1])
+        if block_mask.BLOCK_SIZE[1] < sparse_far_flex.TILE:
+            raise ValueError("Q and KV block size must be divisible by BLOCK_M and BLOCK_N")
+        return real(q, k, v, block_mask, scale, kind)
+
+    monkeypatch.setattr(sparse_far_flex, "_flex_call", picky)
+    monkeypatch.setattr(sparse_far_flex, "_FAILED", None)
+    monkeypatch.setattr(sparse_far_flex, "_BLOCK_TILES_FAILED", None)
+    with pytest.warns(RuntimeWarning, match="key tiles of 32"):
+        flex_row_matches_reference(300, FarSelection(2, 32, 1))
+    assert key_tiles[0] == 32 and set(key_tiles[1:]) == {128}
+    assert sparse_far_flex._FAILED is None and sparse_far_flex._BLOCK_TILES_FAILED.startswith("ValueError")
+    key_tiles.clear()
+    flex_row_matches_reference(300, FarSelection(2, 32, 1))
+    assert set(key_tiles) == {128}
 
 
 def test_flex_bounds_only_the_blocks_a_query_reaches(monkeypatch):

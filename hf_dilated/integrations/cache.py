@@ -17,6 +17,8 @@ from __future__ import annotations
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from ..ops.sparse_far_reserved import BUFFER_ATTRIBUTE
+
 _MIN_ROOM = 256  # tokens reserved beyond the need, at least: a prompt then decodes that many steps without growing
 
 
@@ -55,7 +57,16 @@ class ReservedLayer(DynamicLayer):
         keys[..., held:held + n_new, :].copy_(key_states)
         values[..., held:held + n_new, :].copy_(value_states)
         self.keys, self.values = keys[..., :held + n_new, :], values[..., :held + n_new, :]
+        self._count_write()
         return self.keys, self.values
+
+    def _count_write(self) -> None:
+        """Tell the views which buffer they view and how many writes it has had: under
+        torch.inference_mode a view keeps no base and a tensor no version counter, and a GPU's decode
+        step (ops/sparse_far_reserved.py) needs both to replay its CUDA graph on the buffer."""
+        self._writes = getattr(self, "_writes", 0) + 1
+        for view, buffer in ((self.keys, self._room[0]), (self.values, self._room[1])):
+            setattr(view, BUFFER_ATTRIBUTE, (buffer, self._writes))
 
     def reorder_cache(self, beam_idx) -> None:
         """Beam search's reorder, in place inside the buffer: a new tensor every step would give up
@@ -65,6 +76,7 @@ class ReservedLayer(DynamicLayer):
             index = beam_idx.to(self.keys.device)
             self.keys.copy_(self.keys.index_select(0, index))
             self.values.copy_(self.values.index_select(0, index))
+            self._count_write()
         else:
             super().reorder_cache(beam_idx)
 

@@ -52,6 +52,7 @@ _BOUND_ELEMENTS = 1 << 27  # bounds per chunk of queries (heads x queries x bloc
 _ENTRY_ELEMENTS = 1 << 27  # by-block rows per chunk (heads x queries x slots) x head_dim at most
 _MAX_CHUNK = 8192
 _FAILED: str | None = None  # why FlexAttention could not run in this process, once it failed
+_BLOCK_TILES_FAILED: str | None = None  # why key tiles of a far block failed here (then tiles of 128 keys)
 # How a chunk's (query, head, block) pairs become FlexAttention rows: "by_block" (rows are the
 # pairs, sorted by block: the work is the pairs chosen) or "by_query" (rows are the queries: the
 # work is every key tile some query of a tile chose). Both compute the same set.
@@ -148,7 +149,7 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     Quest's bound from the blocks' summaries (far_selection). Returns False, having merged
     nothing, where FlexAttention failed to build its kernel in this process (warned once): the
     caller then takes the block-by-block path."""
-    global _FAILED
+    global _FAILED, _BLOCK_TILES_FAILED
     if _FAILED is not None:
         return False
     batch, n_heads, n = q_far.shape[:3]
@@ -202,6 +203,12 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
         except Exception as exc:  # the first call compiles (every call has its shape): a build failure
             if lo != start:
                 raise
+            if LAYOUT == "by_block" and key_tile(size) < TILE:  # first without the far block's key tiles
+                _BLOCK_TILES_FAILED = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"hf_dilated: FlexAttention failed with key tiles of {size} ({_BLOCK_TILES_FAILED[:500]}); "
+                              "sparse far keys take tiles of 128 keys from now on (the same results, more work)",
+                              RuntimeWarning, stacklevel=2)
+                continue
             _FAILED = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"hf_dilated: FlexAttention failed here ({_FAILED[:500]}); sparse far keys take the "
                           "block-by-block path from now on (correct, but slow on a GPU)", RuntimeWarning, stacklevel=2)
@@ -349,8 +356,9 @@ def _by_block_call(q_chunk, k_far, v, operands, last, selection: FarSelection, s
 def key_tile(block_size: int) -> int:
     """The keys of a by-block BlockMask's tile: the far block itself where it is 32, 64 or 128 keys
     (a row tile of one block then lists one key tile, all of it that block's: with 128-key tiles and
-    blocks of 64, half of every tile read was another block's, masked), else TILE."""
-    return block_size if block_size in (32, 64, 128) else TILE
+    blocks of 64, half of every tile read was another block's, masked), else TILE (and once such
+    tiles failed to build here: far_attention)."""
+    return block_size if block_size in (32, 64, 128) and _BLOCK_TILES_FAILED is None else TILE
 
 
 def by_block_mask(row_block, row_last, kv_count, kv_indices, full_count, size: int, n: int):

@@ -98,7 +98,19 @@ class ReservedStep:
 
 
 _STEP_ATTRIBUTE = "_hf_dilated_reserved_step"  # where a buffer holds its ReservedStep (it goes with the buffer)
+# On a key or value view that hf_dilated.ReservedCache hands out: (the buffer it views, the layer's
+# count of writes into it). Under torch.inference_mode a view keeps no base and a tensor no version
+# counter; this is what the step then reads instead (the cache's own writes: updates and reorders).
+BUFFER_ATTRIBUTE = "_hf_dilated_buffer"
 _GRAPH_FAILED: str | None = None  # why capturing failed in this process (steps then take the eager path)
+
+
+def _buffer_of(view: torch.Tensor) -> tuple:
+    """(buffer, version) of an in-place cache's view: its base and the base's version counter, or
+    under inference mode what ReservedCache wrote on it (BUFFER_ATTRIBUTE); (None, None) else."""
+    if view._base is not None:
+        return view._base, view._base._version
+    return getattr(view, BUFFER_ATTRIBUTE, (None, None))
 
 
 def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
@@ -110,7 +122,7 @@ def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection
     (DynamicCache concatenates into a new tensor), positions other than the mask ranks (rows
     regular: ops/token_layout.regular_rows), and once a capture failed here (warned once)."""
     global _GRAPH_FAILED
-    k_buffer, v_buffer = k._base, v._base
+    (k_buffer, version), (v_buffer, _) = _buffer_of(k), _buffer_of(v)
     if (_GRAPH_FAILED is not None or k_buffer is None or v_buffer is None or k_buffer.dim() != 4
             or v_buffer.shape != k_buffer.shape or k_buffer.shape[:2] + k_buffer.shape[3:] != k.shape[:2] + k.shape[3:]
             or k.data_ptr() != k_buffer.data_ptr() or v.data_ptr() != v_buffer.data_ptr()
@@ -124,9 +136,9 @@ def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection
            None if rotation is None else (rotation[0], rotation[1], rotation[2].data_ptr()))
     runner = getattr(k_buffer, _STEP_ATTRIBUTE, None)
     if runner is None or runner.key != key:
-        runner = ReservedStep(key, layer, q, k_buffer, first, settings, capture=q.device.type == "cuda")
+        with torch.inference_mode(False):  # its tensors are written by steps in and out of inference mode alike
+            runner = ReservedStep(key, layer, q, k_buffer, first, settings, capture=q.device.type == "cuda")
         setattr(k_buffer, _STEP_ATTRIBUTE, runner)
-    version = k_buffer._version  # (inference-mode views have no _base: not here)
     if runner.seen != seen - 1 or runner.version != version - 1:
         # not the last step's cache plus this token (a first step, a crop, a rewrite): summarise it again
         warn_ties_cut(runner.kept.cut, stacklevel=4)  # (one read, at a rebuild)
