@@ -1326,14 +1326,14 @@ def check_flex_far_path(setting, heads, chunked, layout, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ("by_query", "by_block"))
-@pytest.mark.parametrize("block_size", (16, 64, 48, 200))
+@pytest.mark.parametrize("block_size", (16, 32, 64, 128, 48, 200))
 def test_flex_block_mask_lists_every_tile_its_mask_reads(block_size, layout, monkeypatch):
     """FlexAttention computes only the tiles its BlockMask lists, and every pair of a full tile
     without its mask_mod (the eager form used above applies the mask_mod alone, so this is checked
     here): what the kernel reads (the mask_mod's pairs in the partial tiles, every pair of the full
     ones) is exactly the chosen pairs, and with small blocks most tiles are not listed (by block, a
-    few: a tile of rows holds one block or neighbours). By block with blocks of 64, a key tile is a
-    block, and a tile of rows of one block that all read the whole of it is full. Leaving out the selected tiles fails this test, and so
+    few: a tile of rows holds one block or neighbours). By block with blocks of 32, 64 or 128, a key
+    tile is a block, and a tile of rows of one block that all read the whole of it is full. Leaving out the selected tiles fails this test, and so
     does a tile of rows of one block called full where a row stops inside it."""
     from torch.nn.attention.flex_attention import create_mask
 
@@ -1373,7 +1373,7 @@ def test_flex_block_mask_lists_every_tile_its_mask_reads(block_size, layout, mon
     assert int(allowed.sum()) == sparse_far_flex.pairs_read(chosen, s, band, block_size)
     if block_size < 128:  # 3 blocks of 200 cover most of 700 keys
         assert (partial | full).float().mean() < (0.8 if layout == "by_query" else 0.3)
-    if layout == "by_block" and block_size == 64:
+    if layout == "by_block" and block_size in (32, 64):
         assert full.any()
     if layout == "by_query":
         listed = sparse_far_flex.listed_tiles
@@ -1383,20 +1383,29 @@ def test_flex_block_mask_lists_every_tile_its_mask_reads(block_size, layout, mon
 
 
 def test_flex_kernel_tile_divides_the_block_masks_on_cuda():
-    """A by-block BlockMask of blocks of 64 has key tiles of 64 keys; on CUDA the compiled kernel
-    is told to take key tiles of 64 too (its own choice, 128 for bfloat16 with head_dim 64 on an
-    H100, does not divide them: torch raises). 128-key tiles, and every call off CUDA, keep the
-    kernel's defaults."""
+    """A by-block BlockMask of blocks of 32, 64 or 128 has key tiles of that block; on CUDA the
+    compiled kernel is told a key tile that divides them where they are under 128 (its own choice,
+    128 for bfloat16 with head_dim 64 on an H100, does not divide 64: torch raises), never larger
+    than its own. 128-key tiles, and every call off CUDA, keep the kernel's defaults."""
     from hf_dilated.ops import sparse_far_flex
 
     rows = torch.zeros(1, 1, 128, dtype=torch.long)
     count, indices = torch.zeros(1, 1, 1, dtype=torch.int32), torch.zeros(1, 1, 1, 8, dtype=torch.int32)
-    mask_64 = sparse_far_flex.by_block_mask(rows, rows, count, indices, count, 64, 512)
-    mask_16 = sparse_far_flex.by_block_mask(rows, rows, count, indices, None, 16, 512)
+    masks = {size: sparse_far_flex.by_block_mask(rows, rows, count, indices, None if size == 16 else count, size, 512)
+             for size in (16, 32, 64, 128)}
+    assert [masks[size].BLOCK_SIZE for size in (16, 32, 64, 128)] == [(128, 128), (128, 32), (128, 64), (128, 128)]
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert mask_64.BLOCK_SIZE == (128, 64) and mask_16.BLOCK_SIZE == (128, 128)
-    assert sparse_far_flex.kernel_options(cuda, mask_64) == {"kernel_options": {"BLOCK_N": 64}}
-    assert sparse_far_flex.kernel_options(cuda, mask_16) == {} and sparse_far_flex.kernel_options(cpu, mask_64) == {}
+
+    def key_tile(dtype, head_dim, size, device=cuda):
+        return sparse_far_flex.kernel_options(device, dtype, head_dim, masks[size]).get("kernel_options", {}).get("BLOCK_N")
+
+    # never above torch's own default for H100/A100 (16-bit: 64-128 up to head_dim 128, 32-64 past it;
+    # float32: 32-64 up to 128, 16-32 past it), and dividing the block
+    assert [key_tile(torch.bfloat16, d, 64) for d in (64, 128, 256)] == [64, 64, 32]
+    assert [key_tile(torch.float32, d, 64) for d in (64, 128, 256)] == [32, 32, 16]
+    assert key_tile(torch.float64, 64, 64) == 32 and key_tile(torch.bfloat16, 64, 32) == 32
+    assert key_tile(torch.bfloat16, 64, 16) is None and key_tile(torch.bfloat16, 64, 128) is None
+    assert key_tile(torch.bfloat16, 64, 64, cpu) is None
 
 
 def test_flex_falls_back_to_whole_key_tiles_before_blocks(monkeypatch):
@@ -1455,6 +1464,7 @@ def test_flex_by_block_reads_tied_blocks_beyond_its_slots():
     chosen = far_selection.plain_choice(q[:, :, 200:], None, None, 200, 16, selection, operands)
     tied_lists = sparse_far_flex.by_block_plan(q[:, :, 200:], *operands, torch.arange(200, 400) - 16, 2, 0, 4, 512)[-1]
     tied = tied_lists[0][:, :, :200, :chosen.shape[-1]]
+    assert not tied_lists[0][:, :, 200:].any() and not tied_lists[0][..., chosen.shape[-1]:].any()  # padding
     assert tied.any() and not (tied & ~chosen).any() and int((chosen & ~tied).sum(-1).max()) == 2
     with pair_count.counting() as tally:
         out = sparse_far_plain.sparse_far_forward(q, k, v, q, k, 32, 16, selection, 0.5, far_kernel="flex")
@@ -1549,13 +1559,18 @@ def test_listed_tiles_are_the_tiles_a_chosen_block_overlaps(size):
     assert torch.equal(listed_tiles(chosen, n_tiles, size), expect)
 
 
-def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):
-    """Compiled (dynamic=False, as on CUDA; here with the eager backend, which the CPU runs), rows
-    of 300, 400 and 500 keys in calls of 128 queries trace one graph per kind of call (by block, and
-    the ties' call by query): every operand has one shape and one set of strides per power of two
-    (a slice of a longer row traced one graph per length). Each kind is a function of its own, so
-    dynamo's limit of graphs per function counts each kind's buckets apart: with a limit of 1 both
-    kinds still compile (sharing one function, the second ran eagerly, its full scores)."""
+def test_flex_compiles_one_or_two_shapes_per_bucket_each_bucket_its_own(monkeypatch):
+    """Compiled (dynamic=False, as on CUDA; here with dynamo's graphs run eagerly, which the CPU
+    does), rows of 300, 400 and 500 keys (band 32) in calls of 128 queries trace one graph per
+    compiled function (the plan, FlexAttention by block, the ties' FlexAttention by query, the
+    merge): every operand has one shape and one set of strides per power of two (a slice of a longer
+    row traced one graph per length). A band that keeps every far key in the bucket's first half
+    scores fewer blocks: one more plan (its other shape). Each bucket compiles functions of its own,
+    so with dynamo's limit at 2 graphs per function (failing past it) every call compiles: one
+    function shared by the buckets met the limit, past which it ran eagerly (FlexAttention: its
+    full scores)."""
+    import warnings
+
     from hf_dilated.ops import sparse_far_flex
 
     graphs = []
@@ -1565,15 +1580,27 @@ def test_flex_compiles_once_for_lengths_in_one_bucket(monkeypatch):
         return gm.forward
 
     torch._dynamo.reset()
-    compiled = {kind: torch.compile(fn, backend=counting, dynamic=False) for kind, fn in (
-        ("by_block", sparse_far_flex._flex_by_block), ("by_query", sparse_far_flex._flex_by_query))}
-    monkeypatch.setattr(sparse_far_flex, "_kernel", lambda device, kind: compiled[kind])
+    sparse_far_flex._compiled.cache_clear()
+    monkeypatch.setattr(sparse_far_flex, "COMPILED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_flex, "BACKEND", counting)
+    monkeypatch.setattr(sparse_far_flex, "_FUSED_FAILED", None)
     monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)  # 128 queries per call
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    for n in (300, 400, 500):
-        flex_row_matches_reference(n)
-    torch._dynamo.reset()
-    assert len(graphs) == 2, len(graphs)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no compile failed, no fallback
+            for n in (300, 400, 500):
+                flex_row_matches_reference(n)
+            assert len(graphs) == 4, len(graphs)
+            flex_row_matches_reference(300, far_band=64)  # 236 far keys: in the first 256 of 512
+            assert len(graphs) == 5, len(graphs)
+            for n in (200, 150):  # bucket 256: 168 far keys (past 128), then 118
+                flex_row_matches_reference(n)
+            assert len(graphs) == 10, len(graphs)
+    finally:
+        torch._dynamo.reset()
+        sparse_far_flex._compiled.cache_clear()
 
 
 def test_flex_path_without_far_blocks_reads_only_the_band(monkeypatch):

@@ -19,8 +19,8 @@ The block-by-block loop is right for the CPU (its flash kernel does not skip mas
 a GPU it is one small launch per (kv head, block) and two reads back per chunk: 1.07 s for a
 16K prefill of two layers on an H100, where sdpa took 21 ms (gpu-check, 2026-11-26).
 
-Compiled on CUDA (torch.compile of flex_attention, once per power of two of the length: keys and
-query rows are padded to one shape per bucket); elsewhere the eager
+Compiled on CUDA (torch.compile of flex_attention, once or twice per power of two of the length:
+keys and query rows are padded to the bucket, the blocks scored to one of two counts); elsewhere the eager
 FlexAttention, which computes the same set from the same BlockMask (tests run it on the CPU,
 whose compiled FlexAttention returns no log-sum-exp).
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 import warnings
 
 import torch
@@ -69,9 +70,11 @@ def query_chunk(rows: int, n_blocks: int, entry_elements: int = 0) -> int:
     return max(TILE, min(_MAX_CHUNK, fit // TILE * TILE))
 
 
-# One function per kind of call, each compiled on its own: dynamo keeps at most recompile_limit (8)
-# graphs per function, and each kind compiles one per length bucket; sharing one function, the two
-# kinds would reach the limit at 4 buckets, past which FlexAttention runs eagerly (its full scores).
+COMPILED_ON = ("cuda",)  # where FlexAttention, the plan and the merge are compiled (tests widen it)
+BACKEND = "inductor"  # torch.compile's backend for them (tests on the CPU take a lighter one)
+
+
+# One function per kind of call, each compiled on its own and per length bucket (_compiled).
 def _flex_by_block(*args, **kwargs):
     return _flex.flex_attention(*args, **kwargs)
 
@@ -81,22 +84,28 @@ def _flex_by_query(*args, **kwargs):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(fn):
-    return torch.compile(fn, dynamic=False)
+def _compiled(fn, bucket: int):
+    """fn compiled (dynamic=False) for the calls of one length bucket, as a code object of its own:
+    dynamo keeps at most recompile_limit (8) graphs per code object, and each bucket takes one or two
+    shapes (far_attention) per dtype and batch size; sharing one, a few buckets reached the limit,
+    past which the plan ran eagerly and FlexAttention materialised its full scores."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{bucket}")
+    own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    return torch.compile(own, backend=BACKEND, dynamic=False)
 
 
-def _kernel(device: torch.device, kind: str):
-    """FlexAttention compiled on CUDA, one function per kind ("by_block", "by_query"); eager
-    elsewhere (the CPU's compiled form returns no lse)."""
-    if device.type != "cuda":
+def _kernel(device: torch.device, kind: str, bucket: int):
+    """FlexAttention compiled on CUDA, one function per kind ("by_block", "by_query") and length
+    bucket; eager elsewhere (the CPU's compiled form returns no lse)."""
+    if device.type not in COMPILED_ON:
         return _flex.flex_attention
-    return _compiled(_flex_by_block if kind == "by_block" else _flex_by_query)
+    return _compiled(_flex_by_block if kind == "by_block" else _flex_by_query, bucket)
 
 
 def _flex_call(q, k, v, block_mask, scale, kind: str = "by_query"):
     """(out, lse) of one FlexAttention call; lse natural-log, -inf (out 0) for a row with no key."""
-    fn = _kernel(q.device, kind)
-    kw = dict(block_mask=block_mask, scale=scale, enable_gqa=True, **kernel_options(q.device, block_mask))
+    fn = _kernel(q.device, kind, k.shape[2])
+    kw = dict(block_mask=block_mask, scale=scale, enable_gqa=True, **kernel_options(q.device, q.dtype, q.shape[-1], block_mask))
     aux = getattr(_flex, "AuxRequest", None)
     if aux is not None:
         out, extra = fn(q, k, v, return_aux=aux(lse=True), **kw)
@@ -104,12 +113,18 @@ def _flex_call(q, k, v, block_mask, scale, kind: str = "by_query"):
     return fn(q, k, v, return_lse=True, **kw)
 
 
-def kernel_options(device: torch.device, block_mask) -> dict:
-    """flex_attention's keyword for a call on `device`: on CUDA, where the BlockMask's key tiles are
-    under 128 keys, the kernel's key tile (BLOCK_N) set to theirs, which it must divide (the compiled
-    kernel's default goes up to 128 keys: an H100's for bfloat16 with head_dim 64)."""
+def kernel_options(device: torch.device, dtype: torch.dtype, head_dim: int, block_mask) -> dict:
+    """flex_attention's keyword for a call with queries of (device, dtype, head_dim): on CUDA, where the BlockMask's key tiles
+    are under 128 keys, the kernel's key tile (BLOCK_N) set to one that divides them (the compiled
+    kernel's own goes up to 128 keys: an H100's for bfloat16 with head_dim 64, where torch raises),
+    and never above the kernel's own choice in torch's tables (64 for 16-bit dtypes with head_dim
+    up to 128, 32 for wider heads or 32/64-bit dtypes, 16 for both: a larger tile may not fit the
+    GPU's shared memory)."""
     key_tile = block_mask.BLOCK_SIZE[1]
-    return {"kernel_options": {"BLOCK_N": key_tile}} if device.type == "cuda" and key_tile < TILE else {}
+    if device.type != "cuda" or key_tile >= TILE:
+        return {}
+    narrow, small = dtype.itemsize <= 2, head_dim <= 128
+    return {"kernel_options": {"BLOCK_N": min(key_tile, 64 if narrow and small else 32 if narrow or small else 16)}}
 
 
 def length_bucket(n: int) -> int:
@@ -165,11 +180,12 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     # contiguous: a compiled call specialises on strides too, and a slice of a longer row has others.
     n_keys = length_bucket(n)
     size = selection.block_size
-    # Bounds and picks are computed for the blocks holding the far keys of the last query (keys up
-    # to n - 1 - band), their keys rounded up to a power of two like the length: one shape per
-    # bucket of each, and half the blocks or fewer of the keys' bucket (at n = 16K + 64, band 4K:
-    # 256 blocks of 64, not 512).
-    n_blocks = -(-length_bucket(n - band) // size)
+    # Bounds and picks are computed for the blocks a query can reach (keys up to n - 1 - band) in
+    # one of two counts per bucket: those of its first half where they all lie in it (at n = 16K +
+    # 64, band 4K: 256 blocks of 64, not 512), else those of its keys up to n_keys - 1 - band. So a
+    # bucket compiles the plan and FlexAttention for one or two shapes (the chunk follows).
+    half = n_keys // 2
+    n_blocks = -(-max(1, half if n - band <= half else n_keys - band) // size)
     operands = far_selection.bound_operands(
         *far_selection.plain_summaries(k_far[:, :, :n_blocks * size], size, n_blocks), n_heads // k_far.shape[1])
     k_far, v = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else t.contiguous()
@@ -346,11 +362,11 @@ def _by_block_call(q_chunk, k_far, v, operands, last, selection: FarSelection, s
     batch, n_heads, rows, _ = q_chunk.shape
     n = k_far.shape[2]
     size = selection.block_size
-    q_entries, *plan, inverse, tied_lists = _fused(by_block_plan)(q_chunk, *operands, last, selection.top_k,
-                                                                   selection.sinks, size, n)
+    q_entries, *plan, inverse, tied_lists = _fused(by_block_plan, n)(q_chunk, *operands, last, selection.top_k,
+                                                                      selection.sinks, size, n)
     o, part = _flex_call(q_entries, k_far, v, by_block_mask(*plan, size, n), scale, "by_block")
     o2, part2 = _flex_call(q_chunk, k_far, v, by_query_block_mask(*tied_lists, size, n, rows), scale)
-    return _fused(merge_entries)(o, part, inverse, n_heads, rows, o2, part2)
+    return _fused(merge_entries, n)(o, part, inverse, n_heads, rows, o2, part2)
 
 
 def key_tile(block_size: int) -> int:
@@ -381,15 +397,15 @@ def by_block_mask(row_block, row_last, kv_count, kv_indices, full_count, size: i
 _FUSED_FAILED: str | None = None  # why compiling them failed in this process (they then run eagerly)
 
 
-def _fused(fn):
-    """fn compiled (dynamic=False: one graph per chunk shape) where its inputs are on CUDA; eager
-    elsewhere and once compiling failed (warned once: the same results, slower)."""
+def _fused(fn, bucket: int):
+    """fn compiled (dynamic=False: one graph per chunk shape) for the length bucket where its inputs
+    are on CUDA; eager elsewhere and once compiling failed (warned once: the same results, slower)."""
     def call(*args):
         global _FUSED_FAILED
-        if args[0].device.type != "cuda" or _FUSED_FAILED is not None:
+        if args[0].device.type not in COMPILED_ON or _FUSED_FAILED is not None:
             return fn(*args)
         try:
-            return _compiled(fn)(*args)
+            return _compiled(fn, bucket)(*args)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
