@@ -1,0 +1,97 @@
+"""The work of the GPU's prefill path of sparse far keys (ops/sparse_far_flex.py), counted on the CPU.
+
+    python scripts/far_prefill_work.py N BAND TOP_K [--launches] [--rows R]
+
+One row of N keys (1 x 8/2 heads x 16, blocks of 64, 1 sink), far keys from query BAND on: the
+bounds the plan scores and the pairs FlexAttention computes per row, in partial tiles (under the
+mask_mod) and in full ones, read from the BlockMasks (FlexAttention itself is not run). With
+--launches, also the launches one call dispatches (each compiled call counted as one) and its reads
+back: on a GPU each launch is host time. --rows R: R queries per FlexAttention call (chunks).
+"""
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from hf_dilated.ops import sparse_far_flex
+from hf_dilated.ops.far_selection import FarSelection
+
+
+def main(n: int, band: int, top_k: int, launches: bool, rows: int | None) -> None:
+    if rows:  # the entries' budget that makes calls of `rows` queries
+        sparse_far_flex._ENTRY_ELEMENTS = 8 * (top_k + 1) * 16 * rows
+    work = dict(bounds=0, rows=0, partial=0, full=0)
+    plan, flex, fused = sparse_far_flex.by_block_plan, sparse_far_flex._flex_call, sparse_far_flex._fused
+
+    def counted_plan(q, summary, *rest):
+        work["bounds"] += q.shape[0] * q.shape[1] * q.shape[2] * summary.shape[2]
+        return plan(q, summary, *rest)
+
+    def recorded_flex(q, k, v, block_mask, scale, kind="by_query"):
+        if kind == "by_block":
+            area = block_mask.BLOCK_SIZE[0] * block_mask.BLOCK_SIZE[1]
+            work["rows"] += q.shape[1] * q.shape[2]
+            work["partial"] += int(block_mask.kv_num_blocks.sum()) * area
+            if block_mask.full_kv_num_blocks is not None:
+                work["full"] += int(block_mask.full_kv_num_blocks.sum()) * area
+        return torch.zeros_like(q), torch.full(q.shape[:3], float("-inf"))
+
+    counter = Launches() if launches else None
+
+    def opaque(name, fn):  # a compiled call: one launch, its insides not dispatched one by one
+        def call(*args):
+            if counter is not None and counter.on:
+                counter.count += 1
+            with _disable_current_modes():
+                return fn(*args)
+        return call
+
+    sparse_far_flex.by_block_plan = counted_plan
+    sparse_far_flex._flex_call = opaque("flex", recorded_flex)
+    sparse_far_flex._fused = lambda fn, bucket: opaque(fn.__name__, fused(fn, bucket))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 16, generator=g) for h in (8, 2, 2))
+    out, lse = torch.zeros(1, 8, n, 16), torch.full((1, 8, n), float("-inf"))
+    with torch.no_grad():
+        sparse_far_flex.far_attention(q, k, v, out, lse, band, band, FarSelection(top_k, 64, 1), 0.25)
+        print(f"n {n}, band {band}, top_k {top_k}: bounds {work['bounds'] / 1e6:.1f} M; FlexAttention rows "
+              f"{work['rows'] / 1e6:.2f} M, pairs per row {(work['partial'] + work['full']) / max(1, work['rows']):.1f}, "
+              f"in partial tiles {work['partial'] / 1e6:.1f} M, in full tiles {work['full'] / 1e6:.1f} M")
+        if counter is not None:
+            with counter:
+                sparse_far_flex.far_attention(q, k, v, out, lse, band, band, FarSelection(top_k, 64, 1), 0.25)
+            print(f"one call (the second): {counter.count} launches, {counter.reads} reads back")
+
+
+class Launches(TorchDispatchMode):
+    """Operations that are not views (launches on a GPU), and reads of a device value on the host."""
+
+    READS = {"aten._local_scalar_dense", "aten.nonzero", "aten.item"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = self.reads = 0
+        self.on = False
+
+    def __enter__(self):
+        self.on = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.on = False
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.count += 1
+        if str(func.overloadpacket) in self.READS:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 4:
+        sys.exit(__doc__)
+    args = sys.argv[1:]
+    rows = int(args[args.index("--rows") + 1]) if "--rows" in args else None
+    main(int(args[0]), int(args[1]), int(args[2]), "--launches" in args, rows)
