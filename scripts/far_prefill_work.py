@@ -21,7 +21,7 @@ def main(n: int, band: int, top_k: int, launches: bool, rows: int | None) -> Non
     if rows:  # the entries' budget that makes calls of `rows` queries
         sparse_far_flex._ENTRY_ELEMENTS = 8 * (top_k + 1) * 16 * rows
     work = dict(bounds=0, rows=0, partial=0, full=0)
-    plan, flex, fused = sparse_far_flex.by_block_plan, sparse_far_flex._flex_call, sparse_far_flex._fused
+    plan, fused = sparse_far_flex.by_block_plan, sparse_far_flex._fused
 
     def counted_plan(q, summary, *rest):
         work["bounds"] += q.shape[0] * q.shape[1] * q.shape[2] * summary.shape[2]
