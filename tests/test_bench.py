@@ -698,3 +698,20 @@ def test_time_calls_stops_at_its_budget_after_three_calls():
     assert timed["first_s"] >= 0.25 > max(timed["times_s"])
     calls.clear()
     assert len(measure.time_calls(step, torch.device("cpu"), warmup=0, repeats=5)["times_s"]) == 5 == len(calls)
+
+
+def test_far_prefill_work_script_counts_the_gpu_paths_work():
+    """scripts/far_prefill_work.py (docs/benchmarks.md's counts of the GPU prefill of sparse far keys)
+    runs on the CPU and prints what it counts: key tiles of a block (64 pairs a row at most), full
+    tiles, a second call's launches and no read back."""
+    import re
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "far_prefill_work.py")
+    out = subprocess.run([sys.executable, script, "2048", "1024", "8", "--launches", "--rows", "256"],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    work = re.search(r"pairs per row ([\d.]+), in partial tiles ([\d.]+) M, in full tiles ([\d.]+) M", out.stdout)
+    launches = re.search(r"(\d+) launches, (\d+) reads back", out.stdout)
+    assert work and launches, out.stdout
+    assert 0 < float(work[1]) <= 64 and float(work[3]) > 0
+    assert int(launches[1]) > 0 and int(launches[2]) == 0
