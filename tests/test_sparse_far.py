@@ -883,7 +883,8 @@ def _left_padded_generation_matches_reference(family, tmp_path, seed, cache_of, 
 
 
 @pytest.mark.parametrize("family, grad_mode", [("llama", torch.no_grad), ("gpt_neox", torch.no_grad),
-                                               ("llama", torch.inference_mode)], ids=("llama", "gpt_neox", "llama-inference_mode"))
+                                               ("llama", torch.inference_mode)],
+                         ids=("llama", "gpt_neox", "llama-inference_mode"))
 def test_graphed_steps_on_an_in_place_cache_match_reference(tmp_path, monkeypatch, family, grad_mode):
     """The step a GPU replays as one CUDA graph (sparse_far_reserved.ReservedStep: kept_step over the
     whole buffer of hf_dilated.ReservedCache, the query and the written count its only inputs),
@@ -1411,7 +1412,9 @@ def test_flex_kernel_tile_divides_the_block_masks_on_cuda():
 def test_flex_falls_back_to_whole_key_tiles_before_blocks(monkeypatch):
     """Where FlexAttention fails to build with key tiles of a far block (32 keys here), the chunk is
     done again with tiles of 128 keys (warned once), and the path stays on FlexAttention: the
-    results stay the reference's, and later calls take 128-key tiles from the start."""
+    results stay the reference's, and later calls take 128-key tiles from the start. The plan runs
+    compiled (dynamo's graphs, eagerly) and lists its tiles in the mask's key tiles each time (the
+    key tile is its argument: it compiles again)."""
     from hf_dilated.ops import sparse_far_flex
 
     key_tiles = []
@@ -1419,10 +1422,17 @@ def test_flex_falls_back_to_whole_key_tiles_before_blocks(monkeypatch):
 
     def picky(q, k, v, block_mask, scale, kind="by_query"):
         key_tiles.append(block_mask.BLOCK_SIZE[1])
+        assert block_mask.kv_indices.shape[-1] == -(-k.shape[2] // block_mask.BLOCK_SIZE[1])  # the plan's tiles
         if block_mask.BLOCK_SIZE[1] < sparse_far_flex.TILE:
             raise ValueError("Q and KV block size must be divisible by BLOCK_M and BLOCK_N")
         return real(q, k, v, block_mask, scale, kind)
 
+    torch._dynamo.reset()
+    sparse_far_flex._compiled.cache_clear()
+    monkeypatch.setattr(sparse_far_flex, "COMPILED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_flex, "BACKEND", "eager")
+    monkeypatch.setattr(sparse_far_flex, "_FUSED_FAILED", None)
+    monkeypatch.setattr(sparse_far_flex, "_kernel", lambda device, kind, bucket: sparse_far_flex._flex.flex_attention)
     monkeypatch.setattr(sparse_far_flex, "_flex_call", picky)
     monkeypatch.setattr(sparse_far_flex, "_FAILED", None)
     monkeypatch.setattr(sparse_far_flex, "_BLOCK_TILES_FAILED", None)
@@ -1433,6 +1443,9 @@ def test_flex_falls_back_to_whole_key_tiles_before_blocks(monkeypatch):
     key_tiles.clear()
     flex_row_matches_reference(300, FarSelection(2, 32, 1))
     assert set(key_tiles) == {128}
+    assert sparse_far_flex._FUSED_FAILED is None  # the plan and the merge ran compiled
+    torch._dynamo.reset()
+    sparse_far_flex._compiled.cache_clear()
 
 
 def test_flex_bounds_only_the_blocks_a_query_reaches(monkeypatch):

@@ -105,7 +105,8 @@ def _kernel(device: torch.device, kind: str, bucket: int):
 def _flex_call(q, k, v, block_mask, scale, kind: str = "by_query"):
     """(out, lse) of one FlexAttention call; lse natural-log, -inf (out 0) for a row with no key."""
     fn = _kernel(q.device, kind, k.shape[2])
-    kw = dict(block_mask=block_mask, scale=scale, enable_gqa=True, **kernel_options(q.device, q.dtype, q.shape[-1], block_mask))
+    kw = dict(block_mask=block_mask, scale=scale, enable_gqa=True,
+              **kernel_options(q.device, q.dtype, q.shape[-1], block_mask))
     aux = getattr(_flex, "AuxRequest", None)
     if aux is not None:
         out, extra = fn(q, k, v, return_aux=aux(lse=True), **kw)
@@ -114,12 +115,12 @@ def _flex_call(q, k, v, block_mask, scale, kind: str = "by_query"):
 
 
 def kernel_options(device: torch.device, dtype: torch.dtype, head_dim: int, block_mask) -> dict:
-    """flex_attention's keyword for a call with queries of (device, dtype, head_dim): on CUDA, where the BlockMask's key tiles
-    are under 128 keys, the kernel's key tile (BLOCK_N) set to one that divides them (the compiled
-    kernel's own goes up to 128 keys: an H100's for bfloat16 with head_dim 64, where torch raises),
-    and never above the kernel's own choice in torch's tables (64 for 16-bit dtypes with head_dim
-    up to 128, 32 for wider heads or 32/64-bit dtypes, 16 for both: a larger tile may not fit the
-    GPU's shared memory)."""
+    """flex_attention's keyword for a call with queries of (device, dtype, head_dim): on CUDA,
+    where the BlockMask's key tiles are under 128 keys, the kernel's key tile (BLOCK_N) set to one
+    that divides them (the compiled kernel's own goes up to 128 keys: an H100's for bfloat16 with
+    head_dim 64, where torch raises), and never above the kernel's own choice in torch's tables (64
+    for 16-bit dtypes with head_dim up to 128, 32 for wider heads or 32/64-bit dtypes, 16 for both:
+    a larger tile may not fit the GPU's shared memory)."""
     key_tile = block_mask.BLOCK_SIZE[1]
     if device.type != "cuda" or key_tile >= TILE:
         return {}
@@ -280,7 +281,7 @@ def by_query_block_mask(chosen, last, kv_count, kv_indices, size: int, n: int, r
 
 # --- by block: FlexAttention's rows are (query, head, chosen block), sorted by block ----------
 
-def by_block_plan(q_chunk, summary, empty, last, top_k: int, sinks: int, size: int, n: int):
+def by_block_plan(q_chunk, summary, empty, last, top_k: int, sinks: int, size: int, n: int, kv_tile: int | None = None):
     """One chunk's selection and FlexAttention rows, when the rows are the chosen (query, head,
     block) entries themselves, per kv head sorted by block: a 128-row tile then holds entries of
     one block or of a few neighbours and lists one or two key tiles, whatever the queries chose (by
@@ -320,7 +321,7 @@ def by_block_plan(q_chunk, summary, empty, last, top_k: int, sinks: int, size: i
     q_entries = q_chunk.reshape(batch, kv_heads, -1, dim).gather(2, source[..., None].expand(-1, -1, -1, dim))
     inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(entries, device=device).expand_as(order))
     # Per 128-row tile: its entries' blocks are a sorted run lo .. hi; list the key tiles they overlap.
-    kv_tile = key_tile(size)
+    kv_tile = kv_tile or key_tile(size)
     n_tiles = -(-n // kv_tile)
     per_tile = row_block.unflatten(-1, (padded // TILE, TILE))
     hi = per_tile.amax(-1)
@@ -362,9 +363,10 @@ def _by_block_call(q_chunk, k_far, v, operands, last, selection: FarSelection, s
     batch, n_heads, rows, _ = q_chunk.shape
     n = k_far.shape[2]
     size = selection.block_size
+    tile = key_tile(size)  # an argument of the compiled plan: it compiles again when it changes
     q_entries, *plan, inverse, tied_lists = _fused(by_block_plan, n)(q_chunk, *operands, last, selection.top_k,
-                                                                      selection.sinks, size, n)
-    o, part = _flex_call(q_entries, k_far, v, by_block_mask(*plan, size, n), scale, "by_block")
+                                                                      selection.sinks, size, n, tile)
+    o, part = _flex_call(q_entries, k_far, v, by_block_mask(*plan, size, n, tile), scale, "by_block")
     o2, part2 = _flex_call(q_chunk, k_far, v, by_query_block_mask(*tied_lists, size, n, rows), scale)
     return _fused(merge_entries, n)(o, part, inverse, n_heads, rows, o2, part2)
 
@@ -377,7 +379,7 @@ def key_tile(block_size: int) -> int:
     return block_size if block_size in (32, 64, 128) and _BLOCK_TILES_FAILED is None else TILE
 
 
-def by_block_mask(row_block, row_last, kv_count, kv_indices, full_count, size: int, n: int):
+def by_block_mask(row_block, row_last, kv_count, kv_indices, full_count, size: int, n: int, kv_tile: int | None = None):
     """The BlockMask of by_block_plan's rows over n keys: row r reads the keys of block row_block[r]
     up to row_last[r], in the key tiles listed for its tile (tiles of key_tile(size) keys), and
     every key of a full tile (full_count: one, or None where a key tile is not a block)."""
@@ -385,8 +387,9 @@ def by_block_mask(row_block, row_last, kv_count, kv_indices, full_count, size: i
         return (kv_idx // size == row_block[b, h, q_idx]) & (kv_idx <= row_last[b, h, q_idx])
 
     full = {} if full_count is None else {"full_kv_num_blocks": full_count, "full_kv_indices": kv_indices}
-    return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=(TILE, key_tile(size)), mask_mod=mask_mod,
-                                          seq_lengths=(row_block.shape[-1], n), **full, **_FORWARD_ONLY)
+    return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=(TILE, kv_tile or key_tile(size)),
+                                          mask_mod=mask_mod, seq_lengths=(row_block.shape[-1], n), **full,
+                                          **_FORWARD_ONLY)
 
 
 # The selection and the entries' plan and merge (elementwise passes and row reductions over
