@@ -712,3 +712,56 @@ def test_cuda_matches_reference(case):
     assert_within(compare(case, torch.float32, device="cuda"), F32_TOL, case, torch.float32)
     assert_within(compare(case, torch.bfloat16, grads=False, device="cuda"), LOW_TOL, case, torch.bfloat16)
     assert_within(compare(case, torch.float16, grads=False, device="cuda"), LOW_TOL, case, torch.float16)
+
+
+class OpNames(TorchDispatchMode):
+    """The names of the aten ops dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("acc_finite", (False, True))
+def test_merge_into_is_the_log_sum_exp_rule(acc_finite):
+    """ops/merge.py's merge_into against its rule in float64: lse = log(e^a + e^b), out = out_a e^(a -
+    lse) + out_b e^(b - lse); a part with lse -inf adds nothing, and two such parts give (out_a,
+    -inf) with no NaN. acc_finite (every accumulator lse finite, as after a first level where each
+    query saw its own key) skips the pass that clears NaN weights and gives the same."""
+    from hf_dilated.ops.merge import merge_into
+
+    g = torch.Generator().manual_seed(0)
+    out_a, out_b = (torch.randn(3, 5, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    lse_a, lse_b = (torch.randn(3, 5, generator=g, dtype=torch.float64) * 3 for _ in range(2))
+    lse_b[0, :2] = float("-inf")
+    if not acc_finite:
+        lse_a[1, 0] = lse_b[1, 0] = float("-inf")
+    lse = torch.logaddexp(lse_a, lse_b)
+    expect = (out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None])
+    both_empty = torch.isinf(lse_a) & torch.isinf(lse_b)
+    expect[both_empty] = out_a[both_empty]
+    acc, acc_lse = out_a.clone(), lse_a.clone()
+    with OpNames() as ops:
+        merge_into(acc, acc_lse, out_b, lse_b, acc_finite=acc_finite)
+    assert not acc.isnan().any() and torch.allclose(acc, expect, atol=1e-12)
+    assert torch.equal(acc_lse, lse)
+    assert ("aten.nan_to_num_" in ops.names) != acc_finite
+
+
+def test_plain_union_forward_merges_into_a_finite_accumulator():
+    """On a plain layout the first level's causal call gives every query its own key, so the later
+    levels merge into an accumulator whose lse is finite, without the pass that clears NaN weights:
+    4 launches a merge where there were 5 (a GPU's short calls are host-bound: 8 merges at 5
+    levels). The result stays the reference's, the first queries of a segment (which see no key at
+    the upper levels) included."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 256, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    levels = ([32, 64, 128, 256], [1, 2, 4, 8])
+    with OpNames() as ops:
+        out = dilated_attention(q, k, v, *levels)
+    assert "aten.nan_to_num_" not in ops.names and ops.names.count("aten.lerp_") >= 3
+    assert (out - dilated_reference(q, k, v, *levels)).abs().max().item() < 1e-10

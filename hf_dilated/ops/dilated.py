@@ -680,15 +680,17 @@ def _forward_plain(q, k, v, levels: list[_Level], scale):
     (serial passes over the accumulator that cost more, relatively, the more threads run)."""
     acc_dtype = merge_dtype(q.dtype)
     acc = lse_acc = None
+    finite = False
     for level, call, qs, ks, vs, bias, empty in _nonempty_calls(levels, q, k, v):
         o, lse = attention_forward(qs, ks, vs, is_causal=call.is_causal, scale=scale, attn_bias=bias)
         if empty is not None:
             lse = lse.masked_fill(empty, float("-inf"))
         if acc is None:  # the first level: one causal call over plain segments of every head
             acc, lse_acc = _to_accumulator(o, q, level.w, acc_dtype), _unsegment(lse.to(acc_dtype), q.shape[0])
+            finite = empty is None  # it gave every query a key (its own): the accumulator's lse is finite
             continue
         for (acc_v, lse_v), (o_part, lse_part) in _plain_query_parts(level, call, (acc, lse_acc), (o, lse)):
-            merge_into(acc_v, lse_v, o_part, lse_part.to(acc_dtype))
+            merge_into(acc_v, lse_v, o_part, lse_part.to(acc_dtype), acc_finite=finite)
     return acc.to(q.dtype), lse_acc
 
 

@@ -27,8 +27,12 @@ def merge_partial(out_a, lse_a, out_b, lse_b):
     return out, lse
 
 
-def merge_into(out_acc, lse_acc, out_b, lse_b) -> None:
-    """merge_partial in place: (out_acc, lse_acc) becomes the merge of itself and (out_b, lse_b)."""
-    weight_b = torch.sigmoid(lse_b - lse_acc).nan_to_num_(0.0)
+def merge_into(out_acc, lse_acc, out_b, lse_b, acc_finite: bool = False) -> None:
+    """merge_partial in place: (out_acc, lse_acc) becomes the merge of itself and (out_b, lse_b).
+    acc_finite: every lse_acc is finite (each query saw a key already), so no weight is NaN and the
+    pass that clears them is skipped (a launch per merge on a GPU, where short calls are host-bound)."""
+    weight_b = torch.sigmoid(lse_b - lse_acc)
+    if not acc_finite:
+        weight_b.nan_to_num_(0.0)
     out_acc.lerp_(out_b.to(out_acc.dtype), weight_b.unsqueeze(-1).to(out_acc.dtype))
     torch.logaddexp(lse_acc, lse_b, out=lse_acc)
