@@ -706,9 +706,11 @@ def test_far_prefill_work_script_counts_the_gpu_paths_work():
     tiles, a second call's launches and no read back."""
     import re
 
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "far_prefill_work.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "scripts", "far_prefill_work.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, script, "2048", "1024", "8", "--launches", "--rows", "256"],
-                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                         capture_output=True, text=True, timeout=600, env=env)  # this checkout's hf_dilated
     assert out.returncode == 0, out.stderr[-2000:]
     work = re.search(r"pairs per row ([\d.]+), in partial tiles ([\d.]+) M, in full tiles ([\d.]+) M", out.stdout)
     launches = re.search(r"(\d+) launches, (\d+) reads back", out.stdout)

@@ -221,6 +221,25 @@ def test_reserved_cache_generates_as_dynamic_cache_and_writes_in_place(tmp_path)
         assert layer.keys.data_ptr() == layer._room[0].data_ptr()  # a view of the reserved buffer, not a copy
 
 
+def test_reserved_cache_goes_on_outside_inference_mode(tmp_path):
+    """A ReservedCache filled under torch.inference_mode (its buffer an inference tensor, which no
+    write outside inference mode may touch) takes the next tokens outside it, in a new buffer, as a
+    DynamicCache does (it raised "Inplace update to inference tensor outside InferenceMode")."""
+    import hf_dilated
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(_tiny_llama(tmp_path), attn_implementation="sdpa").eval()
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(5))
+    logits = []
+    for cache in (hf_dilated.ReservedCache(config=model.config), DynamicCache(config=model.config)):
+        with torch.inference_mode():
+            model(ids[:, :10], past_key_values=cache, use_cache=True)
+        with torch.no_grad():
+            logits.append(model(ids[:, 10:], past_key_values=cache, use_cache=True).logits)
+        assert cache.get_seq_length() == 12
+    assert torch.allclose(logits[0], logits[1], atol=1e-6)
+
+
 def test_reserved_layer_appends_crops_and_reorders():
     from hf_dilated.integrations.cache import ReservedLayer
 

@@ -915,6 +915,36 @@ def test_graphed_steps_on_an_in_place_cache_match_reference(tmp_path, monkeypatc
     assert len(builds) == layers * len(capacities)  # once per layer and buffer, then one token folded a step
 
 
+def test_graphed_steps_leave_the_cache_tensors_plain(tmp_path, monkeypatch):
+    """After graphed steps, under inference mode too (where ReservedCache records each view's buffer
+    and writes), a key view saves and loads as the plain tensor it is (torch.save): the record is
+    not the view's attribute, which took the buffer and the step kept on it along (the step holds
+    local functions: saving raised)."""
+    import io
+
+    from transformers import AutoModelForCausalLM
+
+    from hf_dilated import ReservedCache
+    from hf_dilated.ops import sparse_far_reserved
+
+    monkeypatch.setattr(sparse_far_reserved, "GRAPHED_ON", ("cuda", "cpu"))
+    model = AutoModelForCausalLM.from_pretrained(_tiny("llama", tmp_path, dict(ENTRY, far_block_size=4)),
+                                                 attn_implementation="dilated", dtype=torch.float64).eval()
+    ids = torch.randint(3, 99, (1, 20), generator=torch.Generator().manual_seed(4))
+    for mode in (torch.no_grad, torch.inference_mode):
+        cache = ReservedCache(config=model.config)
+        with mode():
+            model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
+        keys = cache.layers[0].keys
+        buffer = sparse_far_reserved._buffer_of(keys)[0]
+        assert getattr(buffer, sparse_far_reserved._STEP_ATTRIBUTE, None) is not None, mode  # steps were graphed
+        saved = io.BytesIO()
+        torch.save(keys, saved)
+        saved.seek(0)
+        loaded = torch.load(saved)
+        assert torch.equal(loaded, keys) and not vars(loaded), mode
+
+
 @pytest.mark.parametrize("first_mode", [torch.no_grad, torch.inference_mode], ids=("no_grad", "inference_mode_first"))
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_graphed_steps_after_a_crop_and_refill_match_reference(monkeypatch, device, first_mode):
@@ -1066,11 +1096,18 @@ def test_compiled_steps_on_a_concatenating_cache_match_reference(layout, over, c
         assert compiled_steps.frame_count == 1 and "far_summaries" not in state  # 40 lengths, one graph
 
 
-def test_compiled_steps_on_a_concatenating_cache_keep_one_graph_from_the_first_block(compiled_steps):
+@pytest.mark.parametrize("tie_slots", (8, 20), ids=("tie_slots_8", "tie_slots_20"))
+def test_compiled_steps_on_a_concatenating_cache_keep_one_graph_from_the_first_block(compiled_steps, tie_slots,
+                                                                                     monkeypatch):
     """A cache growing from 2 tokens to more blocks than top_k + the tie slots (where a compiled
     step's Python decisions on the block count would change): every step equals the reference,
-    all of them with one graph (the summaries carry spare empty blocks)."""
+    all of them with one graph (the summaries carry spare empty blocks, as many as the tie slots
+    that sparse_far_static.kept_step reads: with 20 of them, the spare count followed a copy of 8
+    and the growing cache made a second graph)."""
     from hf_dilated.kinds import KINDS
+    from hf_dilated.ops import sparse_far_static
+
+    monkeypatch.setattr(sparse_far_static, "TIE_SLOTS", tie_slots)
 
     s = _decode_settings(far_top_k=3)
     g = torch.Generator().manual_seed(23)
@@ -1446,6 +1483,26 @@ def test_flex_falls_back_to_whole_key_tiles_before_blocks(monkeypatch):
     assert sparse_far_flex._FUSED_FAILED is None  # the plan and the merge ran compiled
     torch._dynamo.reset()
     sparse_far_flex._compiled.cache_clear()
+
+
+def test_flex_failure_of_the_ties_call_is_not_the_key_tiles(monkeypatch):
+    """A failure of the ties' call by query (128-key tiles already) gives FlexAttention up (warned,
+    the block-by-block path, the reference's results), without blaming the far block's key tiles."""
+    from hf_dilated.ops import sparse_far_flex
+
+    real = sparse_far_flex._flex_call
+
+    def broken_by_query(q, k, v, block_mask, scale, kind="by_query"):
+        if kind == "by_query":
+            raise RuntimeError("no kernel for this call")
+        return real(q, k, v, block_mask, scale, kind)
+
+    monkeypatch.setattr(sparse_far_flex, "_flex_call", broken_by_query)
+    monkeypatch.setattr(sparse_far_flex, "_FAILED", None)
+    monkeypatch.setattr(sparse_far_flex, "_BLOCK_TILES_FAILED", None)
+    with pytest.warns(RuntimeWarning, match="FlexAttention failed here"):
+        flex_row_matches_reference(300, FarSelection(2, 32, 1))
+    assert sparse_far_flex._BLOCK_TILES_FAILED is None and sparse_far_flex._FAILED.startswith("RuntimeError")
 
 
 def test_flex_bounds_only_the_blocks_a_query_reaches(monkeypatch):

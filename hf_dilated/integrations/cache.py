@@ -11,13 +11,18 @@ at most 50% more memory than the tokens held).
 
     cache = hf_dilated.ReservedCache(config=model.config)
     model.generate(ids, cache=cache, ...)  # past_key_values=cache on older transformers
+
+Under torch.inference_mode torch tracks no tensor versions: there the sparse far keys' decode step
+on a GPU knows of the cache's own writes (its count of them), not of a write into its tensors from
+outside (docs/contract.md 4.2): edit a cache's tensors outside inference mode.
 """
 from __future__ import annotations
 
+import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..ops.sparse_far_reserved import BUFFER_ATTRIBUTE
+from ..ops.sparse_far_reserved import tag_view
 
 _MIN_ROOM = 256  # tokens reserved beyond the need, at least: a prompt then decodes that many steps without growing
 
@@ -31,8 +36,11 @@ class ReservedLayer(DynamicLayer):
 
     def _in_room(self, n_new: int) -> bool:
         """The keys are still the filled start of the buffer (no crop-then-replace, no reorder or batch
-        edit since: those rebind `keys` to other tensors) and the new tokens fit."""
+        edit since: those rebind `keys` to other tensors) and the new tokens fit, and the buffer can be
+        written here (one made under torch.inference_mode cannot be outside it: a new one is made)."""
         if self._room is None or self.keys.numel() == 0:
+            return False
+        if self._room[0].is_inference() and not torch.is_inference_mode_enabled():
             return False
         room = self._room[0]
         return (self.keys.data_ptr() == room.data_ptr() and self.keys.shape[:2] == room.shape[:2]
@@ -66,7 +74,7 @@ class ReservedLayer(DynamicLayer):
         step (ops/sparse_far_reserved.py) needs both to replay its CUDA graph on the buffer."""
         self._writes = getattr(self, "_writes", 0) + 1
         for view, buffer in ((self.keys, self._room[0]), (self.values, self._room[1])):
-            setattr(view, BUFFER_ATTRIBUTE, (buffer, self._writes))
+            tag_view(view, buffer, self._writes)
 
     def reorder_cache(self, beam_idx) -> None:
         """Beam search's reorder, in place inside the buffer: a new tensor every step would give up

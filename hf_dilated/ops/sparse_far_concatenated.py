@@ -20,7 +20,8 @@ import torch
 
 from .far_selection import FarSelection, bound_dtype
 from .rope import far_queries_static
-from .sparse_far_static import BUILD_SLOTS, TIE_SLOTS, far_turned, kept_step, warn_ties_cut
+from . import sparse_far_static
+from .sparse_far_static import BUILD_SLOTS, far_turned, kept_step, warn_ties_cut
 
 COMPILED_ON = ("cuda",)
 BACKEND = "inductor"  # torch.compile's backend for it (tests on the CPU may take a lighter one)
@@ -75,7 +76,7 @@ def _concatenated(q, k, v, first, cut, inv_freq, *, local_window: int, far_band:
     seen = torch.full((), n, dtype=torch.long, device=k.device)
     # spare blocks: at least top_k + TIE_SLOTS + 1 blocks, and two in the reduction (no 0/1 specialisation)
     mn, mx = summarise_rows(k, first, selection.block_size, rotation, bound_dtype(k.dtype),
-                            spare=selection.sinks + selection.top_k + TIE_SLOTS + 2)
+                            spare=selection.sinks + selection.top_k + sparse_far_static.TIE_SLOTS + 2)
     q_far = q if rotation is None else far_queries_static(q, real, seen, *rotation)
     return kept_step(q, k, v, q_far, local_window=local_window, far_band=far_band, selection=selection, scale=scale,
                      real=real, seen=seen, rotation=rotation, kept=MadeSummaries(mn, mx, cut), refresh=False)

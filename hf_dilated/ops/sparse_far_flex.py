@@ -215,17 +215,19 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
                 o, part = _by_block_call(q_chunk, k_far, v, operands, last, selection, scale)
             else:
                 o, part = _flex_call(q_chunk, k_far, v, by_query_mask(chosen, last, n_keys, size), scale)
+        except _KeyTilesFailed as exc:  # the by-block call, with key tiles of a far block: first without them
+            if lo != start:
+                raise
+            _BLOCK_TILES_FAILED = str(exc)
+            warnings.warn(f"hf_dilated: FlexAttention failed with key tiles of {size} ({_BLOCK_TILES_FAILED[:500]}); "
+                          "sparse far keys take tiles of 128 keys from now on (the same results, more work)",
+                          RuntimeWarning, stacklevel=2)
+            continue
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:  # the first call compiles (every call has its shape): a build failure
             if lo != start:
                 raise
-            if LAYOUT == "by_block" and key_tile(size) < TILE:  # first without the far block's key tiles
-                _BLOCK_TILES_FAILED = f"{type(exc).__name__}: {exc}"
-                warnings.warn(f"hf_dilated: FlexAttention failed with key tiles of {size} ({_BLOCK_TILES_FAILED[:500]}); "
-                              "sparse far keys take tiles of 128 keys from now on (the same results, more work)",
-                              RuntimeWarning, stacklevel=2)
-                continue
             _FAILED = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"hf_dilated: FlexAttention failed here ({_FAILED[:500]}); sparse far keys take the "
                           "block-by-block path from now on (correct, but slow on a GPU)", RuntimeWarning, stacklevel=2)
@@ -366,9 +368,20 @@ def _by_block_call(q_chunk, k_far, v, operands, last, selection: FarSelection, s
     tile = key_tile(size)  # an argument of the compiled plan: it compiles again when it changes
     q_entries, *plan, inverse, tied_lists = _fused(by_block_plan, n)(q_chunk, *operands, last, selection.top_k,
                                                                       selection.sinks, size, n, tile)
-    o, part = _flex_call(q_entries, k_far, v, by_block_mask(*plan, size, n, tile), scale, "by_block")
+    try:
+        o, part = _flex_call(q_entries, k_far, v, by_block_mask(*plan, size, n, tile), scale, "by_block")
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        if tile < TILE:  # far_attention tries 128-key tiles next
+            raise _KeyTilesFailed(f"{type(exc).__name__}: {exc}") from exc
+        raise
     o2, part2 = _flex_call(q_chunk, k_far, v, by_query_block_mask(*tied_lists, size, n, rows), scale)
     return _fused(merge_entries, n)(o, part, inverse, n_heads, rows, o2, part2)
+
+
+class _KeyTilesFailed(Exception):
+    """FlexAttention failed on a by-block call with key tiles of a far block (the message: why)."""
 
 
 def key_tile(block_size: int) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .far_selection import FarSelection
 from .rope import far_queries_static
@@ -98,19 +99,26 @@ class ReservedStep:
 
 
 _STEP_ATTRIBUTE = "_hf_dilated_reserved_step"  # where a buffer holds its ReservedStep (it goes with the buffer)
-# On a key or value view that hf_dilated.ReservedCache hands out: (the buffer it views, the layer's
+# The key and value views hf_dilated.ReservedCache hands out -> (the buffer each views, the layer's
 # count of writes into it). Under torch.inference_mode a view keeps no base and a tensor no version
-# counter; this is what the step then reads instead (the cache's own writes: updates and reorders).
-BUFFER_ATTRIBUTE = "_hf_dilated_buffer"
+# counter; this is what the step then reads instead: the cache's own writes (updates, reorders), not
+# a write into its tensors from outside (docs/contract.md 4.2). A table held weakly by the views, not
+# an attribute: a view saved or copied does not take its buffer and the step kept on it along.
+_VIEW_BUFFERS = WeakIdKeyDictionary()
+
+
+def tag_view(view: torch.Tensor, buffer: torch.Tensor, writes: int) -> None:
+    """Record that `view` is the filled start of `buffer`, after `writes` writes into it."""
+    _VIEW_BUFFERS[view] = (buffer, writes)
 _GRAPH_FAILED: str | None = None  # why capturing failed in this process (steps then take the eager path)
 
 
 def _buffer_of(view: torch.Tensor) -> tuple:
     """(buffer, version) of an in-place cache's view: its base and the base's version counter, or
-    under inference mode what ReservedCache wrote on it (BUFFER_ATTRIBUTE); (None, None) else."""
+    under inference mode what ReservedCache recorded of it (tag_view); (None, None) else."""
     if view._base is not None:
         return view._base, view._base._version
-    return getattr(view, BUFFER_ATTRIBUTE, (None, None))
+    return _VIEW_BUFFERS.get(view, (None, None))
 
 
 def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
