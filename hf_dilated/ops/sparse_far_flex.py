@@ -160,8 +160,9 @@ def listed_tiles(chosen: torch.Tensor, n_tiles: int, block_size: int) -> torch.T
 
 
 def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: FarSelection, scale: float) -> bool:
-    """Merge into out/lse ((batch, heads, n, d) / (batch, heads, n), float32) the far keys every
-    query from `start` on selects: keys j <= i - band in its sink blocks and its top_k blocks by
+    """Merge into out/lse ((batch, heads, n, d) / (batch, heads, n), float32; from `start` on the
+    band's result, where each query saw its own key: every lse finite) the far keys every query
+    from `start` on selects: keys j <= i - band in its sink blocks and its top_k blocks by
     Quest's bound from the blocks' summaries (far_selection). Returns False, having merged
     nothing, where FlexAttention failed to build its kernel in this process (warned once): the
     caller then takes the block-by-block path."""
@@ -232,7 +233,9 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
             warnings.warn(f"hf_dilated: FlexAttention failed here ({_FAILED[:500]}); sparse far keys take the "
                           "block-by-block path from now on (correct, but slow on a GPU)", RuntimeWarning, stacklevel=2)
             return False
-        merge_into(out[:, :, lo:e], lse[:, :, lo:e], o[:, :, lo - s:e - s], part[:, :, lo - s:e - s].to(lse.dtype))
+        # out holds the band's result, where every query saw its own key: its lse is finite
+        merge_into(out[:, :, lo:e], lse[:, :, lo:e], o[:, :, lo - s:e - s], part[:, :, lo - s:e - s].to(lse.dtype),
+                   acc_finite=True)
         if pairs is not None:  # counted once merged: a fallback counts its own
             pair_count.TALLY.pairs += pairs
         lo = e
