@@ -297,10 +297,10 @@ def test_model_forward_reads_back_at_most_once_more_than_sdpa(name, sdpa_model_c
 # (like `adaptive` block-sparse); what must hold is that those reads do not grow with the context.
 
 
-def _masked_decode_syncs(layers, monkeypatch, masked=True):
+def _masked_decode_syncs(layers, monkeypatch, masked=True, grad_mode=torch.no_grad):
     """Syncs of one decode step of a Llama of `layers` layers (default conversion, a left-padded
     batch: an attention mask, as generate() passes) with ReservedCache, on the GPU's path (the
-    sparse far keys' step replayed as a graph: GRAPHED_ON widened, here called)."""
+    sparse far keys' step replayed as a graph: GRAPHED_ON widened, here called), in grad_mode()."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_dilated import ReservedCache
@@ -319,7 +319,7 @@ def _masked_decode_syncs(layers, monkeypatch, masked=True):
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     cache = ReservedCache(config=config)
-    with torch.no_grad():
+    with grad_mode():
         model(input_ids=ids, attention_mask=mask if masked else None, past_key_values=cache)
         for _ in range(2):  # the second step is counted (the first makes each layer's step)
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
@@ -328,11 +328,13 @@ def _masked_decode_syncs(layers, monkeypatch, masked=True):
     return counter
 
 
-def test_graphed_decode_step_reads_nothing_back_without_a_mask(monkeypatch):
+@pytest.mark.parametrize("grad_mode", (torch.no_grad, torch.inference_mode), ids=("no_grad", "inference_mode"))
+def test_graphed_decode_step_reads_nothing_back_without_a_mask(monkeypatch, grad_mode):
     """The GPU's decode step of the default conversion with ReservedCache (the sparse far keys'
     step replayed as a graph, here called), no attention mask: a steady-state step reads nothing
-    back, as sdpa's (kernel_step, the copies in and out, the checks of the buffer)."""
-    counter = _masked_decode_syncs(2, monkeypatch, masked=False)
+    back, as sdpa's (kernel_step, the copies in and out, the checks of the buffer), under
+    inference_mode too (where the step finds its buffer in ReservedCache's record of its views)."""
+    counter = _masked_decode_syncs(2, monkeypatch, masked=False, grad_mode=grad_mode)
     assert counter.total == 0, dict(counter.sites)
 
 

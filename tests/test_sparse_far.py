@@ -1505,6 +1505,22 @@ def test_flex_failure_of_the_ties_call_is_not_the_key_tiles(monkeypatch):
     assert sparse_far_flex._BLOCK_TILES_FAILED is None and sparse_far_flex._FAILED.startswith("RuntimeError")
 
 
+@pytest.mark.parametrize("band", (16, 200, 400, 1000))
+def test_flex_scores_two_block_counts_at_most_per_bucket(band):
+    """Every length of a bucket (513 ... 1,024 keys) scores its blocks in one of two counts, each
+    covering every block a query reaches (keys up to n - 1 - band): at most two shapes of the plan
+    per bucket whatever the band (the blocks of the bucket of n - band were up to 4 shapes here,
+    8 in a 16K bucket without far_band)."""
+    from hf_dilated.ops.sparse_far_flex import scored_blocks
+
+    counts = {}
+    for n in range(513, 1025):
+        blocks = scored_blocks(n, band, 16)
+        assert blocks * 16 >= n - band
+        counts.setdefault(blocks, n)
+    assert len(counts) <= 2, counts
+
+
 def test_flex_bounds_only_the_blocks_a_query_reaches(monkeypatch):
     """Bounds and picks cover the blocks up to the last query's last far key, their keys rounded up
     to a power of two (500 keys, band 300: 256 keys, 16 blocks of 16), not the blocks of the keys'

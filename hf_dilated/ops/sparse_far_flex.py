@@ -128,6 +128,17 @@ def kernel_options(device: torch.device, dtype: torch.dtype, head_dim: int, bloc
     return {"kernel_options": {"BLOCK_N": min(key_tile, 64 if narrow and small else 32 if narrow or small else 16)}}
 
 
+def scored_blocks(n: int, band: int, size: int) -> int:
+    """The blocks whose bounds a call over n keys computes: every block a query can reach (keys up
+    to n - 1 - band), in one of two counts per length bucket: the blocks of its first half where
+    they all lie in it (at n = 16K + 64, band 4K: 256 blocks of 64, not 512), else those of its keys
+    up to n_keys - 1 - band. So a bucket compiles the plan and FlexAttention for one or two shapes
+    (the chunk follows)."""
+    n_keys = length_bucket(n)
+    half = n_keys // 2
+    return -(-max(1, half if n - band <= half else n_keys - band) // size)
+
+
 def length_bucket(n: int) -> int:
     """The key length a FlexAttention call is compiled for: the power of two at or above n."""
     return 1 << max(0, n - 1).bit_length()
@@ -182,12 +193,7 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     # contiguous: a compiled call specialises on strides too, and a slice of a longer row has others.
     n_keys = length_bucket(n)
     size = selection.block_size
-    # Bounds and picks are computed for the blocks a query can reach (keys up to n - 1 - band) in
-    # one of two counts per bucket: those of its first half where they all lie in it (at n = 16K +
-    # 64, band 4K: 256 blocks of 64, not 512), else those of its keys up to n_keys - 1 - band. So a
-    # bucket compiles the plan and FlexAttention for one or two shapes (the chunk follows).
-    half = n_keys // 2
-    n_blocks = -(-max(1, half if n - band <= half else n_keys - band) // size)
+    n_blocks = scored_blocks(n, band, size)
     operands = far_selection.bound_operands(
         *far_selection.plain_summaries(k_far[:, :, :n_blocks * size], size, n_blocks), n_heads // k_far.shape[1])
     k_far, v = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else t.contiguous()
