@@ -69,9 +69,9 @@ class ReservedLayer(DynamicLayer):
         return self.keys, self.values
 
     def _count_write(self) -> None:
-        """Tell the views which buffer they view and how many writes it has had: under
-        torch.inference_mode a view keeps no base and a tensor no version counter, and a GPU's decode
-        step (ops/sparse_far_reserved.py) needs both to replay its CUDA graph on the buffer."""
+        """Record (sparse_far_reserved.tag_view) which buffer the views view and how many writes it
+        has had: under torch.inference_mode a view keeps no base and a tensor no version counter, and
+        a GPU's decode step (ops/sparse_far_reserved.py) needs both to replay its CUDA graph there."""
         self._writes = getattr(self, "_writes", 0) + 1
         for view, buffer in ((self.keys, self._room[0]), (self.values, self._room[1])):
             tag_view(view, buffer, self._writes)
