@@ -6,6 +6,7 @@ loaded as safetensors. Inputs are float64 where the selection is compared, so th
 bounds and the reference's rank the blocks alike (a float32 bound may order a near tie otherwise)."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -1465,7 +1466,7 @@ def test_flex_falls_back_to_whole_key_tiles_before_blocks(monkeypatch):
         return real(q, k, v, block_mask, scale, kind)
 
     torch._dynamo.reset()
-    sparse_far_flex._compiled.cache_clear()
+    sparse_far_flex.compiled_for_bucket.cache_clear()
     monkeypatch.setattr(sparse_far_flex, "COMPILED_ON", ("cuda", "cpu"))
     monkeypatch.setattr(sparse_far_flex, "BACKEND", "eager")
     monkeypatch.setattr(sparse_far_flex, "_FUSED_FAILED", None)
@@ -1482,7 +1483,7 @@ def test_flex_falls_back_to_whole_key_tiles_before_blocks(monkeypatch):
     assert set(key_tiles) == {128}
     assert sparse_far_flex._FUSED_FAILED is None  # the plan and the merge ran compiled
     torch._dynamo.reset()
-    sparse_far_flex._compiled.cache_clear()
+    sparse_far_flex.compiled_for_bucket.cache_clear()
 
 
 def test_flex_failure_of_the_ties_call_is_not_the_key_tiles(monkeypatch):
@@ -1666,7 +1667,7 @@ def test_flex_compiles_one_or_two_shapes_per_bucket_each_bucket_its_own(monkeypa
         return gm.forward
 
     torch._dynamo.reset()
-    sparse_far_flex._compiled.cache_clear()
+    sparse_far_flex.compiled_for_bucket.cache_clear()
     monkeypatch.setattr(sparse_far_flex, "COMPILED_ON", ("cuda", "cpu"))
     monkeypatch.setattr(sparse_far_flex, "BACKEND", counting)
     monkeypatch.setattr(sparse_far_flex, "_FUSED_FAILED", None)
@@ -1686,7 +1687,7 @@ def test_flex_compiles_one_or_two_shapes_per_bucket_each_bucket_its_own(monkeypa
             assert len(graphs) == 10, len(graphs)
     finally:
         torch._dynamo.reset()
-        sparse_far_flex._compiled.cache_clear()
+        sparse_far_flex.compiled_for_bucket.cache_clear()
 
 
 def test_flex_path_without_far_blocks_reads_only_the_band(monkeypatch):
@@ -1751,6 +1752,48 @@ def test_cuda_inference_matches_reference(dtype, chunked, layout, monkeypatch):
     err = (out.cpu().double() - ref).abs().max().item() / ref.abs().max().item()
     assert calls and all(calls), sparse_far_flex._FAILED  # FlexAttention ran (no fallback)
     assert err < (1e-4 if dtype == torch.float32 else 2e-2), err
+
+
+@pytest.mark.cuda
+def test_cuda_heads_narrower_than_flex_takes_keep_the_block_path_and_flex_open(monkeypatch):
+    """Heads of 8 on CUDA, which FlexAttention's CUDA kernel does not take, read their far keys
+    block by block without trying it (trying fails, and would close FlexAttention to every later
+    call of the process), and match the float64 reference; FlexAttention stays open."""
+    from hf_dilated.ops import sparse_far_flex
+
+    monkeypatch.setattr(sparse_far_flex, "_FAILED", None)
+    g = torch.Generator().manual_seed(22)
+    shapes = [(1, 4, 600, 8), (1, 2, 600, 8), (1, 2, 600, 8), (1, 4, 600, 8), (1, 2, 600, 8)]
+    q, k, v, q_far, k_far = (torch.randn(s, generator=g, dtype=torch.float64).float() for s in shapes)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "FlexAttention failed here"
+        out = dilated_attention(*(t.cuda() for t in (q, k, v)), [1024], [1], q_far=q_far.cuda(), k_far=k_far.cuda(),
+                                far_selection=FarSelection(4, 64, 1), local_window=256, far_band=128)
+    ref = local_band_reference(*(t.double() for t in (q, k, v)), [1024], [1], 256, q_far=q_far.double(),
+                               k_far=k_far.double(), far_band=128, far_top_k=4, far_block_size=64, far_sinks=1)
+    assert (out.cpu().double() - ref).abs().max().item() < 1e-4
+    assert sparse_far_flex._FAILED is None
+
+
+def test_flex_far_path_takes_heads_its_cuda_kernel_takes(monkeypatch):
+    """FlexAttention's CUDA kernel takes heads of 16 and wider (narrower ones failed its build on an
+    H200, which closed it to the process): far_attention on (fake) CUDA tensors with heads of 8
+    returns False (the caller reads block by block) without trying, touching out or marking
+    FlexAttention failed; on the CPU's eager FlexAttention every width runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_dilated.ops import sparse_far_flex
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert sparse_far_flex.takes_head_dim(cuda, 16) and sparse_far_flex.takes_head_dim(cuda, 128)
+    assert not sparse_far_flex.takes_head_dim(cuda, 8) and sparse_far_flex.takes_head_dim(cpu, 8)
+    monkeypatch.setattr(sparse_far_flex, "_FAILED", None)
+    with FakeTensorMode():
+        q_far, out = torch.empty(1, 4, 600, 8, device="cuda"), torch.empty(1, 4, 600, 8, device="cuda")
+        k_far, v = torch.empty(1, 2, 600, 8, device="cuda"), torch.empty(1, 2, 600, 8, device="cuda")
+        lse = torch.empty(1, 4, 600, device="cuda")
+        assert not sparse_far_flex.far_attention(q_far, k_far, v, out, lse, 256, 128, FarSelection(4, 64, 1), 1.0)
+    assert sparse_far_flex._FAILED is None
 
 
 def test_decode_copies_of_blocks_and_rows_agree_on_every_device_form():

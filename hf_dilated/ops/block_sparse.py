@@ -110,7 +110,7 @@ def block_sparse_attention(q, k, v, pattern, *, block_size, is_causal=True, scal
     else:
         st, layout, plan = cached
         layout = layout.clone() if return_layout else layout  # the caller may write into it
-    if block_sparse_flex.applies(q, k, st.plain, is_causal, sliding_window, block_size):  # a plain prefill on CUDA
+    if block_sparse_flex.applies(q, k, v, st.plain, is_causal, sliding_window, block_size):  # a plain prefill on CUDA
         out = block_sparse_flex.attention(q, k, v, layout, block_size, scale, key)
         if out is not None:
             return (out, layout) if return_layout else out

@@ -12,12 +12,12 @@ allowed and it lies below the diagonal tile; elsewhere mask_mod reads the layout
 Block sizes that tile a tile or that tiles tile (32, 64, 128, 256, ...) take this path; others keep
 the block-by-block one. Lengths are padded to a power of two (one compile per bucket, as
 ops/sparse_far_flex.py): a padded key is seen only by padded queries (causal), whose rows are
-dropped. Compiled on CUDA; elsewhere (tests, FLEX_ON widened) the eager FlexAttention, which
-computes the same set from the same BlockMask.
+dropped. Compiled on CUDA, a function per bucket; elsewhere (tests, FLEX_ON widened) the eager
+FlexAttention, which computes the same set from the same BlockMask. Heads narrower than its CUDA
+kernel takes (16) keep the block-by-block path.
 """
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -27,7 +27,9 @@ try:  # torch >= 2.5
 except ImportError:  # pragma: no cover - the package's oldest torch
     _flex = None
 
-from .sparse_far_flex import TILE, length_bucket, tile_lists  # FlexAttention's tile, length buckets, tile lists
+from . import sparse_far_flex  # where FlexAttention compiles, and each length bucket's compiled function
+# FlexAttention's tile, length buckets, tile lists and the head widths its CUDA kernel takes
+from .sparse_far_flex import TILE, length_bucket, takes_head_dim, tile_lists
 
 FLEX_ON = ("cuda",)  # devices whose plain prefill runs here
 # Shorter prefills keep the block-by-block path: there the first call of each length bucket would
@@ -36,13 +38,13 @@ MIN_TOKENS = 4096
 _FAILED: str | None = None  # why FlexAttention could not run in this process, once it failed
 _MASKS: dict = {}  # (plan key, padded length) -> BlockMask: every layer of a model reuses the first's
 _MAX_MASKS = 4  # (a per-head layout's mask at 128K tokens is hundreds of MB)
-_GRAPHS = 64  # compiled graphs of the FlexAttention call at most (_flex_call)
 
 
-def applies(q, k, plain: bool, is_causal: bool, sliding_window, block_size: int) -> bool:
+def applies(q, k, v, plain: bool, is_causal: bool, sliding_window, block_size: int) -> bool:
     return (_flex is not None and _FAILED is None and q.device.type in FLEX_ON and plain and is_causal
             and sliding_window is None and q.shape[2] == k.shape[2] and q.shape[2] >= MIN_TOKENS
-            and (block_size % TILE == 0 or TILE % block_size == 0))
+            and (block_size % TILE == 0 or TILE % block_size == 0)
+            and takes_head_dim(q.device, min(q.shape[-1], v.shape[-1])))
 
 
 def _bucket(n: int) -> int:
@@ -84,19 +86,15 @@ def _flex_block_sparse(*args, **kwargs):
     return _flex.flex_attention(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled():
-    return torch.compile(_flex_block_sparse, dynamic=False)
-
-
 def _flex_call(q, k, v, mask, scale: float):
-    """The FlexAttention call: compiled on CUDA (one graph per bucket, dtype and grad mode: more than
-    dynamo's default limit of 8 per function, past which it would run FlexAttention eagerly, the
-    full N x N scores), eager elsewhere."""
-    if q.device.type != "cuda":
-        return _flex.flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    with torch._dynamo.config.patch(recompile_limit=max(_GRAPHS, torch._dynamo.config.recompile_limit)):
-        return _compiled()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    """The FlexAttention call: compiled where sparse_far_flex compiles (CUDA), a code object per
+    length bucket (its graphs, one per dtype and grad mode, stay under dynamo's limit of 8 per code
+    object, past which FlexAttention would run eagerly: the full N x N scores); eager elsewhere."""
+    gqa = q.shape[1] != k.shape[1]
+    if q.device.type not in sparse_far_flex.COMPILED_ON:
+        return _flex.flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    return sparse_far_flex.compiled_for_bucket(_flex_block_sparse, k.shape[2])(q, k, v, block_mask=mask, scale=scale,
+                                                                             enable_gqa=gqa)
 
 
 def attention(q, k, v, layout, block_size: int, scale: float, key=None):

@@ -72,9 +72,18 @@ def query_chunk(rows: int, n_blocks: int, entry_elements: int = 0) -> int:
 
 COMPILED_ON = ("cuda",)  # where FlexAttention, the plan and the merge are compiled (tests widen it)
 BACKEND = "inductor"  # torch.compile's backend for them (tests on the CPU take a lighter one)
+# FlexAttention's CUDA kernel (Triton's tl.dot) takes no head narrower than this: torch raises "NYI:
+# embedding dimension ... must be at least 16". Such heads take the other paths, which leaves
+# FlexAttention open to the process's other calls (a failed build closes it).
+CUDA_MIN_HEAD_DIM = 16
 
 
-# One function per kind of call, each compiled on its own and per length bucket (_compiled).
+def takes_head_dim(device: torch.device, head_dim: int) -> bool:
+    """Whether FlexAttention's kernel on `device` takes heads of head_dim."""
+    return device.type != "cuda" or head_dim >= CUDA_MIN_HEAD_DIM
+
+
+# One function per kind of call, each compiled on its own and per length bucket (compiled_for_bucket).
 def _flex_by_block(*args, **kwargs):
     return _flex.flex_attention(*args, **kwargs)
 
@@ -84,11 +93,12 @@ def _flex_by_query(*args, **kwargs):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(fn, bucket: int):
+def compiled_for_bucket(fn, bucket: int):
     """fn compiled (dynamic=False) for the calls of one length bucket, as a code object of its own:
     dynamo keeps at most recompile_limit (8) graphs per code object, and each bucket takes one or two
     shapes (far_attention) per dtype and batch size; sharing one, a few buckets reached the limit,
-    past which the plan ran eagerly and FlexAttention materialised its full scores."""
+    past which the plan ran eagerly and FlexAttention materialised its full scores. (Raising the
+    limit per call instead, with torch._dynamo.config.patch, cost 0.5 ms of host time a call.)"""
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{bucket}")
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     return torch.compile(own, backend=BACKEND, dynamic=False)
@@ -99,7 +109,7 @@ def _kernel(device: torch.device, kind: str, bucket: int):
     bucket; eager elsewhere (the CPU's compiled form returns no lse)."""
     if device.type not in COMPILED_ON:
         return _flex.flex_attention
-    return _compiled(_flex_by_block if kind == "by_block" else _flex_by_query, bucket)
+    return compiled_for_bucket(_flex_by_block if kind == "by_block" else _flex_by_query, bucket)
 
 
 def _flex_call(q, k, v, block_mask, scale, kind: str = "by_query"):
@@ -175,10 +185,11 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     band's result, where each query saw its own key: every lse finite) the far keys every query
     from `start` on selects: keys j <= i - band in its sink blocks and its top_k blocks by
     Quest's bound from the blocks' summaries (far_selection). Returns False, having merged
-    nothing, where FlexAttention failed to build its kernel in this process (warned once): the
-    caller then takes the block-by-block path."""
+    nothing, where FlexAttention does not take heads this narrow here (takes_head_dim) or failed
+    to build its kernel in this process (warned once): the caller then takes the block-by-block
+    path."""
     global _FAILED, _BLOCK_TILES_FAILED
-    if _FAILED is not None:
+    if _FAILED is not None or not takes_head_dim(q_far.device, min(q_far.shape[-1], v.shape[-1])):
         return False
     batch, n_heads, n = q_far.shape[:3]
     slots = selection.top_k + selection.sinks
@@ -430,7 +441,7 @@ def _fused(fn, bucket: int):
         if args[0].device.type not in COMPILED_ON or _FUSED_FAILED is not None:
             return fn(*args)
         try:
-            return _compiled(fn, bucket)(*args)
+            return compiled_for_bucket(fn, bucket)(*args)
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
