@@ -17,7 +17,7 @@
 # or step that does not fit is skipped and the table says so on its row. GPU base budgets (s):
 # cuda-tests 110, table-kernels 80, table-model 80, table-train 55, table-block-sparse 35,
 # table-million 20, table-static (StaticCache + torch.compile) 50, table-render 20 (reserved;
-# limit 30): 450 in all, the other 20 s for the set-up before the tests. Beside the tests (4
+# limit 30): 450 in all, the other 20 s for the set-up before the tests. Beside the tests (8
 # pytest-xdist workers where it is installed), the compiles of the table's first calls run ahead
 # (gpu_table warm), so that the table's steps time what they measure, not a minute of compiling. (On an H200 the tests
 # took 62-90 s, kernels 61, block-sparse 26-39; with kernels at 95 and block-sparse at 40 the
@@ -122,14 +122,20 @@ other_tests=($(ls tests/test_*.py | grep -v -x -F "$(printf '%s\n' "${first_test
 # Beside the tests, each in a process of its own, the compiles the table's first calls would make
 # (the default conversion's plan per length, the StaticCache steps): a first call that compiles
 # took 64 s at 16K on an H200 (2026-11-27), most of the model step's budget; the table's processes
-# then find the kernels in inductor's and Triton's caches on disk. And the tests on 4 workers where
+# then find the kernels in inductor's and Triton's caches on disk. And the tests on 8 workers where
 # pytest-xdist is installed (the GPU image has it): in one process, 30 of them filled the step's
 # 109 s that day (the sparse far keys' compiled CUDA tests take 30-39 s each).
 timeout --kill-after=10 $((limit + 5)) "${table[@]}" warm model static "${smoke_flag[@]}" --out "$out/table" \
     --budget "$limit" >"$out/warm.log" 2>&1 &
 warm_pid=$!
+# 8 workers (the GPU machine has 16 cores; the compiles are the CPU's work), each taking tests from
+# the others' queues where pytest-xdist has worksteal: on 2026-11-27 (4 workers, its default
+# scheduling) one worker held every slow model and sparse-far test and the step stopped at 94%.
 workers=()
-[ $smoke = 0 ] && python -c "import xdist" 2>/dev/null && workers=(-n 4)
+if [ $smoke = 0 ] && python -c "import xdist" 2>/dev/null; then
+    workers=(-n 8)
+    python -m pytest --help 2>/dev/null | grep -q worksteal && workers+=(--dist worksteal)
+fi
 step cuda-tests "$limit" python -m pytest -v -p no:cacheprovider -m cuda "${workers[@]}" "${first_tests[@]}" \
     "${other_tests[@]}" --durations=25 --junitxml="$out/cuda-tests.xml"
 wait $warm_pid
@@ -166,7 +172,10 @@ if [ $extra = 1 ]; then  # the older per-benchmark reports, beyond the 8 minutes
     done >>"$out/report.md"
 fi
 
+# Every log and raw result in one file as well: the device tool returns the first few files by name.
+tar czf "$out/all-logs.tgz.part" -C "$out" --exclude='all-logs.tgz*' . && mv "$out/all-logs.tgz.part" "$out/all-logs.tgz"
+
 echo
 cat "$out/report.md"
-echo "table: $out/report.md; steps: $out/summary.txt" | tee -a "$out/summary.txt"
+echo "table: $out/report.md; steps: $out/summary.txt; everything: $out/all-logs.tgz" | tee -a "$out/summary.txt"
 exit $failed
