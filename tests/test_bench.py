@@ -652,7 +652,36 @@ def test_gpu_table_measures_every_row_on_cpu_at_tiny_sizes(tmp_path):
             assert "no CPU backward" in row["why"], row
         else:
             assert row["ours_t"] > 0 and row["base_t"] > 0 and row["speed"] > 0 and not row["why"], row
+        if (row["measure"] in ("decode step, DynamicCache", "decode step, ReservedCache")
+                and "default conversion" in row["config"]):  # the CPU's sparse-far step is the eager one
+            assert "layer steps: " in row["note"] and " eager" in row["note"], row
+        assert "fell back" not in (row.get("note") or ""), row
     assert not [line for line in lines if "not run" in line and not line.startswith("| CUDA tests")]
+
+
+def test_gpu_table_says_how_decode_steps_ran_and_what_fell_back(monkeypatch):
+    """step_paths counts each layer's sparse-far decode step by the form that served it, in kinds.py's
+    order (the CUDA graph, the compiled call, else the eager step): a slow row says which it was.
+    fallbacks() names a fast form the process gave up, with why."""
+    from hf_dilated.bench import gpu_table
+    from hf_dilated.ops import sparse_far_concatenated, sparse_far_reserved
+
+    # served: a form's step returns a result; None hands the step on to the next form
+    monkeypatch.setattr(sparse_far_reserved, "reserved_step", lambda *a, **kw: None)
+    monkeypatch.setattr(sparse_far_concatenated, "concatenated_step", lambda *a, **kw: "out")
+    counts = {}
+    with gpu_table.step_paths(counts):
+        for _ in range(3):
+            assert sparse_far_reserved.reserved_step() is None
+            assert sparse_far_concatenated.concatenated_step() == "out"
+    assert counts == {"compiled": 3}
+    assert sparse_far_concatenated.concatenated_step.__name__ == "<lambda>"  # restored
+    monkeypatch.setattr(sparse_far_reserved, "_GRAPH_FAILED", "RuntimeError: capture failed")
+    assert gpu_table.fallbacks() == {"sparse_far_reserved._GRAPH_FAILED": "RuntimeError: capture failed"}
+    case = {"backends": {"ours": {"dynamic": {"median_s": 1.0, "paths": counts}}}, "fallbacks": gpu_table.fallbacks()}
+    assert gpu_table._path_note(case, "dynamic") == ("layer steps: 3 compiled; fell back "
+                                                     "(sparse_far_reserved._GRAPH_FAILED): RuntimeError: capture failed")
+    assert gpu_table._path_note({"backends": {}}, "dynamic") is None
 
 
 @pytest.mark.slow

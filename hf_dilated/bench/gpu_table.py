@@ -190,6 +190,54 @@ def _backends_of(spec) -> list[str]:
     return spec["backends"] if spec["conversion"] == "sdpa" else ["ours"]
 
 
+# Where a path gives up its fast form for the rest of the process (module, global): a table row is
+# then the slower form's time, and says why.
+FALLBACKS = (("sparse_far_flex", "_FAILED"), ("sparse_far_flex", "_FUSED_FAILED"),
+             ("sparse_far_flex", "_BLOCK_TILES_FAILED"), ("sparse_far_concatenated", "_COMPILE_FAILED"),
+             ("sparse_far_reserved", "_GRAPH_FAILED"), ("block_sparse_flex", "_FAILED"))
+
+
+def fallbacks() -> dict:
+    """{"module.global": why} of the FALLBACKS this process has taken so far."""
+    import importlib
+
+    found = {}
+    for module, name in FALLBACKS:
+        why = getattr(importlib.import_module(f"hf_dilated.ops.{module}"), name, None)
+        if why is not None:
+            found[f"{module}.{name}"] = str(why)[:300]
+    return found
+
+
+@contextlib.contextmanager
+def step_paths(counts: dict):
+    """Counts into `counts` how the layers' sparse-far decode steps ran, in kinds.py's order of
+    tries: "graphed" (sparse_far_reserved's CUDA graph), "compiled" (sparse_far_concatenated's
+    compiled call), "eager" (sparse_far_decode, the rest). A row that is slow says which it was."""
+    from ..ops import sparse_far_concatenated, sparse_far_decode, sparse_far_reserved
+
+    def counted(module, name, key, served=lambda out: out is not None):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            out = real(*args, **kwargs)
+            if served(out):
+                counts[key] = counts.get(key, 0) + 1
+            return out
+        return real, call
+
+    patched = [(m, name, *counted(m, name, key)) for m, name, key in (
+        (sparse_far_reserved, "reserved_step", "graphed"), (sparse_far_concatenated, "concatenated_step", "compiled"),
+        (sparse_far_decode, "sparse_far_decode", "eager"))]
+    for module, name, _, call in patched:
+        setattr(module, name, call)
+    try:
+        yield counts
+    finally:
+        for module, name, real, _ in patched:
+            setattr(module, name, real)
+
+
 def model_case(spec: dict, own_process: bool = False) -> dict:
     """Prefill of N tokens (DynamicCache, logits of the last token only), then one decode step with
     DynamicCache and with hf_dilated.ReservedCache, each filled by a prefill of its own."""
@@ -223,9 +271,14 @@ def model_case(spec: dict, own_process: bool = False) -> dict:
                 def step(cache=cache):
                     model(input_ids=token, **{arg: cache}, use_cache=True)
 
-                res[name] = _time(step, device, spec["decode_warmup"], spec["decode_repeats"])
+                paths = {}
+                with step_paths(paths) if backend == "ours" else contextlib.nullcontext():
+                    res[name] = _time(step, device, spec["decode_warmup"], spec["decode_repeats"])
+                if paths:
+                    res[name]["paths"] = paths
                 del cache
                 gc.collect()
+    result["fallbacks"] = fallbacks()
     return result
 
 
@@ -251,6 +304,7 @@ def train_case(spec: dict, own_process: bool = False) -> dict:
             timed["peak_bytes"] = torch.cuda.max_memory_allocated()
         result["backends"][backend] = {"train": timed}
         gc.collect()
+    result["fallbacks"] = fallbacks()
     return result
 
 
@@ -398,6 +452,7 @@ def block_sparse_case(spec: dict, own_process: bool = False) -> dict:
         if pass_name == "backward" and "flex" in fns and device.type == "cpu":
             result["passes"][pass_name]["flex"] = {"error": f"no CPU backward in FlexAttention (torch {torch.__version__})"}
     result["log"] = log
+    result["fallbacks"] = fallbacks()
     return result
 
 
@@ -674,6 +729,18 @@ def _short(text: str, limit: int = 140) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def _path_note(result, entry=None) -> str | None:
+    """How our steps ran (step_paths' counts, for a decode entry) and the fast forms the case's
+    process gave up (fallbacks), in words; None when there is nothing to say."""
+    said = []
+    paths = ((result or {}).get("backends", {}).get("ours", {}).get(entry, {}) or {}).get("paths") if entry else None
+    if paths:
+        said.append("layer steps: " + ", ".join(f"{count} {path}" for path, count in sorted(paths.items())))
+    for where, why in ((result or {}).get("fallbacks") or {}).items():
+        said.append(f"fell back ({where}): {_short(why, 100)}")
+    return "; ".join(said) or None
+
+
 def _seconds(t: float) -> str:
     return f"{t:.1f} s" if t >= 1 else f"{1e3 * t:.0f} ms"
 
@@ -773,6 +840,7 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
                     row["note"] = "; ".join(filter(None, [row.get("note"), (
                         f"first call {cold:.1f} s compiling ahead, {_seconds(first)} here" if cold
                         else f"first call {_seconds(first)}")]))
+                row["note"] = "; ".join(filter(None, [row.get("note"), _path_note(ours, entry)]))
                 rows.append(row)
     n = s["static_length"]
     static = parts.get("static", {}).get("results", {})
@@ -810,8 +878,10 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
         why = None if (t and bt) else _why("train", parts, ("ours", f"union|{n}", ours, terr),
                                             ("sdpa", f"sdpa|{n}", sdpa, berr))
         last = n == max(s["train_lengths"])
-        rows.append(_row("training step (fwd+bwd)", f"{model_cfg}, {conv_label['union']}", n, "dilated", t, bname, bt,
-                         why=why, target=">= 2x" if last else None, check=(lambda sp, pr: sp >= 2.0) if last else None))
+        row = _row("training step (fwd+bwd)", f"{model_cfg}, {conv_label['union']}", n, "dilated", t, bname, bt,
+                   why=why, target=">= 2x" if last else None, check=(lambda sp, pr: sp >= 2.0) if last else None)
+        row["note"] = _path_note(ours)
+        rows.append(row)
     b = s["block_sparse"]
     r, rf = res("block-sparse", "block_sparse"), res("block-sparse", "flex")
     cfg = f"{b['heads']}/{b['kv_heads']}x{b['head_dim']}, {json.dumps(b['pattern'])}, block {b['block_size']}"
@@ -833,6 +903,7 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
                    "flex (compiled)", flex.get("median_s"), why=why, target=">= 1.0x", check=lambda sp, pr: sp >= 1.0)
         if rf and rf.get("flex_max_abs_diff") is not None:
             row["note"] = f"outputs differ by {rf['flex_max_abs_diff']:.1e}"
+        row["note"] = "; ".join(filter(None, [row.get("note"), _path_note(rf)]))
         rows.append(row)
         sdpa = {"backends": {bk: {pass_name: p.get("sdpa " + bk, {})} for bk in backends}} if r else None
         bt, bname, berr = _best(sdpa, pass_name, backends)
