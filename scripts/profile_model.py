@@ -4,7 +4,8 @@ same process, then one call under torch.profiler (the ops by GPU time, and dynam
 
   prefill: N tokens beside sdpa's flash and cuDNN kernels; with the default conversion both row
     layouts of the FlexAttention far path (ops/sparse_far_flex.LAYOUT) are timed, their logits compared.
-  decode: one step after a prefill of N tokens (ReservedCache, and DynamicCache), beside sdpa's.
+  decode: one step after a prefill of N tokens (ReservedCache, and DynamicCache), beside sdpa's;
+    ours profiled with each cache, after how its layers' steps ran (graphed, compiled, eager).
 
     python scripts/profile_model.py [--steps prefill,decode] [--lengths 16384,65536] [--conversion default|union] [--top 25]
     python scripts/profile_model.py --lengths 16384 --picks maxima,sort,topk   # the selection's picks three ways
@@ -211,8 +212,12 @@ def main() -> None:
                             with torch.no_grad():
                                 model(input_ids=token, **{arg: cache}, use_cache=True)
 
-                        ms[name] = timed(step, repeats=5)
-                        if backend is None and label == "ReservedCache":
+                        paths = {}
+                        with gpu_table.step_paths(paths) if backend is None else contextlib.nullcontext():
+                            ms[name] = timed(step, repeats=5)
+                        if backend is None:  # how its layers' steps ran (graphed, compiled, eager), then where the time goes
+                            print(f"  {label} layer steps: {paths or 'no sparse-far step'}; fell back: "
+                                  f"{gpu_table.fallbacks() or 'nothing'}")
                             profile(step, device, args.top)
                     del cache
                 best = min(v for k, v in ms.items() if k.startswith("sdpa"))
