@@ -134,7 +134,8 @@ warm_pid=$!
 workers=()
 if [ $smoke = 0 ] && python -c "import xdist" 2>/dev/null; then
     workers=(-n 8)
-    python -m pytest --help 2>/dev/null | grep -q worksteal && workers+=(--dist worksteal)
+    # (an import, not `pytest --help | grep -q`: under pipefail grep's early exit fails the pipe)
+    python -c "from xdist.scheduler import WorkStealingScheduling" 2>/dev/null && workers+=(--dist worksteal)
 fi
 step cuda-tests "$limit" python -m pytest -v -p no:cacheprovider -m cuda "${workers[@]}" "${first_tests[@]}" \
     "${other_tests[@]}" --durations=25 --junitxml="$out/cuda-tests.xml"
@@ -173,7 +174,10 @@ if [ $extra = 1 ]; then  # the older per-benchmark reports, beyond the 8 minutes
 fi
 
 # Every log and raw result in one file as well: the device tool returns the first few files by name.
-tar czf "$out/all-logs.tgz.part" -C "$out" --exclude='all-logs.tgz*' . && mv "$out/all-logs.tgz.part" "$out/all-logs.tgz"
+# (Written outside OUT_DIR, then moved in: tar fails on a folder that changes while it reads it.)
+archive=$(mktemp)
+tar czf "$archive" -C "$out" --exclude=all-logs.tgz . && chmod 644 "$archive" && mv "$archive" "$out/all-logs.tgz" \
+    || { echo "all-logs.tgz: tar failed" | tee -a "$out/summary.txt"; rm -f "$archive"; }
 
 echo
 cat "$out/report.md"

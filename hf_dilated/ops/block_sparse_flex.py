@@ -86,15 +86,19 @@ def _flex_block_sparse(*args, **kwargs):
     return _flex.flex_attention(*args, **kwargs)
 
 
-def _flex_call(q, k, v, mask, scale: float):
-    """The FlexAttention call: compiled where sparse_far_flex compiles (CUDA), a code object per
-    length bucket (its graphs, one per dtype and grad mode, stay under dynamo's limit of 8 per code
-    object, past which FlexAttention would run eagerly: the full N x N scores); eager elsewhere."""
+def _flex_call(q, k, v, mask, scale: float, layout_key: tuple):
+    """The FlexAttention call: compiled where sparse_far_flex compiles (CUDA), eager elsewhere. A
+    code object per length bucket and per everything else dynamo would compile another graph for
+    (dtypes, shapes, grad mode, scale, the mask's layout shape and block size: `layout_key`), so
+    each holds one graph: past dynamo's limit of 8 per code object FlexAttention would run eagerly,
+    the full N x N scores, with nothing said."""
     gqa = q.shape[1] != k.shape[1]
     if q.device.type not in sparse_far_flex.COMPILED_ON:
         return _flex.flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
-    return sparse_far_flex.compiled_for_bucket(_flex_block_sparse, k.shape[2])(q, k, v, block_mask=mask, scale=scale,
-                                                                             enable_gqa=gqa)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    key = (k.shape[2], q.dtype, tuple(q.shape), tuple(k.shape), v.shape[-1], grad, scale, layout_key)
+    return sparse_far_flex.compiled_for_bucket(_flex_block_sparse, key)(q, k, v, block_mask=mask, scale=scale,
+                                                                      enable_gqa=gqa)
 
 
 def attention(q, k, v, layout, block_size: int, scale: float, key=None):
@@ -115,7 +119,7 @@ def attention(q, k, v, layout, block_size: int, scale: float, key=None):
                 if len(_MASKS) >= _MAX_MASKS:
                     _MASKS.clear()
                 _MASKS[(key, padded)] = mask
-        out = _flex_call(q, k, v, mask, scale)
+        out = _flex_call(q, k, v, mask, scale, (tuple(layout.shape[:2]), block_size))
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:  # a build failure of the compiled kernel

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import types
 import warnings
 
@@ -93,13 +94,16 @@ def _flex_by_query(*args, **kwargs):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_for_bucket(fn, bucket: int):
+def compiled_for_bucket(fn, bucket):
     """fn compiled (dynamic=False) for the calls of one length bucket, as a code object of its own:
     dynamo keeps at most recompile_limit (8) graphs per code object, and each bucket takes one or two
     shapes (far_attention) per dtype and batch size; sharing one, a few buckets reached the limit,
     past which the plan ran eagerly and FlexAttention materialised its full scores. (Raising the
-    limit per call instead, with torch._dynamo.config.patch, cost 0.5 ms of host time a call.)"""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{bucket}")
+    limit per call instead, with torch._dynamo.config.patch, cost 0.5 ms of host time a call on the
+    CPU.) `bucket`: the length bucket, or a tuple that starts with it and holds whatever else would
+    make dynamo compile another graph (block_sparse_flex: one graph a code object)."""
+    suffix = bucket if isinstance(bucket, int) else "_".join(re.findall(r"[A-Za-z0-9]+", repr(bucket)))
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{suffix}")
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     return torch.compile(own, backend=BACKEND, dynamic=False)
 
