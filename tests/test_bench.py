@@ -703,10 +703,13 @@ def test_gpu_table_compiles_ahead_the_cases_whose_first_call_compiles(tmp_path):
     # the table names what was compiled ahead, and each prefill row its first call there
     text = gpu_table.render(s, tmp_path)
     assert f"- compiled ahead, beside the tests: model|default|{s['prefill_lengths'][0]} first call" in text
-    # a case still running at the end of the budget is stopped, its process group killed
-    slow = gpu_table.warm(["model"], dict(s, prefill_lengths=[4096]), tmp_path / "slow", budget_s=1.5,
-                          log=lambda m: None)
-    assert [c.get("error") for c in slow["cases"].values()] == ["still compiling after the 2 s: stopped"]
+    # cases start in the plan's order, `at_once` at a time (all at once, beside the tests, none finished
+    # on an H200); one still running at the end of the budget is stopped, its process group killed,
+    # and one not started says so
+    slow = gpu_table.warm(["model"], dict(s, prefill_lengths=[4096, 8192]), tmp_path / "slow", budget_s=1.5,
+                          log=lambda m: None, at_once=1)
+    assert [c.get("error") for c in slow["cases"].values()] == ["still compiling after the 2 s: stopped",
+                                                                "not started: the 2 s were spent"]
     with pytest.raises(ValueError, match="part"):
         gpu_table.warm_plan(["kernels"], s, "cpu")
 
