@@ -119,13 +119,14 @@ limit=$((deadline - $(date +%s) - $(reserve_after -1)))
 [ $limit -gt $tests_limit ] && limit=$tests_limit
 first_tests=(tests/test_cuda_models.py tests/test_sparse_far.py tests/test_decode.py)
 other_tests=($(ls tests/test_*.py | grep -v -x -F "$(printf '%s\n' "${first_tests[@]}")"))
-# Beside the tests, each in a process of its own, the compiles the table's first calls would make
-# (the default conversion's plan per length, the StaticCache steps): a first call that compiles
+# Beside the tests, each in a process of its own (two at a time), the compiles the table's first calls
+# would make (both block-sparse cases, the default conversion's plan per length, the StaticCache
+# steps): a first call that compiles
 # took 64 s at 16K on an H200 (2026-11-27), most of the model step's budget; the table's processes
 # then find the kernels in inductor's and Triton's caches on disk. And the tests on 8 workers where
 # pytest-xdist is installed (the GPU image has it): in one process, 30 of them filled the step's
 # 109 s that day (the sparse far keys' compiled CUDA tests take 30-39 s each).
-timeout --kill-after=10 $((limit + 5)) "${table[@]}" warm model static "${smoke_flag[@]}" --out "$out/table" \
+timeout --kill-after=10 $((limit + 5)) "${table[@]}" warm block-sparse model static "${smoke_flag[@]}" --out "$out/table" \
     --budget "$limit" >"$out/warm.log" 2>&1 &
 warm_pid=$!
 # 8 workers (the GPU machine has 16 cores; the compiles are the CPU's work), each taking tests from

@@ -528,7 +528,7 @@ def plan(part: str, s: dict, device: str) -> list[tuple[str, dict]]:
 # table's processes then find the compiled kernels in inductor's and Triton's caches on disk.
 # --------------------------------------------------------------------------------------------
 
-WARM_PARTS = ("model", "static")
+WARM_PARTS = ("block-sparse", "model", "static")
 # Cases compiled side by side: on an H200 (2026-11-27) all seven at once, beside 4 test workers,
 # finished none in the 110 s (the first, the default conversion's prefill at 16K: the table's first
 # call of it took 13.4 s after them); in the plan's order, a few at a time, the first ones finish.
@@ -536,23 +536,26 @@ WARM_AT_ONCE = 2
 
 
 def warm_plan(parts, s: dict, device: str) -> list[tuple[str, dict]]:
-    """(part|key, spec) of the cases of `parts` whose first call compiles on a GPU: the default
-    conversion's prefill (its selection plan and FlexAttention, one graph per length) and its
-    DynamicCache decode step (ops/sparse_far_concatenated.concatenated_step), and every StaticCache
-    decode step (the whole model under torch.compile)."""
+    """(part|key, spec) of the cases of `parts` whose first call compiles on a GPU: both block-sparse
+    cases (block_sparse's FlexAttention forward and backward, and FlexAttention's own: together
+    more than that step's budget on an H200, 2026-11-27), the default conversion's prefill (its
+    selection plan and FlexAttention, one graph per length) and its DynamicCache decode step
+    (ops/sparse_far_concatenated.concatenated_step), and every StaticCache decode step (the whole
+    model under torch.compile)."""
     out = []
     for part in parts:
         if part not in WARM_PARTS:
             raise ValueError(f"part: {part!r} compiles nothing ahead; one of {', '.join(WARM_PARTS)}")
         for key, spec in plan(part, s, device):
-            if (part == "model" and spec["conversion"] == "default") or (part == "static" and not spec.get("fallback")):
+            if (part == "block-sparse" or (part == "model" and spec["conversion"] == "default")
+                    or (part == "static" and not spec.get("fallback"))):
                 out.append((f"{part}|{key}", spec))
     return out
 
 
 def warm_case(spec: dict, report=print) -> None:
     """Reports (`report`, a line each) the seconds of the compiling first call of one case: "first
-    call X s" (the prefill; a static case runs whole: its steps are few), then for a model case
+    call X s" (the prefill; a static or block-sparse case runs whole), then for a model case
     "first step Y s" (a decode step on the prefill's DynamicCache: on a GPU the default conversion's
     compiles its own). Run beside the tests, so its kernels' autotuning choices are not kept (the
     timed case makes its own, on a quiet GPU); what it compiled is."""
@@ -570,6 +573,9 @@ def warm_case(spec: dict, report=print) -> None:
 
     if spec["kind"].endswith(":static_case"):
         report(f"first call {timed(lambda: static_case(spec)):.3f} s")
+        return
+    if spec["kind"].endswith(":block_sparse_case"):  # it runs whole: its compiles are most of it
+        report(f"first call {timed(lambda: block_sparse_case(spec)):.3f} s")
         return
     model, config, ids = _build_model(spec)
     model.eval()
