@@ -28,6 +28,7 @@
 # table.json). Nothing is fetched: if hf_dilated is not importable, it is installed from this
 # checkout without dependencies and without an index.
 set -uo pipefail  # no -e: a failing step is recorded and the next one still runs
+source "$(dirname "$0")/gpu_check_lib.sh"  # test_workers, archive_logs
 
 smoke=0 extra=0
 while [ $# -gt 0 ]; do
@@ -129,15 +130,7 @@ other_tests=($(ls tests/test_*.py | grep -v -x -F "$(printf '%s\n' "${first_test
 timeout --kill-after=10 $((limit + 5)) "${table[@]}" warm block-sparse model static "${smoke_flag[@]}" --out "$out/table" \
     --budget "$limit" >"$out/warm.log" 2>&1 &
 warm_pid=$!
-# 8 workers (the GPU machine has 16 cores; the compiles are the CPU's work), each taking tests from
-# the others' queues where pytest-xdist has worksteal: on 2026-11-27 (4 workers, its default
-# scheduling) one worker held every slow model and sparse-far test and the step stopped at 94%.
-workers=()
-if [ $smoke = 0 ] && python -c "import xdist" 2>/dev/null; then
-    workers=(-n 8)
-    # (an import, not `pytest --help | grep -q`: under pipefail grep's early exit fails the pipe)
-    python -c "from xdist.scheduler import WorkStealingScheduling" 2>/dev/null && workers+=(--dist worksteal)
-fi
+mapfile -t workers < <(test_workers $smoke)
 step cuda-tests "$limit" python -m pytest -v -p no:cacheprovider -m cuda "${workers[@]}" "${first_tests[@]}" \
     "${other_tests[@]}" --durations=25 --junitxml="$out/cuda-tests.xml"
 wait $warm_pid
@@ -174,11 +167,7 @@ if [ $extra = 1 ]; then  # the older per-benchmark reports, beyond the 8 minutes
     done >>"$out/report.md"
 fi
 
-# Every log and raw result in one file as well: the device tool returns the first few files by name.
-# (Written outside OUT_DIR, then moved in: tar fails on a folder that changes while it reads it.)
-archive=$(mktemp)
-tar czf "$archive" -C "$out" --exclude=all-logs.tgz . && chmod 644 "$archive" && mv "$archive" "$out/all-logs.tgz" \
-    || { echo "all-logs.tgz: tar failed" | tee -a "$out/summary.txt"; rm -f "$archive"; }
+archive_logs "$out"  # every log and raw result in one file as well (gpu_check_lib.sh)
 
 echo
 cat "$out/report.md"

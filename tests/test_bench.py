@@ -716,14 +716,80 @@ def test_gpu_table_compiles_ahead_the_cases_whose_first_call_compiles(tmp_path):
         gpu_table.warm_plan(["kernels"], s, "cpu")
 
 
+def _gpu_check_lib(command: str, env=None) -> subprocess.CompletedProcess:
+    """`command` in bash under gpu_check.sh's own options, with scripts/gpu_check_lib.sh sourced."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    lib = os.path.join(root, "scripts", "gpu_check_lib.sh")
+    return subprocess.run(["bash", "-c", f"set -uo pipefail; source {lib}; {command}"], capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+def test_gpu_check_runs_the_cuda_tests_on_8_workers_stealing_work_where_xdist_can():
+    """gpu_check.sh's pytest worker arguments: 8 workers and worksteal where this pytest-xdist has
+    it, none without pytest-xdist or with --smoke. (The first form looked for worksteal with
+    `pytest --help | grep -q`, which under the script's pipefail never found it: one worker then
+    held every slow test on an H200 and the step stopped at 94%.)"""
+    import importlib.util
+
+    expected = []
+    if importlib.util.find_spec("xdist") is not None:
+        expected = ["-n", "8"]
+        try:
+            from xdist.scheduler import WorkStealingScheduling  # noqa: F401
+            expected += ["--dist", "worksteal"]
+        except ImportError:
+            pass
+    run = _gpu_check_lib("test_workers 0")
+    assert run.returncode == 0 and run.stdout.split() == expected, (run.stdout, run.stderr)
+    run = _gpu_check_lib("test_workers 1")
+    assert run.returncode == 0 and run.stdout == ""
+
+
+def test_gpu_check_archives_every_log_from_outside_the_folder(tmp_path):
+    """archive_logs DIR: every file of DIR (not an older all-logs.tgz) in DIR/all-logs.tgz, with
+    the real tar, which a wrapper on PATH lets run only when its archive lies outside the folder it
+    reads: in the folder tar may exit 1 ("file changed as we read it": the first form's command
+    did in 4 of 5, 6 of 10 and 1 of 10 runs on a folder of 30 random 20 KB files here), leaving
+    only a .part file. Where tar fails, nothing half-written is left in the folder and summary.txt
+    says so."""
+    import shutil
+    import tarfile
+
+    out = tmp_path / "out"
+    (out / "table").mkdir(parents=True)
+    for name in ("summary.txt", "cuda-tests.log", "table/table.json"):
+        (out / name).write_text(name)
+    (out / "all-logs.tgz").write_text("an older archive")
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    (shims / "tar").write_text(f"""#!/usr/bin/env bash
+archive=$2 dir=$4  # tar czf ARCHIVE -C DIR ...
+case "$(realpath -m "$archive")/" in "$(realpath "$dir")"/*) echo "archive inside the folder" >&2; exit 3 ;; esac
+exec {shutil.which("tar")} "$@"
+""")
+    (shims / "tar").chmod(0o755)
+    env = dict(os.environ, PATH=f"{shims}:{os.environ['PATH']}")
+    run = _gpu_check_lib(f"archive_logs {out}", env)
+    assert run.returncode == 0, run.stderr
+    with tarfile.open(out / "all-logs.tgz") as archive:
+        names = {name.lstrip("./") for name in archive.getnames() if archive.getmember(name).isfile()}
+    assert names == {"summary.txt", "cuda-tests.log", "table/table.json"}
+    assert sorted(p.name for p in out.iterdir()) == ["all-logs.tgz", "cuda-tests.log", "summary.txt", "table"]
+    # a tar that fails: the archive already there stays whole, nothing else is left, the summary says so
+    (shims / "tar").write_text("#!/usr/bin/env bash\nexit 2\n")
+    run = _gpu_check_lib(f"archive_logs {out}", env)
+    assert run.returncode == 1 and "tar failed" in (out / "summary.txt").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["all-logs.tgz", "cuda-tests.log", "summary.txt", "table"]
+    with tarfile.open(out / "all-logs.tgz"):
+        pass
+
+
 @pytest.mark.slow
 def test_gpu_check_script_runs_every_step_and_archives_every_log(tmp_path):
     """scripts/gpu_check.sh --smoke (tiny sizes on the CPU; the real run happens on a rare, rented
     GPU, where a broken script wastes it): exit 0, the table, and every log in all-logs.tgz, the
-    one file sure to come back from the device tool. (Its first form wrote the archive inside the
-    folder it archived, a race: tar then exits 1 on "file changed as we read it", leaving only
-    all-logs.tgz.part. That command failed 4 times in 5 on a folder of 30 random 20 KB files here,
-    but not on this run's folder, so this test does not catch that form reliably.)"""
+    one file sure to come back from the device tool (test_gpu_check_archives_every_log_from_outside_
+    the_folder checks the archiving itself)."""
     import tarfile
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

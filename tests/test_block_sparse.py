@@ -333,20 +333,26 @@ def test_bad_arguments_are_rejected():
 FLEX_PATTERNS = ["local", "dilated", "global_local", "hierarchical", "adaptive", "custom_per_head", "custom_shared"]
 
 
+def _flex_pattern_call(name, q, k, v, block_size):
+    """block_sparse_attention of PATTERNS[name] (a custom one sized for the blocks of the input), and
+    its layout."""
+    pattern = PATTERNS[name]
+    if name.startswith("custom"):
+        blocks = -(-q.shape[2] // block_size)
+        gen = torch.Generator().manual_seed(5)
+        pattern = CustomPattern(torch.rand(pattern.layout.shape[0], blocks, blocks, generator=gen) > 0.4)
+    return block_sparse_attention(q, k, v, pattern, block_size=block_size, return_layout=True)
+
+
 def _flex_case(name, block_size, n, device="cpu", dtype=torch.float64, grad=False, dim=DIM):
     """A plain prefill of n tokens (heads of `dim`) through the FlexAttention path (FLEX_ON widened
     to the CPU, whose eager FlexAttention has no backward: forwards there) against the float64
     reference of the layout the kernel reports; a custom layout sized for the blocks of n."""
     from hf_dilated.ops import block_sparse_flex
 
-    pattern = PATTERNS[name]
-    if name.startswith("custom"):
-        blocks = -(-n // block_size)
-        gen = torch.Generator().manual_seed(5)
-        pattern = CustomPattern(torch.rand(pattern.layout.shape[0], blocks, blocks, generator=gen) > 0.4)
     q, k, v = (x.to(device).requires_grad_(grad) for x in _qkv(n, dtype, seed=4, length=n, dim=dim))
     with torch.set_grad_enabled(grad):
-        out, layout = block_sparse_attention(q, k, v, pattern, block_size=block_size, return_layout=True)
+        out, layout = _flex_pattern_call(name, q, k, v, block_size)
     q64, k64, v64 = (x.detach().cpu().double().requires_grad_(grad) for x in (q, k, v))
     ref = block_sparse_reference(q64, k64, v64, layout.cpu(), block_size)
     assert (out.detach().cpu().double() - ref).abs().max().item() < TOL[dtype] * (10 if device == "cuda" else 1)
@@ -463,17 +469,6 @@ def test_cuda_flex_path_forward_and_gradients_match_reference(name, dtype, monke
     monkeypatch.setattr(block_sparse_flex, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     flex = _flex_case(name, 128, 1000, device="cuda", dtype=dtype, grad=True, dim=64)
     assert calls and flex._FAILED is None  # FlexAttention ran, and did not fail
-
-
-def _flex_pattern_call(name, q, k, v, block_size):
-    """block_sparse_attention of PATTERNS[name] (a custom one sized for the blocks of the input), and
-    its layout."""
-    pattern = PATTERNS[name]
-    if name.startswith("custom"):
-        blocks = -(-q.shape[2] // block_size)
-        gen = torch.Generator().manual_seed(5)
-        pattern = CustomPattern(torch.rand(pattern.layout.shape[0], blocks, blocks, generator=gen) > 0.4)
-    return block_sparse_attention(q, k, v, pattern, block_size=block_size, return_layout=True)
 
 
 def test_flex_path_compiles_each_length_bucket_and_leaves_dynamos_settings_alone(monkeypatch):

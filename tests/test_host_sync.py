@@ -378,31 +378,49 @@ def test_masked_decode_step_reads_back_once_a_step_not_once_a_layer(monkeypatch)
 
 
 def test_block_sparse_flex_prefill_steady_state_has_no_sync(monkeypatch):
-    """block_sparse's FlexAttention path (a plain prefill on CUDA; FLEX_ON widened here): a second
-    call with the same shapes reuses the plan and the BlockMask and reads nothing back. The
-    FlexAttention call runs outside the counter (on CUDA one compiled kernel; the eager form
-    here compiles its own wrapper, which no dispatch mode may watch)."""
+    """block_sparse's FlexAttention path (a plain prefill on CUDA; FLEX_ON and where it compiles
+    widened here, so the call takes its CUDA branch, compiled with a light backend): a second call
+    with the same shapes reuses the plan, the BlockMask and the compiled function, and reads nothing
+    back. Only the compiled FlexAttention call itself runs outside the counter (on CUDA one kernel;
+    here dynamo, which no dispatch mode may watch)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from hf_dilated.ops import block_sparse_flex
+    from hf_dilated.ops import block_sparse_flex, sparse_far_flex
 
-    flex_call = block_sparse_flex._flex_call
+    compiled = sparse_far_flex.compiled_for_bucket
 
-    def unwatched(*args):
-        with _disable_current_modes():
-            return flex_call(*args)
+    keys = []
 
-    monkeypatch.setattr(block_sparse_flex, "_flex_call", unwatched)
+    def unwatched(fn, key):
+        keys.append(key)
+        kernel = compiled(fn, key)
+
+        def call(*args, **kwargs):
+            with _disable_current_modes():
+                return kernel(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(sparse_far_flex, "compiled_for_bucket", unwatched)
+    monkeypatch.setattr(sparse_far_flex, "COMPILED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_flex, "BACKEND", lambda gm, example_inputs: gm.forward)
     monkeypatch.setattr(block_sparse_flex, "FLEX_ON", ("cuda", "cpu"))
     monkeypatch.setattr(block_sparse_flex, "MIN_TOKENS", 1)
+    monkeypatch.setattr(block_sparse_flex, "_FAILED", None)
     calls = []
     real = block_sparse_flex.attention
     monkeypatch.setattr(block_sparse_flex, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = _qkv(n=512, grad=False)
-    with torch.no_grad():
-        fwd, _ = steady_state(lambda: block_sparse_attention(q, k, v, {"type": "global_local", "global_blocks": 1,
-                                                                      "window": 2}, block_size=128), backward=False)
-    assert len(calls) == 2
+    torch._dynamo.reset()
+    compiled.cache_clear()
+    try:
+        with torch.no_grad():
+            fwd, _ = steady_state(lambda: block_sparse_attention(q, k, v, {"type": "global_local", "global_blocks": 1,
+                                                                          "window": 2}, block_size=128),
+                                  backward=False)
+    finally:
+        torch._dynamo.reset()
+        compiled.cache_clear()
+    assert len(calls) == 2 and len(keys) == 2 and keys[0] == keys[1] and block_sparse_flex._FAILED is None
     assert_no_syncs(fwd, "block_sparse FlexAttention prefill")
 
 
