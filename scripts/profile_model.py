@@ -9,6 +9,7 @@ same process, then one call under torch.profiler (the ops by GPU time, and dynam
 
     python scripts/profile_model.py [--steps prefill,decode] [--lengths 16384,65536] [--conversion default|union] [--top 25]
     python scripts/profile_model.py --lengths 16384 --picks maxima,sort,topk   # the selection's picks three ways
+    python scripts/profile_model.py --lengths 16384 --layouts by_block --merges reduce,by_slot   # the entries' sums
     python scripts/profile_model.py --smoke --lengths 512   # tiny sizes on the CPU (checks this script)
 """
 from __future__ import annotations
@@ -90,7 +91,7 @@ def each_picks_apart(args) -> None:
     import tempfile
 
     argv = ["--steps", args.steps, "--lengths", args.lengths, "--conversion", args.conversion, "--top", str(args.top),
-            "--layouts", "by_block"] + (["--smoke"] if args.smoke else [])  # by query: no picks
+            "--layouts", "by_block", "--merges", args.merges] + (["--smoke"] if args.smoke else [])  # by query: no picks
     for name in args.picks.split(","):
         with tempfile.TemporaryDirectory() as cache:
             print(f"\n##### picks {name}: a process of its own, empty compile caches", flush=True)
@@ -119,7 +120,10 @@ def check_picks() -> None:
                 assert torch.equal(p, picks) and torch.equal(t, tied), k
 
 
-def profile(fn, device: str, top: int) -> None:
+def profile(fn, device: str, top: int, by_count: int = 0) -> None:
+    """One call of fn under torch.profiler: its aten ops' count, then the `top` ops by GPU time (CPU
+    time elsewhere; none with top 0) and the `by_count` ops called most (a step's host bill: on the
+    GPU machine a decode step costs ~20 us of host a dispatched op)."""
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda"
                                                           else [])
     torch._dynamo.utils.counters.clear()
@@ -129,7 +133,10 @@ def profile(fn, device: str, top: int) -> None:
     events = prof.key_averages()
     print("aten ops:", sum(e.count for e in events if e.key.startswith("aten::")))
     sort = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    print(events.table(sort_by=sort, row_limit=top, max_name_column_width=60))
+    if top:
+        print(events.table(sort_by=sort, row_limit=top, max_name_column_width=60))
+    if by_count:
+        print("most called:", ", ".join(f"{e.key} {e.count}" for e in sorted(events, key=lambda e: -e.count)[:by_count]))
     print("dynamo counters:", {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if v})
 
 
@@ -149,6 +156,9 @@ def main() -> None:
                         help="the default conversion's selection picks: one of " + ", ".join(PICKS) + "; several "
                              "(comma-separated): each in a process of its own, with empty compile caches")
     parser.add_argument("--layouts", default="by_block,by_query", help="the default conversion's far-key row layouts")
+    parser.add_argument("--merges", default=sparse_far_flex.MERGE,
+                        help="by block, how the entries are summed: " + ", ".join(sparse_far_flex.MERGES)
+                             + " (comma-separated: each timed, the first profiled)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, on the CPU when there is no GPU")
     args = parser.parse_args()
     if "," in args.picks:
@@ -177,22 +187,25 @@ def main() -> None:
             best = min(sdpa.values())
             print(f"\n== prefill, N {n}: sdpa " + ", ".join(f"{b} {ms:.2f} ms" for b, ms in sdpa.items()))
             layouts = tuple(args.layouts.split(",")) if args.conversion == "default" else (None,)
+            merges = args.merges.split(",")
             logits = {}
             for layout in layouts:
-                if layout:
-                    sparse_far_flex.LAYOUT = layout
-                ms = timed(lambda: prefill(ours))
-                logits[layout] = prefill(ours).float()
-                failed = [f"{what} failed: {why}" for what, why in (
-                    ("FlexAttention", sparse_far_flex._FAILED), ("compiling the plan", sparse_far_flex._FUSED_FAILED))
-                    if why]
-                print(f"{args.conversion} {layout or ''}: {ms:.2f} ms, speed {best / ms:.2f}x of sdpa's best"
-                      + "".join("; " + f for f in failed))
-            if len(logits) == 2:
-                a, b = logits.values()
-                print(f"logits by_block vs by_query: max |diff| {(a - b).abs().max().item():.3e} "
+                for merge in merges if layout == "by_block" else merges[:1]:
+                    if layout:
+                        sparse_far_flex.LAYOUT, sparse_far_flex.MERGE = layout, merge
+                    name = f"{layout} merged {merge}" if layout == "by_block" and len(merges) > 1 else layout or ""
+                    ms = timed(lambda: prefill(ours))
+                    logits[name] = prefill(ours).float()
+                    failed = [f"{what} failed: {why}" for what, why in (
+                        ("FlexAttention", sparse_far_flex._FAILED),
+                        ("compiling the plan", sparse_far_flex._FUSED_FAILED)) if why]
+                    print(f"{args.conversion} {name}: {ms:.2f} ms, speed {best / ms:.2f}x of sdpa's best"
+                          + "".join("; " + f for f in failed))
+            (first, a), *others = logits.items() if len(logits) > 1 else [(None, None)]
+            for name, b in others:
+                print(f"logits {first} vs {name}: max |diff| {(a - b).abs().max().item():.3e} "
                       f"(scale {a.abs().max().item():.3e})")
-            sparse_far_flex.LAYOUT = layouts[0] or sparse_far_flex.LAYOUT
+            sparse_far_flex.LAYOUT, sparse_far_flex.MERGE = layouts[0] or sparse_far_flex.LAYOUT, merges[0]
             profile(lambda: prefill(ours), device, args.top)
             print("dynamo compile times (s):", torch._dynamo.utils.compile_times(repr="str"))
         if "decode" in steps:
@@ -218,7 +231,10 @@ def main() -> None:
                         if backend is None:  # how its layers' steps ran (graphed, compiled, eager), then where the time goes
                             print(f"  {label} layer steps: {paths or 'no sparse-far step'}; fell back: "
                                   f"{gpu_table.fallbacks() or 'nothing'}")
-                            profile(step, device, args.top)
+                            profile(step, device, args.top, by_count=40)
+                        elif backend == runs[0][2]:  # sdpa's host bill beside ours: its op count
+                            print(f"  {label} {name}:", end=" ")
+                            profile(step, device, 0, by_count=40)
                     del cache
                 best = min(v for k, v in ms.items() if k.startswith("sdpa"))
                 print(f"{label}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())

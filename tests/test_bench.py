@@ -1,6 +1,7 @@
 """The benchmark's pair counts against a brute-force evaluation of docs/contract.md's sets, its
 worker and timing rules, smoke runs of every `hf-dilated bench` subcommand that check the files they
 write, and the `hf-dilated` command's wiring."""
+import contextlib
 import json
 import os
 import random
@@ -714,6 +715,76 @@ def test_gpu_table_compiles_ahead_the_cases_whose_first_call_compiles(tmp_path):
                                                                 "not started: the 2 s were spent"]
     with pytest.raises(ValueError, match="part"):
         gpu_table.warm_plan(["kernels"], s, "cpu")
+
+
+def _children(pid: int) -> list[int]:
+    """The pids of the processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc (Linux)")
+def test_gpu_table_warm_stops_its_cases_when_terminated(tmp_path):
+    """gpu_check.sh runs `gpu_table warm` under a time limit, which sends it a SIGTERM: its cases
+    (processes in sessions of their own, so that a kill takes their compile workers) stop with it.
+    They outlived it once, and compiled for another minute beside the table's timed steps."""
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "hf_dilated.bench.gpu_table", "warm", "model", "--smoke", "--out", str(tmp_path),
+           "--budget", "300"]
+    parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        cases = []
+        while not cases and time.time() < deadline and parent.poll() is None:
+            time.sleep(0.2)
+            cases = _children(parent.pid)
+        assert cases, "no case started"
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(timeout=30)
+        assert not [pid for pid in cases if _alive(pid)]
+        assert parent.returncode == 128 + signal.SIGTERM  # its own exit, having stopped them
+    finally:
+        parent.kill()
+        for pid in _children(parent.pid) + locals().get("cases", []):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def test_gpu_table_deadline_counts_the_start_up(tmp_path):
+    """`--deadline` (a Unix time) caps a part's budget from the moment its process is ready: a caller's
+    time limit counts the imports before it (10 s and more beside compiles), which a budget alone
+    did not, and every table step of a GPU run overran its limit (2026-11-27)."""
+    import time
+
+    from hf_dilated.bench import gpu_table
+
+    def budget(*limits):
+        gpu_table.main(["run", "kernels", "--smoke", "--out", str(tmp_path), *limits])
+        data = json.loads((tmp_path / "kernels.json").read_text())
+        assert not data["results"] and data["skipped"]  # under 3 s: no case starts
+        return data["budget_s"]
+
+    assert 0 < budget("--budget", "100", "--deadline", str(time.time() + 2.5)) <= 2.5
+    assert budget("--budget", "2", "--deadline", str(time.time() + 100)) == 2
 
 
 def _gpu_check_lib(command: str, env=None) -> subprocess.CompletedProcess:

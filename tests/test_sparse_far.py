@@ -759,6 +759,22 @@ def test_plain_summaries_are_the_blocks_min_and_max():
     assert torch.isinf(mn[:, :, 4:]).all() and torch.isinf(mx[:, :, 4:]).all()
 
 
+def test_flex_plan_sorts_narrow_keys_in_the_order_of_block_numbers():
+    """by_block_plan sorts its entries by block on keys of the narrowest dtype holding the block count
+    (a GPU's radix sort: a pass per 8 bits); the stable order is that of the int64 block numbers, up
+    to the dtypes' edges."""
+    from hf_dilated.ops import sparse_far_flex
+
+    assert [sparse_far_flex.sort_key_dtype(n) for n in (1, (1 << 15) - 1, 1 << 15, (1 << 31) - 1, 1 << 31)] == [
+        torch.int16, torch.int16, torch.int32, torch.int32, torch.int64]
+    for n_blocks in ((1 << 15) - 1, (1 << 15)):  # the untaken entries sort last, as key n_blocks
+        block = torch.randint(-1, n_blocks, (2, 3, 4096), generator=torch.Generator().manual_seed(n_blocks))
+        block[..., :8] = torch.tensor([n_blocks - 1, -1, 0, n_blocks - 1, -1, 0, 5, 5])
+        wide = torch.argsort(torch.where(block >= 0, block, n_blocks), dim=-1, stable=True)
+        narrow = torch.where(block >= 0, block, n_blocks).to(sparse_far_flex.sort_key_dtype(n_blocks))
+        assert torch.equal(torch.argsort(narrow, dim=-1, stable=True), wide)
+
+
 def test_flex_plan_and_merge_compile_to_the_eager_results():
     """sparse_far_flex compiles its plan and merge on CUDA (torch.compile, inductor); compiled here
     for the CPU, they return the eager functions' results (the rows' order may differ only where
@@ -781,9 +797,10 @@ def test_flex_plan_and_merge_compile_to_the_eager_results():
     part = torch.randn(1, 2, eager[0].shape[2], generator=g).masked_fill(eager[1] < 0, float("-inf"))
     merge_args = (o, part, eager[-2], 4, 256, torch.randn(1, 4, 256, 8, generator=g), torch.full((1, 4, 256), -1e9))
     out, lse = sparse_far_flex.merge_entries(*merge_args)
-    out_c, lse_c = torch.compile(sparse_far_flex.merge_entries)(*merge_args)
+    for merge in (sparse_far_flex.merge_entries, sparse_far_flex.merge_entries_by_slot):  # MERGE's two sums
+        out_c, lse_c = torch.compile(merge)(*merge_args)
+        assert torch.allclose(out, out_c, atol=1e-5) and torch.allclose(lse, lse_c, atol=1e-5)
     torch._dynamo.reset()
-    assert torch.allclose(out, out_c, atol=1e-5) and torch.allclose(lse, lse_c, atol=1e-5)
 
 
 @pytest.mark.parametrize("plain_chunk", (None, 5), ids=("one_chunk", "chunks_of_5"))
@@ -1342,10 +1359,16 @@ def test_flex_far_path_by_query_matches_reference_and_counts_its_pairs(setting, 
     check_flex_far_path(setting, (4, 2), True, "by_query", monkeypatch)
 
 
-def check_flex_far_path(setting, heads, chunked, layout, monkeypatch):
+@pytest.mark.parametrize("setting", FLEX_SETTINGS, ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
+def test_flex_far_path_merged_slot_by_slot_matches_reference_and_counts_its_pairs(setting, monkeypatch):
+    check_flex_far_path(setting, (4, 2), True, "by_block", monkeypatch, merge="by_slot")
+
+
+def check_flex_far_path(setting, heads, chunked, layout, monkeypatch, merge="reduce"):
     from hf_dilated.ops import sparse_far_flex, sparse_far_plain
 
     monkeypatch.setattr(sparse_far_flex, "LAYOUT", layout)
+    monkeypatch.setattr(sparse_far_flex, "MERGE", merge)
     if chunked:
         monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)  # 128 queries per call
     window = 64
@@ -1719,21 +1742,23 @@ def test_far_kernel_is_checked():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("layout, chunked, dtype", [
-    ("by_block", False, torch.bfloat16), ("by_block", True, torch.float32),
-    ("by_query", False, torch.float32), ("by_query", True, torch.bfloat16)],
+@pytest.mark.parametrize("layout, chunked, dtype, merge", [
+    ("by_block", False, torch.bfloat16, "reduce"), ("by_block", True, torch.float32, "reduce"),
+    ("by_query", False, torch.float32, "reduce"), ("by_query", True, torch.bfloat16, "reduce"),
+    ("by_block", True, torch.bfloat16, "by_slot")],
     ids=("by_block-one_call-bfloat16", "by_block-calls_of_128-float32", "by_query-one_call-float32",
-         "by_query-calls_of_128-bfloat16"))
-def test_cuda_inference_matches_reference(dtype, chunked, layout, monkeypatch):
+         "by_query-calls_of_128-bfloat16", "by_block-calls_of_128-bfloat16-merged_by_slot"))
+def test_cuda_inference_matches_reference(dtype, chunked, layout, merge, monkeypatch):
     """The CUDA inference path of sparse far keys (the band on flash's sliding window, the far keys
     on compiled FlexAttention, both row layouts) against the float64 reference, on inputs rounded
     to `dtype` first (so both rank the same blocks): 1,000 keys, bands of 256 inside and 128 past
     the window. Each layout in one call and in calls of 128 queries, each in both dtypes: four
     cases, not all eight, since each by_block case compiles its plan anew (30-39 s on an H200, where
-    all eight passed on 2026-11-27)."""
+    all eight passed on 2026-11-27); and one by block merged slot by slot (MERGE)."""
     from hf_dilated.ops import sparse_far_flex
 
     monkeypatch.setattr(sparse_far_flex, "LAYOUT", layout)
+    monkeypatch.setattr(sparse_far_flex, "MERGE", merge)
     if chunked:
         monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)
     calls = []

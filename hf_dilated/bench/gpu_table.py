@@ -594,6 +594,7 @@ def warm(parts, s: dict, out: Path, budget_s: float, log=None, at_once: int = WA
     import os
     import signal
     import subprocess
+    import threading
 
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     logs = out / "warm"
@@ -616,25 +617,49 @@ def warm(parts, s: dict, out: Path, budget_s: float, log=None, at_once: int = WA
         data["cases"][key] = result
         log(f"  warm {key}: {_warmed(result)}")
 
-    while cases or running:
-        while cases and len(running) < at_once and left() > 0:
-            i, (key, spec) = cases.pop(0)
-            with open(logs / f"{i}.log", "w") as f:  # a file, not a pipe: nothing waits on a reader
-                running[key] = (i, subprocess.Popen(
-                    [sys.executable, "-m", "hf_dilated.bench.gpu_table", "warm-case", json.dumps(spec)], env=env,
-                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
-        if left() <= 0:
-            break
-        for key, (i, proc) in list(running.items()):
-            if proc.poll() is not None:
-                del running[key]
-                finish(key, i, proc, {"rc": proc.returncode, "seconds": time.perf_counter() - start})
-        time.sleep(0.05)
-    for key, (i, proc) in running.items():  # still compiling at the end of the budget
+    def stop(key):  # a case still compiling: killed with its compile workers (its own session)
+        i, proc = running.pop(key)
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # its compile workers too
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        finish(key, i, proc, {"rc": None, "error": f"still compiling after the {budget_s:.0f} s: stopped"})
+        return i, proc
+
+    # The cases run in sessions of their own, so a SIGTERM to this process (gpu_check.sh's time limit)
+    # would not reach them: it stops them here. Once they outlived it and compiled for another
+    # minute beside the table's timed steps (an H200, 2026-11-27).
+    def terminated(signum, frame):
+        for key in list(running):
+            stop(key)
+        raise SystemExit(128 + signum)
+
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminated) if on_main_thread else None
+    try:
+        while cases or running:
+            while cases and len(running) < at_once and left() > 0:
+                i, (key, spec) = cases.pop(0)
+                # a SIGTERM waits until the case is in `running` (else it would outlive us)
+                blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if on_main_thread else None
+                try:
+                    with open(logs / f"{i}.log", "w") as f:  # a file, not a pipe: nothing waits on a reader
+                        running[key] = (i, subprocess.Popen(
+                            [sys.executable, "-m", "hf_dilated.bench.gpu_table", "warm-case", json.dumps(spec)],
+                            env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+                finally:
+                    if on_main_thread:
+                        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            if left() <= 0:
+                break
+            for key, (i, proc) in list(running.items()):
+                if proc.poll() is not None:
+                    del running[key]
+                    finish(key, i, proc, {"rc": proc.returncode, "seconds": time.perf_counter() - start})
+            time.sleep(0.05)
+        for key in list(running):  # still compiling at the end of the budget
+            finish(key, *stop(key), {"rc": None, "error": f"still compiling after the {budget_s:.0f} s: stopped"})
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     for i, (key, _) in cases:
         data["cases"][key] = {"rc": None, "error": f"not started: the {budget_s:.0f} s were spent"}
         log(f"  warm {key}: {data['cases'][key]['error']}")
@@ -1072,9 +1097,13 @@ def main(argv=None) -> int:
     run = sub.add_parser("run", help="measure one part")
     run.add_argument("part", choices=PARTS)
     run.add_argument("--budget", type=float, required=True, help="seconds for the part's cases")
+    deadline_help = ("the Unix time (s) to be done by, whatever the budget: a caller's time limit counts this "
+                     "process's start-up (importing torch and transformers: 10 s and more beside compiles)")
+    run.add_argument("--deadline", type=float, help=deadline_help)
     ahead = sub.add_parser("warm", help="compile ahead, beside the tests, what the parts' first calls compile")
     ahead.add_argument("parts", nargs="+", choices=WARM_PARTS)
     ahead.add_argument("--budget", type=float, default=600.0, help="seconds before the cases still compiling stop")
+    ahead.add_argument("--deadline", type=float, help=deadline_help)
     one = sub.add_parser("warm-case", help=argparse.SUPPRESS)  # one case, in this process (warm's children)
     one.add_argument("spec", type=json.loads)
     table = sub.add_parser("table", help="write DIR/table.md from the parts' results and print it")
@@ -1088,11 +1117,14 @@ def main(argv=None) -> int:
         warm_case(args.spec, report=lambda line: print(line, flush=True))
         return 0
     s = settings(args.smoke)
+    budget = getattr(args, "budget", None)
+    if getattr(args, "deadline", None) is not None:
+        budget = min(budget, args.deadline - time.time())
     if args.command == "run":
-        data = run_part(args.part, s, args.out, args.budget)
+        data = run_part(args.part, s, args.out, budget)
         return 0 if data["results"] else 1
     if args.command == "warm":
-        data = warm(args.parts, s, args.out, args.budget)
+        data = warm(args.parts, s, args.out, budget)
         return 0 if all(c.get("rc") == 0 for c in data["cases"].values()) else 1
     print(render(s, args.out, args.tests_xml, args.tests_log), end="")
     return 0
