@@ -8,7 +8,7 @@ same process, then one call under torch.profiler (the ops by GPU time, and dynam
     ours profiled with each cache, after how its layers' steps ran (graphed, compiled, eager).
 
     python scripts/profile_model.py [--steps prefill,decode] [--lengths 16384,65536] [--conversion default|union] [--top 25]
-    python scripts/profile_model.py --lengths 16384 --picks maxima,sort,topk   # the selection's picks three ways
+    python scripts/profile_model.py --lengths 16384 --picks maxima,sort   # the selection's picks both ways
     python scripts/profile_model.py --lengths 16384 --layouts by_block --merges reduce,by_slot   # the entries' sums
     python scripts/profile_model.py --smoke --lengths 512   # tiny sizes on the CPU (checks this script)
 """
@@ -44,41 +44,18 @@ def timed(fn, repeats: int = 3) -> float:
     return 1e3 * statistics.median(times)
 
 
-# --- The selection's picks, three ways (--picks): on an H200 (2026-11-27) the default conversion's
-# first call at 16K took 64 s, 53 s of it one compile whose Triton kernels took 41 s to build, and
-# the k passes of far_selection.top_picks (unrolled by dynamo, fused by inductor into one reduction
-# kernel) are the suspects: k = 24 there (25 slots a query). Each variant runs in a process of its own
-# with empty compile caches, so that every first call compiles everything it needs.
-
-def picks_by_sort(scores: torch.Tensor, top_k: int, by=None):
-    """far_selection.top_picks' (picks, tied) from one stable descending sort per row (inductor
-    builds one bitonic sort kernel for rows of at most 512 blocks, and calls aten's sort beyond);
-    by="topk": from torch.topk instead (the same set; ties at the k-th may be picked in another order)."""
-    from hf_dilated.ops import far_selection
-
-    k = min(top_k, scores.shape[-1])
-    if k == 0:
-        return far_selection.top_picks(scores, 0)
-    values, index = (scores.topk(k, -1) if by == "topk" else scores.sort(dim=-1, descending=True, stable=True))
-    values, index = values[..., :k], index[..., :k]
-    valid = values > float("-inf")
-    picks = torch.where(valid, index, -1)
-    if k < top_k:
-        picks = torch.nn.functional.pad(picks, (0, top_k - k), value=-1)
-    picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, valid)
-    return picks, (scores >= values[..., -1:]) & (scores > float("-inf")) & ~picked
-
-
-PICKS = {"maxima": None, "sort": picks_by_sort, "topk": lambda scores, top_k: picks_by_sort(scores, top_k, "topk")}
-
+# --- The selection's picks (--picks, sparse_far_flex.PICKS): on an H200 (2026-11-27) the top_k
+# passes of far_selection.top_picks (unrolled by dynamo, fused by inductor into one reduction kernel)
+# took 7.7 of a 16K prefill's 59 ms of GPU time (k = 24: 25 slots a query). Several: each runs in a
+# process of its own with empty compile caches, so that every first call compiles all it needs.
 
 def use_picks(name: str) -> None:
-    """Makes the by-block plan select with PICKS[name] (maxima: the library's own): before any compile."""
-    from hf_dilated.ops import far_selection
+    """Makes the by-block plan pick with sparse_far_flex.PICKERS[name]: before any compile."""
+    from hf_dilated.ops import sparse_far_flex
 
-    if PICKS[name] is not None:
-        check_picks()
-        far_selection.top_picks = PICKS[name]
+    if name not in sparse_far_flex.PICKERS:
+        raise SystemExit(f"--picks: {name!r} is not one of {', '.join(sparse_far_flex.PICKERS)}")
+    sparse_far_flex.PICKS = name
 
 
 def each_picks_apart(args) -> None:
@@ -97,27 +74,6 @@ def each_picks_apart(args) -> None:
             print(f"\n##### picks {name}: a process of its own, empty compile caches", flush=True)
             subprocess.run([sys.executable, __file__, *argv, "--picks", name], check=False,
                            env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=f"{cache}/triton"))
-
-
-def check_picks() -> None:
-    """The variants' sets equal the library's on rows with ties and -inf (the sort's picks too)."""
-    from hf_dilated.ops import far_selection
-
-    g = torch.Generator().manual_seed(0)
-    scores = torch.randint(0, 6, (64, 40), generator=g).float()
-    scores[scores == 0] = float("-inf")
-    scores[:4, 3:] = float("-inf")  # rows with fewer than k candidates
-    for k in (1, 5, 16):
-        picks, tied = far_selection.top_picks(scores, k)
-        chosen = torch.zeros_like(tied).scatter_(-1, picks.clamp(min=0), picks >= 0) | tied
-        for name, fn in PICKS.items():
-            if fn is None:
-                continue
-            p, t = fn(scores, k)
-            got = torch.zeros_like(t).scatter_(-1, p.clamp(min=0), p >= 0) | t
-            assert torch.equal(got, chosen) and p.shape == picks.shape, (name, k)
-            if name == "sort":
-                assert torch.equal(p, picks) and torch.equal(t, tied), k
 
 
 def profile(fn, device: str, top: int, by_count: int = 0) -> None:
@@ -152,8 +108,9 @@ def main() -> None:
     parser.add_argument("--lengths", default="16384")
     parser.add_argument("--conversion", default="default", choices=("default", "union"))
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--picks", default="maxima",
-                        help="the default conversion's selection picks: one of " + ", ".join(PICKS) + "; several "
+    parser.add_argument("--picks", default=sparse_far_flex.PICKS,
+                        help="the default conversion's selection picks: one of " + ", ".join(sparse_far_flex.PICKERS)
+                             + "; several "
                              "(comma-separated): each in a process of its own, with empty compile caches")
     parser.add_argument("--layouts", default="by_block,by_query", help="the default conversion's far-key row layouts")
     parser.add_argument("--merges", default=sparse_far_flex.MERGE,

@@ -759,6 +759,25 @@ def test_plain_summaries_are_the_blocks_min_and_max():
     assert torch.isinf(mn[:, :, 4:]).all() and torch.isinf(mx[:, :, 4:]).all()
 
 
+def test_picks_by_sort_are_top_picks():
+    """far_selection.top_picks_by_sort (sparse_far_flex.PICKS "sort") returns top_picks' tensors
+    themselves: the picks in order, ties at the k-th, rows with fewer candidates than top_k, -inf."""
+    from hf_dilated.ops import far_selection
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 6, (64, 40), generator=g).float()  # many ties
+    scores[scores == 0] = float("-inf")
+    scores[:4, 3:] = float("-inf")  # rows with fewer than k candidates
+    scores[4] = float("-inf")  # a row with none
+    for k in (0, 1, 5, 16, 40, 45):
+        picks, tied = far_selection.top_picks(scores, k)
+        by_sort = far_selection.top_picks_by_sort(scores, k)
+        assert torch.equal(by_sort[0], picks) and torch.equal(by_sort[1], tied), k
+        compiled = torch.compile(far_selection.top_picks_by_sort, backend="inductor")(scores, k)
+        assert torch.equal(compiled[0], picks) and torch.equal(compiled[1], tied), k
+    torch._dynamo.reset()
+
+
 def test_flex_plan_sorts_narrow_keys_in_the_order_of_block_numbers():
     """by_block_plan sorts its entries by block on keys of the narrowest dtype holding the block count
     (a GPU's radix sort: a pass per 8 bits); the stable order is that of the int64 block numbers, up
@@ -1360,15 +1379,19 @@ def test_flex_far_path_by_query_matches_reference_and_counts_its_pairs(setting, 
 
 
 @pytest.mark.parametrize("setting", FLEX_SETTINGS, ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
-def test_flex_far_path_merged_slot_by_slot_matches_reference_and_counts_its_pairs(setting, monkeypatch):
-    check_flex_far_path(setting, (4, 2), True, "by_block", monkeypatch, merge="by_slot")
+@pytest.mark.parametrize("merge, picks", (("by_slot", "maxima"), ("reduce", "sort")),
+                         ids=("merged_by_slot", "picked_by_sort"))
+def test_flex_far_path_other_merge_and_picks_match_reference_and_count_their_pairs(setting, merge, picks,
+                                                                                    monkeypatch):
+    check_flex_far_path(setting, (4, 2), True, "by_block", monkeypatch, merge=merge, picks=picks)
 
 
-def check_flex_far_path(setting, heads, chunked, layout, monkeypatch, merge="reduce"):
+def check_flex_far_path(setting, heads, chunked, layout, monkeypatch, merge="reduce", picks="maxima"):
     from hf_dilated.ops import sparse_far_flex, sparse_far_plain
 
     monkeypatch.setattr(sparse_far_flex, "LAYOUT", layout)
     monkeypatch.setattr(sparse_far_flex, "MERGE", merge)
+    monkeypatch.setattr(sparse_far_flex, "PICKS", picks)
     if chunked:
         monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)  # 128 queries per call
     window = 64
@@ -1742,23 +1765,26 @@ def test_far_kernel_is_checked():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("layout, chunked, dtype, merge", [
-    ("by_block", False, torch.bfloat16, "reduce"), ("by_block", True, torch.float32, "reduce"),
-    ("by_query", False, torch.float32, "reduce"), ("by_query", True, torch.bfloat16, "reduce"),
-    ("by_block", True, torch.bfloat16, "by_slot")],
+@pytest.mark.parametrize("layout, chunked, dtype, merge, picks", [
+    ("by_block", False, torch.bfloat16, "reduce", "maxima"), ("by_block", True, torch.float32, "reduce", "maxima"),
+    ("by_query", False, torch.float32, "reduce", "maxima"), ("by_query", True, torch.bfloat16, "reduce", "maxima"),
+    ("by_block", True, torch.bfloat16, "by_slot", "maxima"), ("by_block", True, torch.bfloat16, "reduce", "sort")],
     ids=("by_block-one_call-bfloat16", "by_block-calls_of_128-float32", "by_query-one_call-float32",
-         "by_query-calls_of_128-bfloat16", "by_block-calls_of_128-bfloat16-merged_by_slot"))
-def test_cuda_inference_matches_reference(dtype, chunked, layout, merge, monkeypatch):
+         "by_query-calls_of_128-bfloat16", "by_block-calls_of_128-bfloat16-merged_by_slot",
+         "by_block-calls_of_128-bfloat16-picked_by_sort"))
+def test_cuda_inference_matches_reference(dtype, chunked, layout, merge, picks, monkeypatch):
     """The CUDA inference path of sparse far keys (the band on flash's sliding window, the far keys
     on compiled FlexAttention, both row layouts) against the float64 reference, on inputs rounded
     to `dtype` first (so both rank the same blocks): 1,000 keys, bands of 256 inside and 128 past
     the window. Each layout in one call and in calls of 128 queries, each in both dtypes: four
     cases, not all eight, since each by_block case compiles its plan anew (30-39 s on an H200, where
-    all eight passed on 2026-11-27); and one by block merged slot by slot (MERGE)."""
+    all eight passed on 2026-11-27); and by block, merged slot by slot (MERGE) and picked by sort
+    (PICKS)."""
     from hf_dilated.ops import sparse_far_flex
 
     monkeypatch.setattr(sparse_far_flex, "LAYOUT", layout)
     monkeypatch.setattr(sparse_far_flex, "MERGE", merge)
+    monkeypatch.setattr(sparse_far_flex, "PICKS", picks)
     if chunked:
         monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)
     calls = []

@@ -64,6 +64,10 @@ LAYOUT = "by_block"
 # the outputs (on an H200 at 16K the merge took 12 of 59 ms of GPU time as a reduction, 2026-11-27).
 MERGE = "reduce"
 MERGES = ("reduce", "by_slot")
+# How by_block_plan picks a query's top_k blocks: "maxima", far_selection.top_picks (top_k row
+# maxima, fused into one reduction kernel); "sort", far_selection.top_picks_by_sort. The same set.
+PICKS = "maxima"
+PICKERS = {"maxima": far_selection.top_picks, "sort": far_selection.top_picks_by_sort}
 
 
 def query_chunk(rows: int, n_blocks: int, entry_elements: int = 0) -> int:
@@ -335,7 +339,7 @@ def by_block_plan(q_chunk, summary, empty, last, top_k: int, sinks: int, size: i
     device = q_chunk.device
     candidate, sink = far_selection.plain_candidates(last, n_blocks, size, sinks)
     scores = far_selection.bounds(q_chunk, None, None, (summary, empty)).masked_fill_(~candidate, float("-inf"))
-    picks, tied = far_selection.top_picks(scores, top_k)
+    picks, tied = PICKERS[PICKS](scores, top_k)
     sinks = min(sinks, n_blocks)
     sink_picks = torch.where(sink[:, :sinks], torch.arange(sinks, device=device), -1).expand(batch, n_heads, rows, sinks)
     block = torch.cat([sink_picks, picks], -1)
