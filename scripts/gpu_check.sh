@@ -50,7 +50,7 @@ failed=0
 step() {
     local name=$1 limit=$2 start rc
     shift 2
-    echo "== $name (limit ${limit} s): $*" | tee -a "$out/summary.txt"
+    echo "== $name at $(($(date +%s) - began)) s (limit ${limit} s): $*" | tee -a "$out/summary.txt"
     start=$(date +%s)
     timeout --kill-after=15 "$limit" "$@" >"$out/$name.log" 2>&1
     rc=$?

@@ -615,7 +615,7 @@ def warm(parts, s: dict, out: Path, budget_s: float, log=None, at_once: int = WA
         if "first_s" not in result and result["rc"] is not None:
             result["error"] = text.strip().splitlines()[-1][:300] if text.strip() else f"exit {result['rc']}"
         data["cases"][key] = result
-        log(f"  warm {key}: {_warmed(result)}")
+        log(f"  warm {key} (ended at {time.perf_counter() - start:.0f} s): {_warmed(result)}")
 
     def stop(key):  # a case still compiling: killed with its compile workers (its own session)
         i, proc = running.pop(key)
