@@ -1163,6 +1163,50 @@ def test_compiled_steps_on_a_concatenating_cache_keep_one_graph_from_the_first_b
     assert compiled_steps.frame_count == 1
 
 
+def test_compiled_steps_on_a_concatenating_cache_read_the_keys_turns_from_a_table(compiled_steps):
+    """The compiled step turns every key of the cache to its grouped far position each step (its
+    summaries are made again from the whole cache). It reads the turns by rank from a table kept
+    between steps (rope.far_turn_table), made again only when the cache outgrows it: no cos or sin
+    in the step's graph grows with the cache (a float64 cos and sin per key and head took 0.48 ms a
+    layer at 16K on an H200), one graph across the table's growth, every step equal to the reference."""
+    from hf_dilated.kinds import KINDS
+
+    s = _decode_settings()
+    g = torch.Generator().manual_seed(41)
+    heads, kv_heads, n, dim = 4, 2, 160, 8
+    q, k, v = (torch.randn(1, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    ref = _decode_reference(q, k, v, s, inv_freq)
+    cache, state = _ConcatCache(k, v, 40), {}
+    kw = dict(is_causal=True, attention_mask=None, position_ids=None, scale=None, dropout_p=0.0, group=None,
+              layout=None, rope_frequencies=inv_freq)
+    tables = set()
+    for t in range(40, n):  # the table: 128 ranks, then 256 (blocks of 4, 14 spare)
+        keys, values = cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        with torch.no_grad():
+            out = KINDS["dilated"].run(q[:, :, t:t + 1], keys, values, s, state=state, **kw)
+        assert (out - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
+        turns = getattr(state["concatenated"], "turns", None)
+        tables.add(None if turns is None else turns[0].shape[0])
+    trig = [node.meta["example_value"].shape for gm in compiled_steps.graphs for node in gm.graph.nodes
+            if node.op in ("call_method", "call_function") and getattr(node.target, "__name__", node.target) in
+            ("cos", "sin")]
+    assert trig and not [shape for shape in trig if _grows(shape)], trig  # the query's and the chosen blocks'
+    assert tables == {128, 256} and compiled_steps.frame_count == 1
+
+
+def _grows(shape) -> bool:
+    """Whether a symbolic shape's element count grows with its symbols (the cache's length)."""
+    def numel(big):
+        count = 1
+        for d in shape:
+            e = d.node.expr if isinstance(d, torch.SymInt) else d
+            count *= int(e.subs({sym: big for sym in e.free_symbols}) if getattr(e, "free_symbols", None) else e)
+        return count
+
+    return numel(10 ** 6) != numel(10 ** 7)
+
+
 def test_compiled_step_waits_for_far_keys(compiled_steps):
     """A converted model used within its original context (no query past local_window: no far key)
     compiles nothing (tens of seconds on a GPU, for no far key): its steps take the eager path,

@@ -88,6 +88,18 @@ def block_turns(blocks: torch.Tensor, size: int, group: int, inv_freq: torch.Ten
     return angle.cos().to(dtype), angle.sin().to(dtype)
 
 
+def far_turn_table(length: int, group: int, inv_freq: torch.Tensor, dtype, device):
+    """(cos, sin), each (length, rot / 2) in dtype: the turns moving keys at positions 0 .. length - 1
+    to their grouped far positions (p // group - p, grouped_far_positions), rotate_by's own values
+    (the same float64 products, then dtype). A decode step that turns every key of a cache reads
+    them by position (rotate_with) instead of a float64 cos and sin per key and head: that pass,
+    compiled, took 0.48 ms a layer at 16K tokens on an H200 (2026-11-27)."""
+    positions = torch.arange(length, device=device)
+    angle = (positions // group - positions).to(torch.float64)[:, None] * inv_freq.to(device=device,
+                                                                                     dtype=torch.float64)
+    return angle.cos().to(dtype), angle.sin().to(dtype)
+
+
 def grouped_far_positions(positions: torch.Tensor, q_len: int, window: int, group: int):
     """Self-Extend's grouped positions (Jin et al., 2024) for keys beyond its neighbour window of
     `window` positions: a far key at position p sits at p // group, a query at p // group + window -

@@ -19,7 +19,7 @@ import warnings
 import torch
 
 from .far_selection import FarSelection, bound_dtype
-from .rope import far_queries_static
+from .rope import far_queries_static, far_turn_table, rotate_with
 from . import sparse_far_static
 from .sparse_far_static import BUILD_SLOTS, far_turned, kept_step, warn_ties_cut
 
@@ -39,13 +39,20 @@ class MadeSummaries:
         self.mn, self.mx, self.cut = mn, mx, cut
 
 
-def summarise_rows(k: torch.Tensor, first: torch.Tensor, size: int, rotation, dtype, spare: int = 0) -> tuple:
+def summarised_slots(n: int, size: int, spare: int) -> int:
+    """The ranks summarise_rows reads for a cache of n slots: its blocks' (N // size + 1 + spare)."""
+    return (n // size + 1 + spare) * size
+
+
+def summarise_rows(k: torch.Tensor, first: torch.Tensor, size: int, rotation, dtype, spare: int = 0,
+                   turns=None) -> tuple:
     """(mn, mx) as KeptSummaries holds them, (batch, kv_heads, N // size + 2 + spare, d), of a cache
     whose row b holds its real tokens at slots first[b] .. N - 1 (regular rows; positions their
     ranks): block c of row b is slots first[b] + c B ... One gather, rotation and reduction over the
     keys, which a compiled call fuses into one pass. `spare` empty blocks more past the end (never
     reached: no key) give a compiled step's Python decisions on the block count (top k, ties) one
-    answer at every length, so that one graph serves them all."""
+    answer at every length, so that one graph serves them all. turns: rope.far_turn_table of at
+    least summarised_slots() ranks, read instead of turning by `rotation`'s angles per key."""
     batch, kv_heads, n, dim = k.shape
     n_blocks = n // size + 1 + spare
 
@@ -54,7 +61,10 @@ def summarise_rows(k: torch.Tensor, first: torch.Tensor, size: int, rotation, dt
         slot = first[:, None] + rank  # (batch, (c1 - c0) B)
         ok = (slot < n)[:, None, :, None]
         keys = k.gather(2, slot.clamp(max=n - 1)[:, None, :, None].expand(batch, kv_heads, -1, dim))
-        keys = far_turned(keys, rank.expand(batch, -1), rotation).to(dtype)
+        if turns is not None and rotation is not None:  # every row's ranks are these: one table row each
+            keys = rotate_with(keys, turns[0][c0 * size:c1 * size], turns[1][c0 * size:c1 * size]).to(dtype)
+        else:
+            keys = far_turned(keys, rank.expand(batch, -1), rotation).to(dtype)
         return (keys.masked_fill(~ok, float("inf")).unflatten(2, (c1 - c0, size)).amin(3),
                 keys.masked_fill(~ok, float("-inf")).unflatten(2, (c1 - c0, size)).amax(3))
 
@@ -67,16 +77,21 @@ def summarise_rows(k: torch.Tensor, first: torch.Tensor, size: int, rotation, dt
     return (torch.cat([p[0] for p in parts] + [dump], 2), torch.cat([p[1] for p in parts] + [-dump], 2))
 
 
-def _concatenated(q, k, v, first, cut, inv_freq, *, local_window: int, far_band: int | None,
+def _spare_blocks(selection: FarSelection) -> int:
+    """summarise_rows' spare blocks in a compiled step: at least top_k + TIE_SLOTS + 1 blocks, and two
+    in the reduction (no 0/1 specialisation)."""
+    return selection.sinks + selection.top_k + sparse_far_static.TIE_SLOTS + 2
+
+
+def _concatenated(q, k, v, first, cut, inv_freq, turn_cos, turn_sin, *, local_window: int, far_band: int | None,
                   selection: FarSelection, scale: float, far: tuple | None):
     """The step that concatenated_step compiles: summaries from the whole cache, then kept_step."""
     n = k.shape[2]
     rotation = None if far is None else (*far, inv_freq)
     real = torch.arange(n, device=k.device) >= first[:, None]
     seen = torch.full((), n, dtype=torch.long, device=k.device)
-    # spare blocks: at least top_k + TIE_SLOTS + 1 blocks, and two in the reduction (no 0/1 specialisation)
     mn, mx = summarise_rows(k, first, selection.block_size, rotation, bound_dtype(k.dtype),
-                            spare=selection.sinks + selection.top_k + sparse_far_static.TIE_SLOTS + 2)
+                            spare=_spare_blocks(selection), turns=(turn_cos, turn_sin))
     q_far = q if rotation is None else far_queries_static(q, real, seen, *rotation)
     return kept_step(q, k, v, q_far, local_window=local_window, far_band=far_band, selection=selection, scale=scale,
                      real=real, seen=seen, rotation=rotation, kept=MadeSummaries(mn, mx, cut), refresh=False)
@@ -91,6 +106,22 @@ class ConcatenatedState:
         with torch.inference_mode(False):  # written by steps in and out of inference mode alike
             self.cut = torch.zeros((), dtype=torch.int32, device=device)
         self.steps = self.length = 0  # steps in a row, and the cache's length at the last one
+        self.turns = self.turns_for = None  # far_turn_table, and (group, frequencies, dtype) it holds
+
+    def far_turns(self, length: int, group: int, inv_freq: torch.Tensor, dtype) -> tuple:
+        """rope.far_turn_table of at least `length` positions, made again only when the cache outgrows
+        it (to the next power of two: a few times a generation) or the rotation changes."""
+        try:
+            version = inv_freq._version  # (a write in place changes the frequencies)
+        except RuntimeError:  # an inference-mode tensor keeps no version
+            version = None
+        held_for = (group, inv_freq.data_ptr(), version, dtype)
+        if self.turns is None or self.turns_for != held_for or self.turns[0].shape[0] < length:
+            with torch.inference_mode(False):
+                self.turns = far_turn_table(1 << max(0, length - 1).bit_length(), group, inv_freq, dtype,
+                                            inv_freq.device)
+            self.turns_for = held_for
+        return self.turns
 
     def first_slots(self, first: list[int], device) -> torch.Tensor:
         held = self.first.get(tuple(first))
@@ -106,8 +137,8 @@ def _compiled(settings: dict):
     key = tuple(sorted(settings.items(), key=lambda item: item[0]))
     step = _COMPILED.get(key)
     if step is None:
-        def concatenated(q, k, v, first, cut, inv_freq):
-            return _concatenated(q, k, v, first, cut, inv_freq, **settings)
+        def concatenated(q, k, v, first, cut, inv_freq, turn_cos, turn_sin):
+            return _concatenated(q, k, v, first, cut, inv_freq, turn_cos, turn_sin, **settings)
 
         # A code object of its own per settings: dynamo keeps at most recompile_limit (8) graphs per code
         # object, and each settings' dtypes, batch sizes, grad modes and devices take some.
@@ -140,8 +171,15 @@ def concatenated_step(q, k, v, *, local_window: int, far_band: int | None, selec
     far = None if rotation is None else (rotation[0], rotation[1])
     inv_freq = (torch.empty(0, device=q.device) if rotation is None else rotation[2]).to(q.device)
     settings = dict(local_window=local_window, far_band=far_band, selection=selection, scale=scale, far=far)
+    if rotation is None:
+        turns = (inv_freq, inv_freq)  # (empty: nothing turns)
+    else:  # the keys' turns, read by rank: made again a few times a generation, not per key each step
+        turns = held.far_turns(summarised_slots(k.shape[2], selection.block_size, _spare_blocks(selection)),
+                               rotation[1], inv_freq, k.dtype)
     for t in (k, v):  # the cache's length changes every step: one graph for all of them
         torch._dynamo.maybe_mark_dynamic(t, 2)
+    for t in turns:  # and the table's, every time it grows
+        torch._dynamo.maybe_mark_dynamic(t, 0)
     # Under a dispatch mode of the user's (a FLOP counter, a debug mode) dynamo compiles nothing: the
     # same step, called.
     from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -149,7 +187,7 @@ def concatenated_step(q, k, v, *, local_window: int, far_band: int | None, selec
     step = (_compiled(settings) if _get_current_dispatch_mode() is None
             else lambda *a: _concatenated(*a, **settings))
     try:
-        out = step(q, k, v, held.first_slots(first, q.device), held.cut, inv_freq)
+        out = step(q, k, v, held.first_slots(first, q.device), held.cut, inv_freq, *turns)
     except torch.OutOfMemoryError:
         raise
     except _RECOMPILE_LIMIT:  # graphs enough for these settings (dtypes, batches, devices): this call eagerly
