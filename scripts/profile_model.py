@@ -145,6 +145,8 @@ def main() -> None:
             print(f"\n== prefill, N {n}: sdpa " + ", ".join(f"{b} {ms:.2f} ms" for b, ms in sdpa.items()))
             layouts = tuple(args.layouts.split(",")) if args.conversion == "default" else (None,)
             merges = args.merges.split(",")
+            if set(merges) - set(sparse_far_flex.MERGES):
+                raise SystemExit(f"--merges: {args.merges!r}: each one of {', '.join(sparse_far_flex.MERGES)}")
             logits = {}
             for layout in layouts:
                 for merge in merges if layout == "by_block" else merges[:1]:

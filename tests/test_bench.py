@@ -762,6 +762,10 @@ def test_gpu_table_warm_stops_its_cases_when_terminated(tmp_path):
         parent.wait(timeout=30)
         assert not [pid for pid in cases if _alive(pid)]
         assert parent.returncode == 128 + signal.SIGTERM  # its own exit, having stopped them
+        data = json.loads((tmp_path / "warm.json").read_text())  # and said so
+        assert [c["error"] for c in data["cases"].values() if c["rc"] is None][0] in (
+            "terminated: stopped", "not started: terminated"), data
+        assert "terminated: stopped" in [c.get("error") for c in data["cases"].values()], data
     finally:
         parent.kill()
         for pid in _children(parent.pid) + locals().get("cases", []):
@@ -769,7 +773,7 @@ def test_gpu_table_warm_stops_its_cases_when_terminated(tmp_path):
                 os.killpg(pid, signal.SIGKILL)
 
 
-def test_gpu_table_deadline_counts_the_start_up(tmp_path):
+def test_gpu_table_deadline_counts_the_start_up(tmp_path, capsys):
     """`--deadline` (a Unix time) caps a part's budget from the moment its process is ready: a caller's
     time limit counts the imports before it (10 s and more beside compiles), which a budget alone
     did not, and every table step of a GPU run overran its limit (2026-11-27)."""
@@ -785,6 +789,10 @@ def test_gpu_table_deadline_counts_the_start_up(tmp_path):
 
     assert 0 < budget("--budget", "100", "--deadline", str(time.time() + 2.5)) <= 2.5
     assert budget("--budget", "2", "--deadline", str(time.time() + 100)) == 2
+    assert budget("--budget", "100", "--deadline", str(time.time() - 5)) == 0  # past: nothing runs
+    with pytest.raises(SystemExit):  # argparse's error
+        gpu_table.main(["run", "kernels", "--smoke", "--out", str(tmp_path), "--budget", "9", "--deadline", "nan"])
+    assert "--deadline: a Unix time in seconds, got nan" in capsys.readouterr().err
 
 
 def _gpu_check_lib(command: str, env=None) -> subprocess.CompletedProcess:

@@ -780,9 +780,29 @@ def test_picks_by_sort_are_top_picks():
 
 def test_flex_plan_sorts_narrow_keys_in_the_order_of_block_numbers():
     """by_block_plan sorts its entries by block on keys of the narrowest dtype holding the block count
-    (a GPU's radix sort: a pass per 8 bits); the stable order is that of the int64 block numbers, up
-    to the dtypes' edges."""
-    from hf_dilated.ops import sparse_far_flex
+    (a GPU's radix sort: a pass per 8 bits): its one sort of entries takes int16 keys here; the stable
+    order is that of the int64 block numbers, up to the dtypes' edges."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_dilated.ops import far_selection, sparse_far_flex
+
+    class Sorts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.sort, torch.ops.aten.argsort):
+                self.dtypes.append((args[0].dtype, args[0].shape[-1]))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 4, 256, 8, generator=g), torch.randn(1, 2, 512, 8, generator=g)
+    operands = far_selection.bound_operands(*far_selection.plain_summaries(k, 32, 16), 2)
+    with Sorts() as sorts:
+        sparse_far_flex.by_block_plan(q, *operands, torch.arange(256) + 200, 3, 1, 32, 512)
+    entries = [dtype for dtype, length in sorts.dtypes if length == 4 // 2 * 256 * 4]  # (heads in group) x rows x slots
+    assert entries == [torch.int16], sorts.dtypes
 
     assert [sparse_far_flex.sort_key_dtype(n) for n in (1, (1 << 15) - 1, 1 << 15, (1 << 31) - 1, 1 << 31)] == [
         torch.int16, torch.int16, torch.int32, torch.int32, torch.int64]
@@ -1170,6 +1190,7 @@ def test_compiled_steps_on_a_concatenating_cache_read_the_keys_turns_from_a_tabl
     in the step's graph grows with the cache (a float64 cos and sin per key and head took 0.48 ms a
     layer at 16K on an H200), one graph across the table's growth, every step equal to the reference."""
     from hf_dilated.kinds import KINDS
+    from hf_dilated.ops import sparse_far_concatenated
 
     s = _decode_settings()
     g = torch.Generator().manual_seed(41)
@@ -1186,13 +1207,42 @@ def test_compiled_steps_on_a_concatenating_cache_read_the_keys_turns_from_a_tabl
         with torch.no_grad():
             out = KINDS["dilated"].run(q[:, :, t:t + 1], keys, values, s, state=state, **kw)
         assert (out - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
-        turns = getattr(state["concatenated"], "turns", None)
-        tables.add(None if turns is None else turns[0].shape[0])
+        held = getattr(sparse_far_concatenated, "_TURNS", {}).get(inv_freq)
+        tables.add(None if held is None else held[(s["far_group"], torch.float64)][1][0].shape[0])
     trig = [node.meta["example_value"].shape for gm in compiled_steps.graphs for node in gm.graph.nodes
             if node.op in ("call_method", "call_function") and getattr(node.target, "__name__", node.target) in
             ("cos", "sin")]
     assert trig and not [shape for shape in trig if _grows(shape)], trig  # the query's and the chosen blocks'
     assert tables == {128, 256} and compiled_steps.frame_count == 1
+
+
+def test_far_turns_are_rotate_by_and_kept_while_their_frequencies_stay():
+    """sparse_far_concatenated.far_turns: rope.rotate_by's turns to the grouped far positions, read by
+    position; one table per frequency tensor (a model's layers share it), kept while it is long
+    enough and the frequencies unwritten; made again past its length (to a power of two) and after
+    a write in place; made afresh each call for frequencies with no version counter (inference mode)."""
+    from hf_dilated.ops import sparse_far_concatenated as concatenated
+    from hf_dilated.ops.rope import rotate_by, rotate_with
+
+    dim, group = 16, 4
+    freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    x = torch.randn(2, 3, 100, dim, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    cos, sin = table = concatenated.far_turns(100, group, freq, torch.float64)
+    assert cos.shape == (128, dim // 2)
+    ranks = torch.arange(100)[None].expand(2, -1)
+    assert torch.equal(rotate_with(x, cos[:100], sin[:100]), rotate_by(x, ranks // group - ranks, freq))
+    assert concatenated.far_turns(120, group, freq, torch.float64) is table  # another layer, a longer cache
+    assert concatenated.far_turns(200, group, freq, torch.float64)[0].shape[0] == 256
+    freq.mul_(2)  # written in place: made again, with the new frequencies
+    cos2, sin2 = concatenated.far_turns(100, group, freq, torch.float64)
+    assert torch.equal(rotate_with(x, cos2[:100], sin2[:100]), rotate_by(x, ranks // group - ranks, freq))
+    with torch.inference_mode():
+        frozen = freq.clone()
+        first = concatenated.far_turns(100, group, frozen, torch.float64)
+        frozen.mul_(3)  # no version counter to see this by: each call makes its table
+        again = concatenated.far_turns(100, group, frozen, torch.float64)
+    assert again is not first
+    assert torch.equal(rotate_with(x, again[0][:100], again[1][:100]), rotate_by(x, ranks // group - ranks, freq * 3))
 
 
 def _grows(shape) -> bool:
@@ -1428,6 +1478,18 @@ def test_flex_far_path_by_query_matches_reference_and_counts_its_pairs(setting, 
 def test_flex_far_path_other_merge_and_picks_match_reference_and_count_their_pairs(setting, merge, picks,
                                                                                     monkeypatch):
     check_flex_far_path(setting, (4, 2), True, "by_block", monkeypatch, merge=merge, picks=picks)
+
+
+@pytest.mark.parametrize("name, value", (("MERGE", "byslot"), ("PICKS", "topk"), ("LAYOUT", "by_row")))
+def test_flex_far_path_refuses_an_unknown_choice(name, value, monkeypatch):
+    """A LAYOUT, MERGE or PICKS outside its values is an error naming it (MERGE's other values ran
+    the slot-by-slot sum, unsaid)."""
+    from hf_dilated.ops import sparse_far_flex, sparse_far_plain
+
+    monkeypatch.setattr(sparse_far_flex, name, value)
+    q = torch.randn(1, 2, 300, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=f"sparse_far_flex.{name}: '{value}' is not one of"):
+        sparse_far_plain.sparse_far_forward(q, q, q, q, q, 64, None, FarSelection(2, 16, 1), 0.3, far_kernel="flex")
 
 
 def check_flex_far_path(setting, heads, chunked, layout, monkeypatch, merge="reduce", picks="maxima"):

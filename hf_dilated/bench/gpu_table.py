@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import re
 import sys
 import time
@@ -618,36 +619,29 @@ def warm(parts, s: dict, out: Path, budget_s: float, log=None, at_once: int = WA
         log(f"  warm {key} (ended at {time.perf_counter() - start:.0f} s): {_warmed(result)}")
 
     def stop(key):  # a case still compiling: killed with its compile workers (its own session)
-        i, proc = running.pop(key)
+        i, proc = running[key]
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        del running[key]
         return i, proc
 
     # The cases run in sessions of their own, so a SIGTERM to this process (gpu_check.sh's time limit)
-    # would not reach them: it stops them here. Once they outlived it and compiled for another
-    # minute beside the table's timed steps (an H200, 2026-11-27).
-    def terminated(signum, frame):
-        for key in list(running):
-            stop(key)
-        raise SystemExit(128 + signum)
-
+    # would not reach them; once they outlived it and compiled for another minute beside the table's
+    # timed steps (an H200, 2026-11-27). The handler only notes it: the loop below stops them
+    # (at most 50 ms later), records them and writes warm.json, then this process exits 128 + 15.
+    terminated = []
     on_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, terminated) if on_main_thread else None
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum)) if on_main_thread \
+        else None
     try:
-        while cases or running:
-            while cases and len(running) < at_once and left() > 0:
+        while (cases or running) and not terminated:
+            while cases and len(running) < at_once and left() > 0 and not terminated:
                 i, (key, spec) = cases.pop(0)
-                # a SIGTERM waits until the case is in `running` (else it would outlive us)
-                blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if on_main_thread else None
-                try:
-                    with open(logs / f"{i}.log", "w") as f:  # a file, not a pipe: nothing waits on a reader
-                        running[key] = (i, subprocess.Popen(
-                            [sys.executable, "-m", "hf_dilated.bench.gpu_table", "warm-case", json.dumps(spec)],
-                            env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
-                finally:
-                    if on_main_thread:
-                        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+                with open(logs / f"{i}.log", "w") as f:  # a file, not a pipe: nothing waits on a reader
+                    running[key] = (i, subprocess.Popen(
+                        [sys.executable, "-m", "hf_dilated.bench.gpu_table", "warm-case", json.dumps(spec)], env=env,
+                        stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
             if left() <= 0:
                 break
             for key, (i, proc) in list(running.items()):
@@ -655,16 +649,20 @@ def warm(parts, s: dict, out: Path, budget_s: float, log=None, at_once: int = WA
                     del running[key]
                     finish(key, i, proc, {"rc": proc.returncode, "seconds": time.perf_counter() - start})
             time.sleep(0.05)
-        for key in list(running):  # still compiling at the end of the budget
-            finish(key, *stop(key), {"rc": None, "error": f"still compiling after the {budget_s:.0f} s: stopped"})
+        why = "terminated: stopped" if terminated else f"still compiling after the {budget_s:.0f} s: stopped"
+        for key in list(running):
+            finish(key, *stop(key), {"rc": None, "error": why})
     finally:
         if on_main_thread:
             signal.signal(signal.SIGTERM, previous)
     for i, (key, _) in cases:
-        data["cases"][key] = {"rc": None, "error": f"not started: the {budget_s:.0f} s were spent"}
+        why = "terminated" if terminated else f"the {budget_s:.0f} s were spent"
+        data["cases"][key] = {"rc": None, "error": f"not started: {why}"}
         log(f"  warm {key}: {data['cases'][key]['error']}")
     data["cases"] = {key: data["cases"][key] for key, _ in warm_plan(parts, s, _device(s))}  # in plan order
     _write(out / "warm.json", data)
+    if terminated:
+        raise SystemExit(128 + terminated[0])
     return data
 
 
@@ -1119,7 +1117,9 @@ def main(argv=None) -> int:
     s = settings(args.smoke)
     budget = getattr(args, "budget", None)
     if getattr(args, "deadline", None) is not None:
-        budget = min(budget, args.deadline - time.time())
+        if not math.isfinite(args.deadline):
+            p.error(f"--deadline: a Unix time in seconds, got {args.deadline}")
+        budget = max(0.0, min(budget, args.deadline - time.time()))  # past it: every case skipped, said so
     if args.command == "run":
         data = run_part(args.part, s, args.out, budget)
         return 0 if data["results"] else 1

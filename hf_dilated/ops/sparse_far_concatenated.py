@@ -17,6 +17,7 @@ import types
 import warnings
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .far_selection import FarSelection, bound_dtype
 from .rope import far_queries_static, far_turn_table, rotate_with
@@ -106,22 +107,6 @@ class ConcatenatedState:
         with torch.inference_mode(False):  # written by steps in and out of inference mode alike
             self.cut = torch.zeros((), dtype=torch.int32, device=device)
         self.steps = self.length = 0  # steps in a row, and the cache's length at the last one
-        self.turns = self.turns_for = None  # far_turn_table, and (group, frequencies, dtype) it holds
-
-    def far_turns(self, length: int, group: int, inv_freq: torch.Tensor, dtype) -> tuple:
-        """rope.far_turn_table of at least `length` positions, made again only when the cache outgrows
-        it (to the next power of two: a few times a generation) or the rotation changes."""
-        try:
-            version = inv_freq._version  # (a write in place changes the frequencies)
-        except RuntimeError:  # an inference-mode tensor keeps no version
-            version = None
-        held_for = (group, inv_freq.data_ptr(), version, dtype)
-        if self.turns is None or self.turns_for != held_for or self.turns[0].shape[0] < length:
-            with torch.inference_mode(False):
-                self.turns = far_turn_table(1 << max(0, length - 1).bit_length(), group, inv_freq, dtype,
-                                            inv_freq.device)
-            self.turns_for = held_for
-        return self.turns
 
     def first_slots(self, first: list[int], device) -> torch.Tensor:
         held = self.first.get(tuple(first))
@@ -131,6 +116,36 @@ class ConcatenatedState:
             with torch.inference_mode(False):
                 held = self.first[tuple(first)] = torch.tensor(first, dtype=torch.long, device=device)
         return held
+
+
+# rope.far_turn_table per frequency tensor (by identity, so one going frees its tables), then per
+# (group, dtype): (the tensor's version counter then, (cos, sin)). Every layer of a model reads the
+# same frequencies (integrations: rope_frequencies_for), so a model keeps one table: length x rot
+# values in each of cos and sin (8 MiB at 16K tokens for heads of 128 in bfloat16), whatever its
+# layers.
+_TURNS = WeakIdKeyDictionary()
+
+
+def far_turns(length: int, group: int, inv_freq: torch.Tensor, dtype) -> tuple:
+    """rope.far_turn_table of at least `length` positions, made again only when a cache outgrows it
+    (to the next power of two: a few times a generation) or the frequencies are written in place.
+    Frequencies without a version counter (made under inference mode) get one made afresh each call
+    (a few launches outside the compiled step), since a write into them could not be seen."""
+    try:
+        version = inv_freq._version
+    except RuntimeError:
+        version = None
+    tables = _TURNS.get(inv_freq)
+    held = None if tables is None or version is None else tables.get((group, dtype))
+    if held is not None and held[0] == version and held[1][0].shape[0] >= length:
+        return held[1]
+    with torch.inference_mode(False):  # read by steps in and out of inference mode alike
+        table = far_turn_table(1 << max(0, length - 1).bit_length(), group, inv_freq, dtype, inv_freq.device)
+    if version is not None:
+        if tables is None:
+            tables = _TURNS[inv_freq] = {}
+        tables[(group, dtype)] = (version, table)
+    return table
 
 
 def _compiled(settings: dict):
@@ -174,8 +189,8 @@ def concatenated_step(q, k, v, *, local_window: int, far_band: int | None, selec
     if rotation is None:
         turns = (inv_freq, inv_freq)  # (empty: nothing turns)
     else:  # the keys' turns, read by rank: made again a few times a generation, not per key each step
-        turns = held.far_turns(summarised_slots(k.shape[2], selection.block_size, _spare_blocks(selection)),
-                               rotation[1], inv_freq, k.dtype)
+        turns = far_turns(summarised_slots(k.shape[2], selection.block_size, _spare_blocks(selection)), rotation[1],
+                          inv_freq, k.dtype)
     for t in (k, v):  # the cache's length changes every step: one graph for all of them
         torch._dynamo.maybe_mark_dynamic(t, 2)
     for t in turns:  # and the table's, every time it grows

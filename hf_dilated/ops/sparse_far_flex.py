@@ -60,8 +60,9 @@ _BLOCK_TILES_FAILED: str | None = None  # why key tiles of a far block failed he
 # work is every key tile some query of a tile chose). Both compute the same set.
 LAYOUT = "by_block"
 # How merge_entries sums a query's entries (by_block): "reduce", one reduction over the (query, slot,
-# d) gather; "by_slot", a sum of one gather per slot, which the compiler fuses into passes over
-# the outputs (on an H200 at 16K the merge took 12 of 59 ms of GPU time as a reduction, 2026-11-27).
+# d) gather; "by_slot", a sum of one gather per slot, expected to compile into a few passes over the
+# outputs (not measured yet: on an H200 at 16K the merge took 12 of 59 ms of GPU time as a
+# reduction, 2026-11-27).
 MERGE = "reduce"
 MERGES = ("reduce", "by_slot")
 # How by_block_plan picks a query's top_k blocks: "maxima", far_selection.top_picks (top_k row
@@ -202,6 +203,7 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     to build its kernel in this process (warned once): the caller then takes the block-by-block
     path."""
     global _FAILED, _BLOCK_TILES_FAILED
+    check_choices()
     if _FAILED is not None or not takes_head_dim(q_far.device, min(q_far.shape[-1], v.shape[-1])):
         return False
     batch, n_heads, n = q_far.shape[:3]
@@ -270,6 +272,14 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
             pair_count.TALLY.pairs += pairs
         lo = e
     return True
+
+
+def check_choices() -> None:
+    """LAYOUT, MERGE and PICKS each one of their values (a ValueError naming the one that is not)."""
+    for name, value, allowed in (("LAYOUT", LAYOUT, ("by_block", "by_query")), ("MERGE", MERGE, MERGES),
+                                 ("PICKS", PICKS, tuple(PICKERS))):
+        if value not in allowed:
+            raise ValueError(f"sparse_far_flex.{name}: {value!r} is not one of {', '.join(map(repr, allowed))}")
 
 
 def pairs_read(chosen, s: int, band: int, size: int, tally_from: int = 0) -> int:
