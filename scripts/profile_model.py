@@ -8,8 +8,8 @@ same process, then one call under torch.profiler (the ops by GPU time, and dynam
     ours profiled with each cache, after how its layers' steps ran (graphed, compiled, eager).
 
     python scripts/profile_model.py [--steps prefill,decode] [--lengths 16384,65536] [--conversion default|union] [--top 25]
-    python scripts/profile_model.py --lengths 16384 --picks maxima,sort   # the selection's picks both ways
-    python scripts/profile_model.py --lengths 16384 --layouts by_block --merges reduce,by_slot   # the entries' sums
+    python scripts/profile_model.py --lengths 16384 --layouts by_block --picks maxima,sort --merges reduce,by_slot
+        # the selection's picks and the entries' sums, each pair (after gpu_check.sh: its compile caches)
     python scripts/profile_model.py --smoke --lengths 512   # tiny sizes on the CPU (checks this script)
 """
 from __future__ import annotations
@@ -42,38 +42,6 @@ def timed(fn, repeats: int = 3) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
-
-
-# --- The selection's picks (--picks, sparse_far_flex.PICKS): on an H200 (2026-11-27) the top_k
-# passes of far_selection.top_picks (unrolled by dynamo, fused by inductor into one reduction kernel)
-# took 7.7 of a 16K prefill's 59 ms of GPU time (k = 24: 25 slots a query). Several: each runs in a
-# process of its own with empty compile caches, so that every first call compiles all it needs.
-
-def use_picks(name: str) -> None:
-    """Makes the by-block plan pick with sparse_far_flex.PICKERS[name]: before any compile."""
-    from hf_dilated.ops import sparse_far_flex
-
-    if name not in sparse_far_flex.PICKERS:
-        raise SystemExit(f"--picks: {name!r} is not one of {', '.join(sparse_far_flex.PICKERS)}")
-    sparse_far_flex.PICKS = name
-
-
-def each_picks_apart(args) -> None:
-    """This script again per variant, in a process of its own with empty compile caches (inductor's
-    and Triton's), so that each first call compiles all it needs (one process reusing another's
-    kernels would time a cache hit)."""
-    import os
-    import subprocess
-    import sys
-    import tempfile
-
-    argv = ["--steps", args.steps, "--lengths", args.lengths, "--conversion", args.conversion, "--top", str(args.top),
-            "--layouts", "by_block", "--merges", args.merges] + (["--smoke"] if args.smoke else [])  # by query: no picks
-    for name in args.picks.split(","):
-        with tempfile.TemporaryDirectory() as cache:
-            print(f"\n##### picks {name}: a process of its own, empty compile caches", flush=True)
-            subprocess.run([sys.executable, __file__, *argv, "--picks", name], check=False,
-                           env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=f"{cache}/triton"))
 
 
 def profile(fn, device: str, top: int, by_count: int = 0) -> None:
@@ -109,18 +77,19 @@ def main() -> None:
     parser.add_argument("--conversion", default="default", choices=("default", "union"))
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--picks", default=sparse_far_flex.PICKS,
-                        help="the default conversion's selection picks: one of " + ", ".join(sparse_far_flex.PICKERS)
-                             + "; several "
-                             "(comma-separated): each in a process of its own, with empty compile caches")
+                        help="by block, how the selection picks a query's blocks: " + ", ".join(sparse_far_flex.PICKERS)
+                             + " (comma-separated: each timed with each of --merges, the first pair profiled)")
     parser.add_argument("--layouts", default="by_block,by_query", help="the default conversion's far-key row layouts")
     parser.add_argument("--merges", default=sparse_far_flex.MERGE,
                         help="by block, how the entries are summed: " + ", ".join(sparse_far_flex.MERGES)
                              + " (comma-separated: each timed, the first profiled)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, on the CPU when there is no GPU")
     args = parser.parse_args()
-    if "," in args.picks:
-        return each_picks_apart(args)
-    use_picks(args.picks)
+    merges, picks = args.merges.split(","), args.picks.split(",")
+    for option, given, allowed in (("--merges", merges, sparse_far_flex.MERGES),
+                                   ("--picks", picks, tuple(sparse_far_flex.PICKERS))):
+        if set(given) - set(allowed):
+            raise SystemExit(f"{option}: {','.join(given)!r}: each one of {', '.join(allowed)}")
     steps = args.steps.split(",")
     s = gpu_table.settings(args.smoke)
     device = gpu_table._device(s)
@@ -144,27 +113,31 @@ def main() -> None:
             best = min(sdpa.values())
             print(f"\n== prefill, N {n}: sdpa " + ", ".join(f"{b} {ms:.2f} ms" for b, ms in sdpa.items()))
             layouts = tuple(args.layouts.split(",")) if args.conversion == "default" else (None,)
-            merges = args.merges.split(",")
-            if set(merges) - set(sparse_far_flex.MERGES):
-                raise SystemExit(f"--merges: {args.merges!r}: each one of {', '.join(sparse_far_flex.MERGES)}")
+            # by block: every (picks, merge) pair, one after the other in this process (each compiles
+            # what it changes; the first call's time printed is then that part's compile alone)
+            variants = [(layout, pick, merge) for layout in layouts
+                        for pick, merge in ([(p, m) for p in picks for m in merges] if layout == "by_block"
+                                            else [(picks[0], merges[0])])]
             logits = {}
-            for layout in layouts:
-                for merge in merges if layout == "by_block" else merges[:1]:
-                    if layout:
-                        sparse_far_flex.LAYOUT, sparse_far_flex.MERGE = layout, merge
-                    name = f"{layout} merged {merge}" if layout == "by_block" and len(merges) > 1 else layout or ""
-                    ms = timed(lambda: prefill(ours))
-                    logits[name] = prefill(ours).float()
-                    failed = [f"{what} failed: {why}" for what, why in (
-                        ("FlexAttention", sparse_far_flex._FAILED),
-                        ("compiling the plan", sparse_far_flex._FUSED_FAILED)) if why]
-                    print(f"{args.conversion} {name}: {ms:.2f} ms, speed {best / ms:.2f}x of sdpa's best"
-                          + "".join("; " + f for f in failed))
+            for layout, pick, merge in variants:
+                if layout:
+                    sparse_far_flex.LAYOUT, sparse_far_flex.PICKS, sparse_far_flex.MERGE = layout, pick, merge
+                name = layout or ""
+                if layout == "by_block" and len(picks) * len(merges) > 1:
+                    name += f" picked by {pick}, merged by {merge}"
+                ms = timed(lambda: prefill(ours))
+                logits[name] = prefill(ours).float()
+                failed = [f"{what} failed: {why}" for what, why in (
+                    ("FlexAttention", sparse_far_flex._FAILED),
+                    ("compiling the plan", sparse_far_flex._FUSED_FAILED)) if why]
+                print(f"{args.conversion} {name}: {ms:.2f} ms, speed {best / ms:.2f}x of sdpa's best"
+                      + "".join("; " + f for f in failed))
             (first, a), *others = logits.items() if len(logits) > 1 else [(None, None)]
             for name, b in others:
                 print(f"logits {first} vs {name}: max |diff| {(a - b).abs().max().item():.3e} "
                       f"(scale {a.abs().max().item():.3e})")
-            sparse_far_flex.LAYOUT, sparse_far_flex.MERGE = layouts[0] or sparse_far_flex.LAYOUT, merges[0]
+            if variants[0][0]:
+                sparse_far_flex.LAYOUT, sparse_far_flex.PICKS, sparse_far_flex.MERGE = variants[0]
             profile(lambda: prefill(ours), device, args.top)
             print("dynamo compile times (s):", torch._dynamo.utils.compile_times(repr="str"))
         if "decode" in steps:
