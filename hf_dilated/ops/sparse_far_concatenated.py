@@ -7,8 +7,8 @@ eager path (ops/sparse_far_decode.py) checks them by checksums, one pass over th
 back per layer, then ~100 launches. Here the step is one compiled call (torch.compile, the cache's
 length dynamic) of ops/sparse_far_static.kept_step with the summaries made again from the whole
 cache in the same call: fused, they cost that same pass and nothing else (the rotation to grouped
-positions and the blocks' minima and maxima in one kernel), exact whatever happened to the cache,
-no read back. On CUDA only: on the CPU there are no launches to save, and summaries kept between
+positions, its turns read from a table kept outside the step (far_turns), and the blocks' minima
+and maxima in one kernel), exact whatever happened to the cache, no read back. On CUDA only: on the CPU there are no launches to save, and summaries kept between
 steps are cheaper.
 """
 from __future__ import annotations
