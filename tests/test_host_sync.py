@@ -528,11 +528,12 @@ def test_kth_by_maxima_reads_nothing_back():
     assert_no_syncs(syncs, "kth_by_maxima")
 
 
-def test_sparse_far_flex_prefill_steady_state_has_no_sync(monkeypatch):
+@pytest.mark.parametrize("merge, picks", (("reduce", "maxima"), ("by_slot", "maxima"), ("reduce", "sort")))
+def test_sparse_far_flex_prefill_steady_state_has_no_sync(merge, picks, monkeypatch):
     """The CUDA inference path of sparse far keys (selection, BlockMasks, merges) reads nothing
-    back in a second call. The FlexAttention call itself runs outside the counter: on CUDA it is
-    one compiled kernel, and the eager form used here compiles its own wrapper, which no dispatch
-    mode may watch."""
+    back in a second call, with each way of merging and picking (sparse_far_flex.MERGE, PICKS).
+    The FlexAttention call itself runs outside the counter: on CUDA it is one compiled kernel, and
+    the eager form used here compiles its own wrapper, which no dispatch mode may watch."""
     import warnings
 
     from torch.utils._python_dispatch import _disable_current_modes
@@ -547,6 +548,8 @@ def test_sparse_far_flex_prefill_steady_state_has_no_sync(monkeypatch):
             return flex_call(*args)
 
     monkeypatch.setattr(sparse_far_flex, "_flex_call", unwatched)
+    monkeypatch.setattr(sparse_far_flex, "MERGE", merge)
+    monkeypatch.setattr(sparse_far_flex, "PICKS", picks)
     q, k, v = _qkv(n=1024, grad=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to the block path would warn

@@ -1161,26 +1161,37 @@ def test_compiled_steps_on_a_concatenating_cache_keep_one_graph_from_the_first_b
     all of them with one graph (the summaries carry spare empty blocks, as many as the tie slots
     that sparse_far_static.kept_step reads: with 20 of them, the spare count followed a copy of 8
     and the growing cache made a second graph)."""
-    from hf_dilated.kinds import KINDS
     from hf_dilated.ops import sparse_far_static
 
     monkeypatch.setattr(sparse_far_static, "TIE_SLOTS", tie_slots)
 
-    s = _decode_settings(far_top_k=3)
-    g = torch.Generator().manual_seed(23)
-    heads, kv_heads, n, dim = 4, 2, 70, 8  # blocks of 4: 1 block at first, 18 at the end (3 + 8 tie slots + 1 sink)
+    # blocks of 4: 1 block at first, 18 at the end (3 + 8 tie slots + 1 sink)
+    _concatenating_steps(_decode_settings(far_top_k=3), seed=23, n=70, filled=2)
+    assert compiled_steps.frame_count == 1
+
+
+def _concatenating_steps(s, *, seed: int, n: int, filled: int, after_step=None):
+    """One-query steps of KINDS["dilated"] (4 query / 2 kv heads of 8, float64) on a cache that
+    concatenates, from `filled` tokens to n, each against the whole sequence's reference;
+    after_step(inv_freq) after each. Returns the frequencies."""
+    from hf_dilated.kinds import KINDS
+
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 4, 2, 8
     q, k, v = (torch.randn(1, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
     inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     ref = _decode_reference(q, k, v, s, inv_freq)
-    cache, state = _ConcatCache(k, v, 2), {}
+    cache, state = _ConcatCache(k, v, filled), {}
     kw = dict(is_causal=True, attention_mask=None, position_ids=None, scale=None, dropout_p=0.0, group=None,
               layout=None, rope_frequencies=inv_freq)
-    for t in range(2, n):
+    for t in range(filled, n):
         keys, values = cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
         with torch.no_grad():
             out = KINDS["dilated"].run(q[:, :, t:t + 1], keys, values, s, state=state, **kw)
         assert (out - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
-    assert compiled_steps.frame_count == 1
+        if after_step is not None:
+            after_step(inv_freq)
+    return inv_freq
 
 
 def test_compiled_steps_on_a_concatenating_cache_read_the_keys_turns_from_a_table(compiled_steps):
@@ -1189,26 +1200,17 @@ def test_compiled_steps_on_a_concatenating_cache_read_the_keys_turns_from_a_tabl
     between steps (rope.far_turn_table), made again only when the cache outgrows it: no cos or sin
     in the step's graph grows with the cache (a float64 cos and sin per key and head took 0.48 ms a
     layer at 16K on an H200), one graph across the table's growth, every step equal to the reference."""
-    from hf_dilated.kinds import KINDS
     from hf_dilated.ops import sparse_far_concatenated
 
     s = _decode_settings()
-    g = torch.Generator().manual_seed(41)
-    heads, kv_heads, n, dim = 4, 2, 160, 8
-    q, k, v = (torch.randn(1, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
-    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    ref = _decode_reference(q, k, v, s, inv_freq)
-    cache, state = _ConcatCache(k, v, 40), {}
-    kw = dict(is_causal=True, attention_mask=None, position_ids=None, scale=None, dropout_p=0.0, group=None,
-              layout=None, rope_frequencies=inv_freq)
     tables = set()
-    for t in range(40, n):  # the table: 128 ranks, then 256 (blocks of 4, 14 spare)
-        keys, values = cache.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
-        with torch.no_grad():
-            out = KINDS["dilated"].run(q[:, :, t:t + 1], keys, values, s, state=state, **kw)
-        assert (out - ref[:, :, t:t + 1]).abs().max().item() < TOL, t
-        held = getattr(sparse_far_concatenated, "_TURNS", {}).get(inv_freq)
+
+    def table_length(inv_freq):
+        held = sparse_far_concatenated._TURNS.get(inv_freq)
         tables.add(None if held is None else held[(s["far_group"], torch.float64)][1][0].shape[0])
+
+    # the table: 128 ranks, then 256 (blocks of 4, 14 spare)
+    _concatenating_steps(s, seed=41, n=160, filled=40, after_step=table_length)
     trig = [node.meta["example_value"].shape for gm in compiled_steps.graphs for node in gm.graph.nodes
             if node.op in ("call_method", "call_function") and getattr(node.target, "__name__", node.target) in
             ("cos", "sin")]
