@@ -70,6 +70,57 @@ def time_calls(step: Callable[[], object], device: torch.device, warmup: int, re
     return {"times_s": times, "median_s": statistics.median(times), "first_s": times[0] if first_s is None else first_s}
 
 
+def host_and_device(step: Callable[[], object], device: torch.device, busy_s: float, repeats: int = 3) -> dict | None:
+    """On CUDA, a step's host time and GPU time apart, and whether it waits for the GPU: each call is
+    issued while the GPU spins (torch.cuda._sleep) for `busy_s` seconds. A step that never waits for
+    the GPU returns before the spin ends: its wall time is then its host's work alone (Python, launches),
+    and the GPU, finding every kernel queued when the spin ends, runs them back to back (events
+    around them: its kernels' time alone). A step that waits (a read back, a blocking copy, a full
+    launch queue) returns after the spin: `waited`, and neither figure is its own. Choose `busy_s`
+    well above the step's wall time. None elsewhere (the CPU has no queue to run ahead on).
+    {"host_s", "device_s" (medians of the calls that did not wait), "waited" (calls), "calls"}"""
+    if device.type != "cuda":
+        return None
+    cycles = _spin_cycles(busy_s, device)
+    hosts, kernels, waited = [], [], 0
+    for _ in range(max(1, repeats)):
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(cycles)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()  # reached when the spin ends
+        start = time.perf_counter()
+        step()
+        host = time.perf_counter() - start
+        spun_out = begin.query()  # the spin over before the step returned: the step may have waited for it
+        end.record()
+        torch.cuda.synchronize(device)
+        if spun_out:
+            waited += 1
+        else:
+            hosts.append(host)
+            kernels.append(begin.elapsed_time(end) / 1e3)
+    return {"host_s": statistics.median(hosts) if hosts else None,
+            "device_s": statistics.median(kernels) if kernels else None, "waited": waited, "calls": max(1, repeats)}
+
+
+_SPIN_RATE: dict = {}  # device -> seconds per cycle of torch.cuda._sleep
+
+
+def _spin_cycles(seconds: float, device: torch.device) -> int:
+    """The cycles of torch.cuda._sleep that take `seconds` on `device` (its rate timed once)."""
+    if device not in _SPIN_RATE:
+        probe = 10_000_000
+        torch.cuda._sleep(probe)  # the first launch loads the kernel
+        torch.cuda.synchronize(device)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        torch.cuda.synchronize(device)
+        _SPIN_RATE[device] = begin.elapsed_time(end) / 1e3 / probe
+    return max(1, int(seconds / _SPIN_RATE[device]))
+
+
 def time_interleaved(fns, repeats: int, warmup: int = 1, log=print,
                      device: torch.device | None = None) -> list[list[float] | None]:
     """Times every (name, fn) once per round, in turn, for `repeats` rounds after `warmup` calls each.

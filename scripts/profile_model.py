@@ -1,11 +1,15 @@
 """Where a model's time goes on a GPU: the Llama-shaped model of scripts/gpu_check.sh (random
 weights), converted as hf_dilated.bench.gpu_table converts it, timed beside sdpa's kernels in the
 same process, then one call under torch.profiler (the ops by GPU time, and dynamo's recompiles).
+Every timing comes before the first profile: once torch.profiler has traced CUDA, the process may
+keep NVIDIA's tracing library attached (pytorch/pytorch#144455), which slows every later launch (on
+2026-11-27 sdpa's decode step took 5.2-5.4 ms after a profile, 2.3-3.6 ms in gpu_table's processes).
 
   prefill: N tokens beside sdpa's flash and cuDNN kernels; with the default conversion both row
     layouts of the FlexAttention far path (ops/sparse_far_flex.LAYOUT) are timed, their logits compared.
-  decode: one step after a prefill of N tokens (ReservedCache, and DynamicCache), beside sdpa's;
-    ours profiled with each cache, after how its layers' steps ran (graphed, compiled, eager).
+  decode: one step after a prefill of N tokens (ReservedCache, and DynamicCache), beside sdpa's,
+    each with its host's and its GPU's time apart (hf_dilated.measure.host_and_device); ours
+    profiled with each cache, after how its layers' steps ran (graphed, compiled, eager).
 
     python scripts/profile_model.py [--steps prefill,decode] [--lengths 16384,65536] [--conversion default|union] [--top 25]
     python scripts/profile_model.py --lengths 16384 --layouts by_block --picks maxima,sort --merges reduce,by_slot
@@ -67,6 +71,7 @@ def profile(fn, device: str, top: int, by_count: int = 0) -> None:
 def main() -> None:
     from transformers import DynamicCache
 
+    from hf_dilated import measure
     from hf_dilated.bench import gpu_table
     from hf_dilated.integrations.cache import ReservedCache
     from hf_dilated.ops import sparse_far_flex
@@ -94,6 +99,7 @@ def main() -> None:
     s = gpu_table.settings(args.smoke)
     device = gpu_table._device(s)
     print(torch.cuda.get_device_name(0) if device == "cuda" else device, "torch", torch.__version__)
+    profiles = []  # (title, call): run after every timing (module docstring)
     for n in map(int, args.lengths.split(",")):
         spec = dict(device=device, dtype=s["dtype"], model=s["model"], n=n, original=s["original"])
         base, config, ids = gpu_table._build_model(dict(spec, conversion="sdpa"))
@@ -136,10 +142,14 @@ def main() -> None:
             for name, b in others:
                 print(f"logits {first} vs {name}: max |diff| {(a - b).abs().max().item():.3e} "
                       f"(scale {a.abs().max().item():.3e})")
-            if variants[0][0]:
-                sparse_far_flex.LAYOUT, sparse_far_flex.PICKS, sparse_far_flex.MERGE = variants[0]
-            profile(lambda: prefill(ours), device, args.top)
-            print("dynamo compile times (s):", torch._dynamo.utils.compile_times(repr="str"))
+            def profile_prefill(ours=ours, prefill=prefill, variant=variants[0]):
+                if variant[0]:
+                    sparse_far_flex.LAYOUT, sparse_far_flex.PICKS, sparse_far_flex.MERGE = variant
+                profile(lambda: prefill(ours), device, args.top)
+                print("dynamo compile times (s):", torch._dynamo.utils.compile_times(repr="str"))
+
+            profiles.append((f"prefill, N {n}: {args.conversion} {' '.join(filter(None, variants[0]))}",
+                             profile_prefill))
         if "decode" in steps:
             token = ids[:, -1:]
             print(f"\n== decode step after N {n}")
@@ -160,20 +170,29 @@ def main() -> None:
                         paths = {}
                         with gpu_table.step_paths(paths) if backend is None else contextlib.nullcontext():
                             ms[name] = timed(step, repeats=5)
-                        if backend is None:  # how its layers' steps ran (graphed, compiled, eager), then where the time goes
+                            split = measure.host_and_device(step, torch.device(device),
+                                                            busy_s=max(0.2, 4e-3 * ms[name]))
+                        if split:  # which bounds the step: its host's work or its GPU's, or a wait
+                            apart = ("waits for the GPU" if split["host_s"] is None else
+                                     f"host {1e3 * split['host_s']:.2f} ms, GPU {1e3 * split['device_s']:.2f} ms")
+                            print(f"  {label} {name}: {apart} (waited in {split['waited']} of {split['calls']} calls)")
+                        if backend is None:  # how its layers' steps ran (graphed, compiled, eager)
                             print(f"  {label} layer steps: {paths or 'no sparse-far step'}; fell back: "
                                   f"{gpu_table.fallbacks() or 'nothing'}")
-                            profile(step, device, args.top, by_count=40)
-                        elif backend == runs[0][2]:  # sdpa's host bill beside ours: its op count
-                            print(f"  {label} {name}:", end=" ")
-                            profile(step, device, 0, by_count=40)
-                    del cache
+
+                    def profile_step(step=step, backend=backend):
+                        # ours: where the time goes; sdpa: its host bill beside ours (its op count)
+                        with gpu_table._sdpa_context(backend) if backend else contextlib.nullcontext():
+                            profile(step, device, args.top if backend is None else 0, by_count=40)
+
+                    if backend is None or backend == runs[0][2]:
+                        profiles.append((f"decode step after N {n}, {label}: {name}", profile_step))
                 best = min(v for k, v in ms.items() if k.startswith("sdpa"))
                 print(f"{label}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
                       + f"; speed {best / ms[args.conversion]:.2f}x of sdpa's best")
-        base = ours = None  # freed before the next length
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    for title, call in profiles:
+        print(f"\n== profile: {title}")
+        call()
 
 
 if __name__ == "__main__":

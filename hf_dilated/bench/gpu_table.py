@@ -241,10 +241,13 @@ def step_paths(counts: dict):
 
 def model_case(spec: dict, own_process: bool = False) -> dict:
     """Prefill of N tokens (DynamicCache, logits of the last token only), then one decode step with
-    DynamicCache and with hf_dilated.ReservedCache, each filled by a prefill of its own."""
+    DynamicCache and with hf_dilated.ReservedCache, each filled by a prefill of its own; on CUDA each
+    step's host and GPU time apart too (measure.host_and_device: which of them bounds the step, and
+    whether it waits for the GPU)."""
     import torch
     from transformers import DynamicCache
 
+    from .. import measure
     from ..integrations.cache import ReservedCache
 
     device = torch.device(spec["device"])
@@ -275,6 +278,10 @@ def model_case(spec: dict, own_process: bool = False) -> dict:
                 paths = {}
                 with step_paths(paths) if backend == "ours" else contextlib.nullcontext():
                     res[name] = _time(step, device, spec["decode_warmup"], spec["decode_repeats"])
+                    if "median_s" in res[name]:  # its host's and its GPU's time apart (on CUDA)
+                        split = measure.host_and_device(step, device, busy_s=max(0.2, 4 * res[name]["median_s"]))
+                        if split:
+                            res[name]["split"] = split
                 if paths:
                     res[name]["paths"] = paths
                 del cache
@@ -788,6 +795,24 @@ def _path_note(result, entry=None) -> str | None:
     return "; ".join(said) or None
 
 
+def _split_note(ours, sdpa, entry: str, sdpa_label: str) -> str | None:
+    """A decode row's host and GPU time apart (measure.host_and_device), ours then sdpa's kernel of
+    the row's ratio: "host 5.1 ms, GPU 1.9 ms" or "waits for the GPU (3 of 3 calls)"; None without."""
+    def said(result, backend):
+        split = ((result or {}).get("backends", {}).get(backend, {}).get(entry, {}) or {}).get("split")
+        if not split:
+            return None
+        if split.get("host_s") is None:
+            return f"waits for the GPU ({split['waited']} of {split['calls']} calls)"
+        return (f"host {_ms(split['host_s'])} ms, GPU {_ms(split['device_s'])} ms"
+                + (f" (waited in {split['waited']} of {split['calls']} calls)" if split.get("waited") else ""))
+
+    backend = sdpa_label.split()[1] if sdpa_label.startswith("sdpa ") else None
+    parts = [f"{who}: {text}" for who, text in (("ours", said(ours, "ours")),
+                                                (sdpa_label, said(sdpa, backend) if backend else None)) if text]
+    return "; ".join(parts) or None
+
+
 def _seconds(t: float) -> str:
     return f"{t:.1f} s" if t >= 1 else f"{1e3 * t:.0f} ms"
 
@@ -887,7 +912,8 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
                     row["note"] = "; ".join(filter(None, [row.get("note"), (
                         f"first call {cold:.1f} s compiling ahead, {_seconds(first)} here" if cold
                         else f"first call {_seconds(first)}")]))
-                row["note"] = "; ".join(filter(None, [row.get("note"), _path_note(ours, entry)]))
+                row["note"] = "; ".join(filter(None, [row.get("note"), _path_note(ours, entry),
+                                                      _split_note(ours, sdpa, entry, bname)]))
                 rows.append(row)
     n = s["static_length"]
     static = parts.get("static", {}).get("results", {})
