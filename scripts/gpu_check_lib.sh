@@ -1,17 +1,21 @@
 # Helpers of scripts/gpu_check.sh, sourced by it (and by tests/test_bench.py, which runs them alone).
 
 # test_workers SMOKE: pytest's worker arguments for the CUDA tests, one per line. 8 workers (the GPU
-# machine has 16 cores; the compiles are the CPU's work), each taking tests from the others' queues
-# where pytest-xdist has worksteal: on 2026-11-27 (4 workers, its default scheduling) one worker
-# held every slow model and sparse-far test and the step stopped at 94%. None with --smoke (SMOKE=1)
-# or without pytest-xdist. (Imports, not `pytest --help | grep -q`: under pipefail grep's early exit
-# fails the pipe, and worksteal was never added.)
+# machine has 16 cores; the compiles are the CPU's work), and where this pytest-xdist has
+# --maxschedchunk (3.3 on), tests handed out two to a worker and then one at a time (`--dist load
+# --maxschedchunk 1`): gpu_check.sh puts the slow tests first (HF_DILATED_SLOW_FIRST, tests/conftest.py),
+# so every worker starts on them. By default a worker is handed a run of consecutive tests: on
+# 2026-11-27 (4 workers) one held every slow model and sparse-far test and the step stopped at 94%;
+# with worksteal (8 workers) the slow ones were the last to run and it stopped at 98%. None with
+# --smoke (SMOKE=1) or without pytest-xdist. (Imports, not `pytest --help | grep -q`: under pipefail
+# grep's early exit fails the pipe.)
 test_workers() {
     [ "$1" = 1 ] && return 0
     python -c "import xdist" 2>/dev/null || return 0
     printf '%s\n' -n 8
-    if python -c "from xdist.scheduler import WorkStealingScheduling" 2>/dev/null; then
-        printf '%s\n' --dist worksteal
+    if python -c "import inspect, xdist.scheduler.load as m, sys; sys.exit('maxschedchunk' not in inspect.getsource(m))" \
+            2>/dev/null; then
+        printf '%s\n' --dist load --maxschedchunk 1
     fi
 }
 

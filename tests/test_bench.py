@@ -861,25 +861,48 @@ def _gpu_check_lib(command: str, env=None) -> subprocess.CompletedProcess:
                           text=True, timeout=120, env=env)
 
 
-def test_gpu_check_runs_the_cuda_tests_on_8_workers_stealing_work_where_xdist_can():
-    """gpu_check.sh's pytest worker arguments: 8 workers and worksteal where this pytest-xdist has
-    it, none without pytest-xdist or with --smoke. (The first form looked for worksteal with
-    `pytest --help | grep -q`, which under the script's pipefail never found it: one worker then
-    held every slow test on an H200 and the step stopped at 94%.)"""
+def test_gpu_check_runs_the_cuda_tests_on_8_workers_one_test_at_a_time_where_xdist_can():
+    """gpu_check.sh's pytest worker arguments: 8 workers, and tests handed out one at a time (two
+    to start) where this pytest-xdist has --maxschedchunk; none without pytest-xdist or with
+    --smoke. (By default xdist hands a worker a run of consecutive tests: with the slow tests first,
+    one worker would take them all.)"""
     import importlib.util
+    import inspect
 
     expected = []
     if importlib.util.find_spec("xdist") is not None:
+        import xdist.scheduler.load
+
         expected = ["-n", "8"]
-        try:
-            from xdist.scheduler import WorkStealingScheduling  # noqa: F401
-            expected += ["--dist", "worksteal"]
-        except ImportError:
-            pass
+        if "maxschedchunk" in inspect.getsource(xdist.scheduler.load):
+            expected += ["--dist", "load", "--maxschedchunk", "1"]
     run = _gpu_check_lib("test_workers 0")
     assert run.returncode == 0 and run.stdout.split() == expected, (run.stdout, run.stderr)
     run = _gpu_check_lib("test_workers 1")
     assert run.returncode == 0 and run.stdout == ""
+
+
+def test_gpu_check_collects_the_slow_tests_first():
+    """With HF_DILATED_SLOW_FIRST=1 (gpu_check.sh's CUDA step) every test marked slow is collected
+    before the others, each group in its own order; without it the files' order stands. On an H200
+    the slow CUDA tests (10-61 s each) ran last and the step stopped at 98%."""
+    root = Path(__file__).resolve().parent.parent
+    files = ["tests/test_block_sparse.py", "tests/test_sparse_far.py"]
+
+    def collected(**env):
+        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               "-m", "cuda", *files], capture_output=True, text=True, timeout=300, cwd=root,
+                              env={**os.environ, **env})
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return [line for line in done.stdout.splitlines() if "::" in line]
+
+    plain, ordered = collected(HF_DILATED_SLOW_FIRST="0"), collected(HF_DILATED_SLOW_FIRST="1")
+    slow = [t for t in plain if t.split("::")[1].split("[")[0] in (
+        "test_cuda_flex_path_forward_and_gradients_match_reference", "test_cuda_inference_matches_reference",
+        "test_cuda_compiled_steps_on_a_concatenating_cache_match_reference")]
+    slow_first = slow + [t for t in plain if t not in slow]
+    assert len(slow) == 9 and plain[0].startswith(files[0]) and plain != slow_first  # the files' order: not so
+    assert ordered == slow_first
 
 
 def test_gpu_check_archives_every_log_from_outside_the_folder(tmp_path):

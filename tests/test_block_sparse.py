@@ -455,6 +455,7 @@ def test_flex_block_mask_lists_exactly_the_allowed_pairs(name, block_size):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 @pytest.mark.parametrize("name, dtype", [("global_local", torch.bfloat16), ("custom_per_head", torch.float32)])
 def test_cuda_flex_path_forward_and_gradients_match_reference(name, dtype, monkeypatch):
     """On CUDA the plain prefill is compiled FlexAttention, forward and backward, against the

@@ -49,6 +49,7 @@ def relative(got, want) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("conversion,name", CASES)
 def test_cuda_logits_and_gradients_equal_the_cpu(checkpoints, conversion, name):
     converted = checkpoints[conversion]
@@ -69,6 +70,7 @@ def test_cuda_logits_and_gradients_equal_the_cpu(checkpoints, conversion, name):
     assert worst < 1e-3, worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("conversion,name", CASES)
 def test_cuda_bfloat16_stays_near_float32(checkpoints, conversion, name):
     converted = checkpoints[conversion]
@@ -81,6 +83,7 @@ def test_cuda_bfloat16_stays_near_float32(checkpoints, conversion, name):
     assert relative(got, want) < (3e-2 if conversion == "preset" else 6e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache", ("dynamic", "reserved"))
 @pytest.mark.parametrize("conversion,name", CASES)
 def test_cuda_generate_equals_the_cpu(checkpoints, conversion, name, cache):

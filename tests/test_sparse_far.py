@@ -1314,6 +1314,7 @@ def test_generation_with_a_dynamic_cache_takes_the_compiled_step_and_matches_ref
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 def test_cuda_compiled_steps_on_a_concatenating_cache_match_reference(monkeypatch):
     """On CUDA, as it runs there: steps against a DynamicCache-like cache (a new tensor each step),
     left-padded, compiled by inductor (Triton), float64: each equals the float64 reference, and no
@@ -1873,6 +1874,7 @@ def test_far_kernel_is_checked():
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, chunked, dtype, merge, picks", [
     ("by_block", False, torch.bfloat16, "reduce", "maxima"), ("by_block", True, torch.float32, "reduce", "maxima"),
     ("by_query", False, torch.float32, "reduce", "maxima"), ("by_query", True, torch.bfloat16, "reduce", "maxima"),
