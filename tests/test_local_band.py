@@ -228,6 +228,32 @@ def test_plain_inference_path_matches_reference(levels, window, heads, monkeypat
     assert (out.double() - ref).abs().max().item() < F32_TOL
 
 
+@pytest.mark.parametrize("levels, n", [(((64,), (1,)), 40), (((8, 16, 32), (1, 2, 4)), 16),
+                                       (((16, 32, 64), (1, 2, 4)), 32), (((8, 16), (2, 4)), 8)],
+                         ids=("one_level_past_the_row", "last_level_past", "last_level_past_rate_4", "all_past"))
+@pytest.mark.parametrize("window", (3, 12))
+def test_plain_inference_path_takes_rows_shorter_than_a_segment(levels, n, window, monkeypatch):
+    """Rows shorter than a level's segment (a segment that holds the whole row; its rate divides the
+    row) take plain_forward too, and equal the float64 reference. The default conversion reading
+    every far key has one level of dilation 1 covering its target: every prompt shorter than the
+    target took the masked calls (on a GPU the memory-efficient kernel with an additive bias)."""
+    from hf_dilated.ops import local_band
+
+    taken = []
+    original = local_band.plain_forward
+    monkeypatch.setattr(local_band, "plain_forward", lambda *a, **kw: taken.append(1) or original(*a, **kw))
+    seg, dil = levels
+    g = torch.Generator().manual_seed(n + window)
+    q, q_far = (torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v, k_far = (torch.randn(2, 2, n, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    with torch.no_grad():
+        out = dilated_attention(q.float(), k.float(), v.float(), list(seg), list(dil), local_window=window,
+                                q_far=q_far.float(), k_far=k_far.float())
+    assert taken
+    ref = local_band_reference(q, k, v, list(seg), list(dil), window, q_far=q_far, k_far=k_far)
+    assert (out.double() - ref).abs().max().item() < F32_TOL
+
+
 # --- the rules docs/contract.md binds every extension to: windows, non-causal calls, gradcheck ----
 
 @pytest.mark.parametrize("sliding_window", (4, 9, 30))

@@ -74,7 +74,7 @@ def local_band_attention(q, k, v, segment_lengths, dilation_rates, *, local_wind
         far_band = None
     every_key = any(w >= k.shape[2] and r == 1 for w, r in zip(segment_lengths, dilation_rates))
     if far_band is None and far_selection is None and (every_key or not pair_count.TALLY.active) and \
-            plain_forward_applies(layout, q, k, segment_lengths, is_causal, sliding_window):
+            plain_forward_applies(layout, q, k, segment_lengths, dilation_rates, is_causal, sliding_window):
         if pair_count.TALLY.active:  # a level holds every earlier key: dense causal attention's pairs
             pair_count.TALLY.pairs += q.shape[0] * q.shape[1] * q.shape[2] * (q.shape[2] + 1) // 2
             pair_count.add_call()
@@ -298,10 +298,15 @@ def _sum_groups(g, kv_heads):
 # (inference: evaluation, generation); training and every other layout take the masked calls.
 
 
-def plain_forward_applies(layout: TokenLayout, q, k, segment_lengths, is_causal, sliding_window) -> bool:
+def plain_forward_applies(layout: TokenLayout, q, k, segment_lengths, dilation_rates, is_causal,
+                          sliding_window) -> bool:
+    """plain_forward's rows: plain, causal, no autograd, and each level's segments tile the row, or
+    one segment holds it (a level at least as long as the row whose rate divides it: the default
+    conversion's single level of dilation 1 covering the target, which a prompt shorter than the
+    target never filled, took the masked calls)."""
     n = k.shape[2]
     return (layout.plain and is_causal and sliding_window is None and q.shape[2] == n
-            and all(n % w == 0 for w in segment_lengths)
+            and all(n % w == 0 or (w >= n and n % r == 0) for w, r in zip(segment_lengths, dilation_rates))
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
 
 
@@ -364,6 +369,8 @@ def plain_forward(q, k, v, q_far, k_far, segment_lengths, dilation_rates, window
     # Far: each union level's keys beyond the band, class by class (heads h = c mod r read class c).
     prev_w = None
     for w, r in zip(segment_lengths, dilation_rates):
+        w = min(w, n)  # a segment longer than the row holds it whole (plain_forward_applies); nested levels
+        # that both hold it: the later one adds no key (each of its classes lies in one of the earlier's)
         for c in range(r):
             if c >= n_heads:  # no head reads this class
                 continue
