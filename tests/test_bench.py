@@ -758,7 +758,7 @@ def test_gpu_table_compiles_ahead_the_cases_whose_first_call_compiles(tmp_path):
     assert keys == [f"model|default|{n}" for n in (shortest, longest, *middle)] + [
         f"static|{key}" for key, spec in gpu_table.plan("static", s, "cpu") if not spec.get("fallback")]
     assert [key for key, _ in gpu_table.warm_plan(["block-sparse"], s, "cpu")] == [
-        "block-sparse|block_sparse", "block-sparse|flex"]
+        "block-sparse|flex", "block-sparse|block_sparse"]  # the 1.0x target row first
     data = gpu_table.warm(["model"], s, tmp_path, budget_s=300, log=lambda m: None)
     assert list(data["cases"]) == keys[:len(s["prefill_lengths"])]
     for case in data["cases"].values():  # the prefill's first call, then its first decode step's
