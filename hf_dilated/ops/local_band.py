@@ -303,10 +303,14 @@ def plain_forward_applies(layout: TokenLayout, q, k, segment_lengths, dilation_r
     """plain_forward's rows: plain, causal, no autograd, and each level's segments tile the row, or
     one segment holds it (a level at least as long as the row whose rate divides it: the default
     conversion's single level of dilation 1 covering the target, which a prompt shorter than the
-    target never filled, took the masked calls)."""
+    target never filled, took the masked calls); and each level's rate divides the segments (within
+    the row) of the level before it, whose pieces plain_forward cuts it into in whole classes (the
+    union's nesting allows [6, 24] x [1, 4]: cut so, it read the wrong keys, or divided by zero)."""
     n = k.shape[2]
+    within = [min(w, n) for w in segment_lengths]
     return (layout.plain and is_causal and sliding_window is None and q.shape[2] == n
             and all(n % w == 0 or (w >= n and n % r == 0) for w, r in zip(segment_lengths, dilation_rates))
+            and all(prev % r == 0 for prev, r in zip(within, dilation_rates[1:]))
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
 
 
