@@ -113,7 +113,7 @@ def main() -> None:
         ours, _, _ = gpu_table._build_model(dict(spec, conversion=args.conversion))
         arg = gpu_table._cache_arg(ours)
 
-        def prefill(model, cache=None):
+        def prefill(model, cache=None, ids=ids):  # (bound now: a profile runs after the later lengths)
             with torch.no_grad():
                 kw = {arg: cache, "use_cache": True} if cache is not None else {"use_cache": False}
                 return model(input_ids=ids, logits_to_keep=1, **kw).logits
@@ -170,15 +170,14 @@ def main() -> None:
                     with gpu_table._sdpa_context(backend) if backend else contextlib.nullcontext():
                         prefill(model, cache)
 
-                        def step(model=model, cache=cache):
+                        def step(model=model, cache=cache, token=token):
                             with torch.no_grad():
                                 model(input_ids=token, **{arg: cache}, use_cache=True)
 
                         paths = {}
                         with gpu_table.step_paths(paths) if backend is None else contextlib.nullcontext():
                             ms[name] = timed(step, repeats=5)
-                            split = measure.host_and_device(step, torch.device(device),
-                                                            busy_s=max(0.2, 4e-3 * ms[name]))
+                        split = measure.host_and_device(step, torch.device(device), busy_s=max(0.2, 4e-3 * ms[name]))
                         if split:  # which bounds the step: its host's work or its GPU's, or a wait
                             apart = ("waits for the GPU" if split["host_s"] is None else
                                      f"host {1e3 * split['host_s']:.2f} ms, GPU {1e3 * split['device_s']:.2f} ms")
@@ -192,11 +191,14 @@ def main() -> None:
                         with gpu_table._sdpa_context(backend) if backend else contextlib.nullcontext():
                             profile(step, device, args.top if backend is None else 0, by_count=40)
 
-                    if backend is None or backend == runs[0][2]:
+                    if backend is None or backend == runs[0][2]:  # kept (with its cache) for its profile
                         profiles.append((f"decode step after N {n}, {label}: {name}", profile_step))
+                    del cache, step
                 best = min(v for k, v in ms.items() if k.startswith("sdpa"))
                 print(f"{label}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
                       + f"; speed {best / ms[args.conversion]:.2f}x of sdpa's best")
+        if device == "cuda":  # what no profile holds (caches of unprofiled steps) goes before the next length
+            torch.cuda.empty_cache()
     for title, call in profiles:
         print(f"\n== profile: {title}")
         call()

@@ -711,20 +711,27 @@ def test_gpu_table_decode_rows_say_host_and_gpu_time_apart():
 
 @pytest.mark.slow
 def test_profile_model_times_everything_before_its_first_profile():
-    """scripts/profile_model.py prints every timing before any torch.profiler session: once it has
-    traced CUDA the process may stay slower (pytorch/pytorch#144455); on 2026-11-27 its decode
-    timings, taken after the prefill's profile, put sdpa's step at 5.2 ms where gpu_table's own
-    processes measured 2.3."""
+    """scripts/profile_model.py prints every timing, at every length, before any torch.profiler
+    session: once it has traced CUDA the process may stay slower (pytorch/pytorch#144455); on
+    2026-11-27 its decode timings, taken after the prefill's profile, put sdpa's step at 5.2 ms where
+    gpu_table's own processes measured 2.3. Each deferred profile runs its own length's prompt (read
+    off the embedding's input shape): a review found them all running the last length's."""
     root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, str(root / "scripts" / "profile_model.py"), "--smoke", "--lengths", "256",
-                           "--steps", "prefill,decode", "--layouts", "by_block", "--top", "3"],
+    done = subprocess.run([sys.executable, str(root / "scripts" / "profile_model.py"), "--smoke", "--lengths",
+                           "128,256", "--steps", "prefill,decode", "--layouts", "by_block", "--top", "200"],
                           capture_output=True, text=True, timeout=600, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     timings = [i for i, line in enumerate(lines) if "speed" in line and "of sdpa's best" in line]
     profiles = [i for i, line in enumerate(lines) if "aten ops:" in line]
-    assert len(timings) == 3 and len(profiles) == 5  # prefill, two caches; ours' 3 profiles, sdpa's 2
+    assert len(timings) == 6 and len(profiles) == 10  # per length: prefill, two caches; ours' 3 profiles, sdpa's 2
     assert max(timings) < min(profiles), done.stdout[-3000:]
+    sections = "\n".join(lines).split("\n== profile: ")[1:]
+    prompts = {section.splitlines()[0]: [line for line in section.splitlines() if "aten::embedding [[" in line]
+               for section in sections}
+    for n in (128, 256):
+        title = next(t for t in prompts if t.startswith(f"prefill, N {n}:"))
+        assert prompts[title] and f"[1, {n}]" in prompts[title][0], (title, prompts[title])
 
 
 @pytest.mark.cuda
