@@ -131,8 +131,8 @@ timeout --kill-after=10 $((limit + 5)) "${table[@]}" warm block-sparse model sta
     --budget "$limit" --deadline $(($(date +%s) + limit)) >"$out/warm.log" 2>&1 &
 warm_pid=$!
 mapfile -t workers < <(test_workers $smoke)
-export HF_DILATED_SLOW_FIRST=1  # the slow tests first (tests/conftest.py), handed out one at a time
-step cuda-tests "$limit" python -m pytest -v -p no:cacheprovider -m cuda "${workers[@]}" "${first_tests[@]}" \
+# the slow tests first (tests/conftest.py), handed out one at a time (test_workers)
+HF_DILATED_SLOW_FIRST=1 step cuda-tests "$limit" python -m pytest -v -p no:cacheprovider -m cuda "${workers[@]}" "${first_tests[@]}" \
     "${other_tests[@]}" --durations=25 --junitxml="$out/cuda-tests.xml"
 wait $warm_pid
 echo "   compiled ahead (warm.log): $(grep -c 'first call' "$out/warm.log") cases" | tee -a "$out/summary.txt"

@@ -283,15 +283,15 @@ def model_case(spec: dict, own_process: bool = False) -> dict:
                 paths = {}
                 with step_paths(paths) if backend == "ours" else contextlib.nullcontext():
                     res[name] = _time(step, device, spec["decode_warmup"], spec["decode_repeats"])
-                    # its host's and its GPU's time apart (on CUDA), for ours and the kernel sdpa's
-                    # decode steps are fastest on (cuDNN's took 45-65 ms at 16K on an H200, 2026-11-27)
-                    if "median_s" in res[name] and backend != "cudnn":
-                        split = measure.host_and_device(step, device, busy_s=max(0.2, 4 * res[name]["median_s"]),
-                                                        repeats=2)
-                        if split:
-                            res[name]["split"] = split
                 if paths:
                     res[name]["paths"] = paths
+                # its host's and its GPU's time apart (on CUDA), for ours and the kernel sdpa's decode
+                # steps are fastest on (cuDNN's took 45-65 ms at 16K on an H200, 2026-11-27: no split)
+                if "median_s" in res[name] and backend != "cudnn":
+                    split = measure.host_and_device(step, device, busy_s=max(0.2, 4 * res[name]["median_s"]),
+                                                    repeats=2)
+                    if split:
+                        res[name]["split"] = split
                 del cache
                 gc.collect()
     result["fallbacks"] = fallbacks()
@@ -508,17 +508,16 @@ def plan(part: str, s: dict, device: str) -> list[tuple[str, dict]]:
             lengths = ordered[:1] + ordered[1:][-1:] + ordered[1:-1]
         else:
             lengths = sorted(s["train_lengths"], reverse=True)
-        conversions = ["sdpa", "union", "default", "every_far"] if part == "model" else ["sdpa", "union"]
-        for n in lengths:
-            for conv in conversions:
-                if conv == "every_far" and n != lengths[0]:  # at the shortest length only: what reading
-                    continue  # every far key costs beside the sparse default, in a few seconds
-                out.append((f"{conv}|{n}", dict(common, kind=_kind(f"{part}_case"), n=n, conversion=conv,
-                                                original=s["original"], model=s["model"], backends=backends,
-                                                decode_warmup=s["decode_warmup"],
-                                                decode_repeats=s["decode_repeats"],
-                                                warmup=min(1, s["warmup"]) if part == "model" else s["warmup"],
-                                                repeats=min(2, s["repeats"]))))
+        conversions = ["sdpa", "union", "default"] if part == "model" else ["sdpa", "union"]
+        cases = [(conv, n) for n in lengths for conv in conversions]
+        if part == "model":  # last, at the shortest length only: what reading every far key costs
+            cases.append(("every_far", min(lengths)))  # beside the sparse default (no compile: seconds)
+        for conv, n in cases:
+            out.append((f"{conv}|{n}", dict(common, kind=_kind(f"{part}_case"), n=n, conversion=conv,
+                                            original=s["original"], model=s["model"], backends=backends,
+                                            decode_warmup=s["decode_warmup"], decode_repeats=s["decode_repeats"],
+                                            warmup=min(1, s["warmup"]) if part == "model" else s["warmup"],
+                                            repeats=min(2, s["repeats"]))))
     elif part == "static":
         n = s["static_length"]
         base = dict(common, kind=_kind("static_case"), n=n, original=s["original"], model=s["model"],
@@ -816,7 +815,9 @@ def _path_note(result, entry=None) -> str | None:
 
 def _split_note(ours, sdpa, entry: str, sdpa_label: str) -> str | None:
     """A decode row's host and GPU time apart (measure.host_and_device), ours then sdpa's kernel of
-    the row's ratio: "host 5.1 ms, GPU 1.9 ms" or "waits for the GPU (3 of 3 calls)"; None without."""
+    the row's ratio (cuDNN's is not split: never the faster for decode): "host 5.10 ms, GPU 1.90 ms",
+    or "waits for the GPU (2 of 2 calls)": a read back, a blocking copy or free, a full launch queue,
+    or host work longer than the spin (measure.host_and_device); None without."""
     def said(result, backend):
         split = ((result or {}).get("backends", {}).get(backend, {}).get(entry, {}) or {}).get("split")
         if not split:
@@ -900,7 +901,7 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
     for n in s["prefill_lengths"]:
         sdpa = res("model", f"sdpa|{n}")
         for conv in ("default", "union", "every_far"):
-            if conv == "every_far" and n != s["prefill_lengths"][0]:
+            if conv == "every_far" and n != min(s["prefill_lengths"]):  # plan() runs it at the shortest only
                 continue
             ours = res("model", f"{conv}|{n}")
             entries = [("prefill", "prefill (DynamicCache)", None), ("dynamic", "decode step, DynamicCache", None),
