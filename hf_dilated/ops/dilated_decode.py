@@ -148,34 +148,52 @@ def _gather_plan(parts_by_query: list[list[_Part]], q_heads: int, device):
     the cache slots every part reads, those scored with q / k first (n_near of them), then those
     scored with q_far / k_far; bias (q_heads, q_len, keys) float32, 0 where the query head reads
     the column (its query's part, one of the part's heads), -inf elsewhere; keep None, or (q_heads
-    * q_len, 1) 0 for the (head, query) pairs that read no key. The host sends the slots, each
-    slot's part and each part's (query, heads) in one copy; the bias is spread on the device."""
+    * q_len, 1) 0 for the (head, query) pairs that read no key. The host sends a table of the parts
+    (a few integers each, in one copy) and the device spreads it into the columns (a dozen launches,
+    once a step: every layer shares the plan). Built column by column on the host, its work and its
+    copy grew with the keys: on this project's CPU, with its tensor ops on the meta device (a GPU
+    host's bill), 0.50 ms a step at 5,049 keys and 0.98 at 14,237 (union levels from 4,096 at 19K and
+    128K); 0.46-0.48 at both now, run one after the other, alone. On an H200 a union levels step took
+    3.7-5.2 ms at 16K (2026-11-27)."""
     q_len = len(parts_by_query)
-    columns, owners, heads = [array("q"), array("q")], [array("q"), array("q")], array("q")  # host data only
+    parts = [part for query_parts in parts_by_query for part in query_parts]  # numbered in this order
+    reads = [[0] * (q_len * q_heads) for _ in parts]  # per part: the (query, head) pairs that read it
     reads_some = [0] * (q_len * q_heads)
-    for t, parts in enumerate(parts_by_query):
-        for part in parts:
-            columns[part.far].extend(range(part.start, part.start + part.step * part.count, part.step))
-            owners[part.far].extend([len(heads) // (q_len * q_heads)] * part.count)
-            reads = [0] * (q_len * q_heads)
+    i = 0
+    for t, query_parts in enumerate(parts_by_query):
+        for part in query_parts:
             for h in range(part.h0, part.h0 + (part.n_heads - 1) * part.h_step + 1, part.h_step):
-                reads[t * q_heads + h] = reads_some[t * q_heads + h] = 1
-            heads.extend(reads)
-    n_near = len(columns[0])
+                reads[i][t * q_heads + h] = reads_some[t * q_heads + h] = 1
+            i += 1
+    columns = [i for i, part in enumerate(parts) if not part.far] + [i for i, part in enumerate(parts) if part.far]
+    starts, steps, counts = [p.start for p in parts], [p.step for p in parts], [p.count for p in parts]
     # A (head, query) that reads no key (head_groups: a level of other heads' only) gets output 0,
     # as the merge gives it: it reads one column of its own (a softmax over none would be NaN, and
     # so would its gradient), then its output is multiplied by 0.
     some_read_none = not all(reads_some)
     if some_read_none:
-        owners[1].append(len(heads) // (q_len * q_heads))
-        heads.extend(1 - r for r in reads_some)
-        columns[1].append(0)
-    n = n_near + len(columns[1])
+        columns.append(len(parts))
+        reads.append([1 - r for r in reads_some])
+        starts, steps, counts = starts + [0], steps + [1], counts + [1]
+    n_near = sum(counts[i] for i in columns if i < len(parts) and not parts[i].far)
+    first_column, at = [0] * len(counts), 0  # each part's first column
+    for i in columns:
+        first_column[i], at = at, at + counts[i]
+    n = at
     # One tensor over host memory (no torch op on the host), one copy to the device: pinned on
     # CUDA, so the copy is queued behind the device's work, not waited for.
-    packed = torch.frombuffer(columns[0] + columns[1] + owners[0] + owners[1] + heads, dtype=torch.long)
+    # column c of part i reads slot start_i + step_i (c - first_column_i) = base_i + step_i c
+    base = [start - step * first for start, step, first in zip(starts, steps, first_column)]
+    table = array("q", base + steps + columns + [counts[i] for i in columns])
+    for row in reads:
+        table.extend(row)
+    packed = torch.frombuffer(table, dtype=torch.long)
     packed = packed.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else packed.to(device)
-    index, owner, reads = packed[:n], packed[n:2 * n], packed[2 * n:].view(-1, q_len, q_heads)
+    m = len(counts)
+    base, step, order, ordered_counts = packed[:4 * m].split([m, m, m, m])
+    owner = torch.repeat_interleave(order, ordered_counts, output_size=n)  # each column's part
+    index = base[owner] + step[owner] * torch.arange(n, device=device)
+    reads = packed[4 * m:].view(m, q_len, q_heads)
     bias = torch.zeros((), device=device).masked_fill(reads.index_select(0, owner) == 0, float("-inf"))
     keep = (reads[:-1].sum(0) > 0).T.reshape(-1, 1).float() if some_read_none else None  # (q_heads * q_len, 1)
     return index, n_near, bias.permute(2, 1, 0).contiguous(), keep  # bias (q_heads, q_len, keys)
