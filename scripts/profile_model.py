@@ -177,7 +177,7 @@ def main() -> None:
                         paths = {}
                         with gpu_table.step_paths(paths) if backend is None else contextlib.nullcontext():
                             ms[name] = timed(step, repeats=5)
-                        split = measure.host_and_device(step, torch.device(device), busy_s=max(0.2, 4e-3 * ms[name]))
+                        split = measure.host_and_device(step, torch.device(device), busy_s=max(0.05, 4e-3 * ms[name]))
                         if split:  # which bounds the step: its host's work or its GPU's, or a wait
                             apart = ("waits for the GPU" if split["host_s"] is None else
                                      f"host {1e3 * split['host_s']:.2f} ms, GPU {1e3 * split['device_s']:.2f} ms")

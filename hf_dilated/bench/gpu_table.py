@@ -288,7 +288,7 @@ def model_case(spec: dict, own_process: bool = False) -> dict:
                 # its host's and its GPU's time apart (on CUDA), for ours and the kernel sdpa's decode
                 # steps are fastest on (cuDNN's took 45-65 ms at 16K on an H200, 2026-11-27: no split)
                 if "median_s" in res[name] and backend != "cudnn":
-                    split = measure.host_and_device(step, device, busy_s=max(0.2, 4 * res[name]["median_s"]),
+                    split = measure.host_and_device(step, device, busy_s=max(0.05, 4 * res[name]["median_s"]),
                                                     repeats=2)
                     if split:
                         res[name]["split"] = split
