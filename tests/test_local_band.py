@@ -248,8 +248,9 @@ def test_plain_inference_path_takes_rows_shorter_than_a_segment(levels, n, windo
 def test_levels_whose_rate_does_not_divide_the_segment_before_take_the_masked_calls(levels, n, window, monkeypatch):
     """Nested levels (each segment divides the next, each rate the next) whose rate does not divide
     the segment before it: plain_forward cuts a level into pieces of the segment before it in whole
-    classes, so these read the wrong keys there (0.27-0.78 off the reference for [6, 24] x [1, 4], a
-    division by zero for [4, 16] x [1, 8]; a review found them). They take the masked calls, exact."""
+    classes, so these read the wrong keys there (0.27-0.58 off the reference for [6, 24] x [1, 4] on 24
+    tokens, a division by zero for [4, 16] x [1, 8] on 16; a review found them). They take the masked
+    calls, exact."""
     _check_plain_path(levels, n, window, monkeypatch, plain=False)
 
 
