@@ -1352,8 +1352,8 @@ def test_cuda_compiled_steps_on_a_concatenating_cache_match_reference(monkeypatc
 def test_summaries_made_in_a_step_equal_the_kept_ones(chunk_slots, monkeypatch):
     """summarise_rows (the compiled step's summaries: a gather by rank, in chunks when uncompiled)
     equals `build` (the kept summaries' scatter by mask rank) on a left-padded cache, rotation to
-    grouped positions included; its spare blocks are empty."""
-    from hf_dilated.ops import sparse_far_concatenated, sparse_far_static
+    grouped positions included (by the step's table of turns); its spare blocks are empty."""
+    from hf_dilated.ops import rope, sparse_far_concatenated, sparse_far_static
 
     monkeypatch.setattr(sparse_far_concatenated, "BUILD_SLOTS", chunk_slots)
     g = torch.Generator().manual_seed(31)
@@ -1364,7 +1364,8 @@ def test_summaries_made_in_a_step_equal_the_kept_ones(chunk_slots, monkeypatch):
     real = torch.arange(45)[None] >= first[:, None]
     kept = sparse_far_static.KeptSummaries(k, 4, sparse_far_static.settings_of(4, rotation))
     sparse_far_static.build(kept, k, real, torch.tensor(45), 4, rotation)
-    mn, mx = sparse_far_concatenated.summarise_rows(k, first, 4, rotation, kept.mn.dtype, spare=3)
+    turns = rope.far_turn_table(sparse_far_concatenated.summarised_slots(45, 4, 3), 2, inv_freq, k.dtype, k.device)
+    mn, mx = sparse_far_concatenated.summarise_rows(k, first, 4, turns, kept.mn.dtype, spare=3)
     blocks = kept.mn.shape[2] - 1
     torch.testing.assert_close(mn[:, :, :blocks], kept.mn[:, :, :blocks], rtol=0, atol=1e-12)
     torch.testing.assert_close(mx[:, :, :blocks], kept.mx[:, :, :blocks], rtol=0, atol=1e-12)

@@ -8,8 +8,8 @@ back per layer, then ~100 launches. Here the step is one compiled call (torch.co
 length dynamic) of ops/sparse_far_static.kept_step with the summaries made again from the whole
 cache in the same call: fused, they cost that same pass and nothing else (the rotation to grouped
 positions, its turns read from a table kept outside the step (far_turns), and the blocks' minima
-and maxima in one kernel), exact whatever happened to the cache, no read back. On CUDA only: on the CPU there are no launches to save, and summaries kept between
-steps are cheaper.
+and maxima in one kernel), exact whatever happened to the cache, no read back. On CUDA only: on
+the CPU there are no launches to save, and summaries kept between steps are cheaper.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .far_selection import FarSelection, bound_dtype
 from .rope import far_queries_static, far_turn_table, rotate_with
 from . import sparse_far_static
-from .sparse_far_static import BUILD_SLOTS, far_turned, kept_step, warn_ties_cut
+from .sparse_far_static import BUILD_SLOTS, kept_step, warn_ties_cut
 
 COMPILED_ON = ("cuda",)
 BACKEND = "inductor"  # torch.compile's backend for it (tests on the CPU may take a lighter one)
@@ -45,15 +45,15 @@ def summarised_slots(n: int, size: int, spare: int) -> int:
     return (n // size + 1 + spare) * size
 
 
-def summarise_rows(k: torch.Tensor, first: torch.Tensor, size: int, rotation, dtype, spare: int = 0,
-                   turns=None) -> tuple:
+def summarise_rows(k: torch.Tensor, first: torch.Tensor, size: int, turns, dtype, spare: int = 0) -> tuple:
     """(mn, mx) as KeptSummaries holds them, (batch, kv_heads, N // size + 2 + spare, d), of a cache
     whose row b holds its real tokens at slots first[b] .. N - 1 (regular rows; positions their
     ranks): block c of row b is slots first[b] + c B ... One gather, rotation and reduction over the
     keys, which a compiled call fuses into one pass. `spare` empty blocks more past the end (never
     reached: no key) give a compiled step's Python decisions on the block count (top k, ties) one
-    answer at every length, so that one graph serves them all. turns: rope.far_turn_table of at
-    least summarised_slots() ranks, read instead of turning by `rotation`'s angles per key."""
+    answer at every length, so that one graph serves them all. turns: the (cos, sin) moving each rank
+    to its grouped far position, rope.far_turn_table of at least summarised_slots() ranks (every row's
+    ranks are these: one table row each); None where far keys are not moved."""
     batch, kv_heads, n, dim = k.shape
     n_blocks = n // size + 1 + spare
 
@@ -62,10 +62,9 @@ def summarise_rows(k: torch.Tensor, first: torch.Tensor, size: int, rotation, dt
         slot = first[:, None] + rank  # (batch, (c1 - c0) B)
         ok = (slot < n)[:, None, :, None]
         keys = k.gather(2, slot.clamp(max=n - 1)[:, None, :, None].expand(batch, kv_heads, -1, dim))
-        if turns is not None and rotation is not None:  # every row's ranks are these: one table row each
-            keys = rotate_with(keys, turns[0][c0 * size:c1 * size], turns[1][c0 * size:c1 * size]).to(dtype)
-        else:
-            keys = far_turned(keys, rank.expand(batch, -1), rotation).to(dtype)
+        if turns is not None:
+            keys = rotate_with(keys, turns[0][c0 * size:c1 * size], turns[1][c0 * size:c1 * size])
+        keys = keys.to(dtype)
         return (keys.masked_fill(~ok, float("inf")).unflatten(2, (c1 - c0, size)).amin(3),
                 keys.masked_fill(~ok, float("-inf")).unflatten(2, (c1 - c0, size)).amax(3))
 
@@ -91,8 +90,8 @@ def _concatenated(q, k, v, first, cut, inv_freq, turn_cos, turn_sin, *, local_wi
     rotation = None if far is None else (*far, inv_freq)
     real = torch.arange(n, device=k.device) >= first[:, None]
     seen = torch.full((), n, dtype=torch.long, device=k.device)
-    mn, mx = summarise_rows(k, first, selection.block_size, rotation, bound_dtype(k.dtype),
-                            spare=_spare_blocks(selection), turns=(turn_cos, turn_sin))
+    mn, mx = summarise_rows(k, first, selection.block_size, None if far is None else (turn_cos, turn_sin),
+                            bound_dtype(k.dtype), spare=_spare_blocks(selection))
     q_far = q if rotation is None else far_queries_static(q, real, seen, *rotation)
     return kept_step(q, k, v, q_far, local_window=local_window, far_band=far_band, selection=selection, scale=scale,
                      real=real, seen=seen, rotation=rotation, kept=MadeSummaries(mn, mx, cut), refresh=False)
