@@ -891,8 +891,10 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
     model_cfg = f"Llama {mc['heads']}/{mc['kv_heads']}x{mc['head_dim']}, {mc['layers']} layers"
 
     def model_pairs(conv, n):
-        if conv in ("default", "every_far"):
-            return None  # the default's far blocks are chosen from the data; no levels count the band's
+        if conv == "default":
+            return None  # each query's far blocks are chosen from the data: no count from the pattern
+        if conv == "every_far":  # the band and every far key: every earlier key, as dense attention
+            return dense_pair_count(n, mc["heads"])
         entry = _model_entry("union", L, n + ROOM)
         return dilated_pair_count(n, mc["heads"], entry["segment_lengths"], entry["dilation_rates"], "union")
 
