@@ -1692,6 +1692,67 @@ def test_flex_bounds_only_the_blocks_a_query_reaches(monkeypatch):
     assert widths and set(widths) == {16}
 
 
+def test_bounds_of_sixteen_bit_keys_are_multiplied_in_their_own_dtype_on_cuda_only():
+    """far_selection.product_dtype: the far keys' own dtype on CUDA for 16-bit floats (the tensor
+    cores' products, summed in float32), bound_dtype elsewhere: the CPU's bounds and figures stay."""
+    from hf_dilated.ops import far_selection
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    sums_in_float32 = "dtype" in torch.ops.aten.bmm.overloads()  # torch.bmm's out_dtype
+    for dtype in (torch.bfloat16, torch.float16):
+        assert far_selection.product_dtype(cuda, dtype) == (dtype if sums_in_float32 else torch.float32)
+        assert far_selection.product_dtype(cpu, dtype) == torch.float32
+    assert far_selection.product_dtype(cuda, torch.float32) == torch.float32
+    assert far_selection.product_dtype(cuda, torch.float64) == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_summaries_hold_the_float32_ones_and_products_of_them_are_exact(dtype):
+    """Why bounds of 16-bit keys may take 16-bit products (far_selection.product_dtype): summaries
+    kept in the keys' dtype hold exactly the float32 ones (a minimum or maximum is one of the
+    values), every product of a query's and a summary's values is exact in float32 (the tensor
+    cores sum those in float32), and bounds() given the 16-bit operands returns the float32 ones
+    bit for bit where it multiplies in float32 (here: the CPU)."""
+    from hf_dilated.ops import far_selection
+
+    g = torch.Generator().manual_seed(3)
+    k_far = (torch.randn(2, 2, 300, 16, generator=g) * torch.logspace(-2, 2, 16)).to(dtype)
+    q_far = (torch.randn(2, 4, 50, 16, generator=g) * 3).to(dtype)
+    low = far_selection.plain_summaries(k_far, 64, 5, dtype)
+    full = far_selection.plain_summaries(k_far, 64, 5)
+    for a, b in zip(low, full):
+        assert a.dtype == dtype and torch.equal(a.float(), b)
+    summary = far_selection.bound_operands(*low, 2)
+    products = (q_far.float().reshape(-1, 1) * summary[0].float().reshape(1, -1)).double()
+    assert torch.equal(products, q_far.double().reshape(-1, 1) * summary[0].double().reshape(1, -1))
+    expected = far_selection.bounds(q_far, None, None, far_selection.bound_operands(*full, 2))
+    got = far_selection.bounds(q_far, None, None, summary)
+    assert got.dtype == torch.float32 and torch.equal(got, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_bounds_of_sixteen_bit_keys_match_float64(dtype):
+    """On CUDA, bounds of 16-bit far keys (product_dtype: their own, the tensor cores' products
+    summed in float32) against the same bounds in float64: within float32's rounding of the sums."""
+    from hf_dilated.ops import far_selection
+
+    g = torch.Generator().manual_seed(4)
+    k_far = torch.randn(2, 2, 4096, 128, generator=g).to(dtype)
+    q_far = torch.randn(2, 8, 512, 128, generator=g).to(dtype)
+    product = far_selection.product_dtype(torch.device("cuda"), dtype)
+    summaries = far_selection.plain_summaries(k_far.cuda(), 64, 64, product)
+    operands = far_selection.bound_operands(*summaries, 4)
+    assert operands[0].dtype == product
+    got = far_selection.bounds(q_far.cuda(), None, None, operands).cpu().double()
+    mn, mx = (t.double() for t in far_selection.plain_summaries(k_far.double(), 64, 64))
+    q = q_far.double().view(2, 2, 4 * 512, 128)
+    exact = q.clamp(min=0) @ mx.transpose(-1, -2) + q.clamp(max=0) @ mn.transpose(-1, -2)
+    magnitude = q.abs() @ torch.maximum(mx.abs(), mn.abs()).transpose(-1, -2)
+    err = ((got.view_as(exact) - exact).abs() / magnitude).max().item()
+    assert err < 1e-5, err
+
+
 def test_flex_by_block_reads_tied_blocks_beyond_its_slots():
     """Ties at the k-th bound all count (docs/contract.md 4.2): where a query chose more blocks than
     the by-block layout has slots (top_k + sinks), the rest go to the by-query call, and the result
@@ -1913,6 +1974,7 @@ def test_cuda_inference_matches_reference(dtype, chunked, layout, merge, picks, 
                                k_far=k_far.double(), far_band=128, far_top_k=4, far_block_size=64, far_sinks=1)
     err = (out.cpu().double() - ref).abs().max().item() / ref.abs().max().item()
     assert calls and all(calls), sparse_far_flex._FAILED  # FlexAttention ran (no fallback)
+    assert sparse_far_flex._FUSED_FAILED is None  # the plan and merge compiled (bounds in bfloat16 too)
     assert err < (1e-4 if dtype == torch.float32 else 2e-2), err
 
 

@@ -220,8 +220,9 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
     n_keys = length_bucket(n)
     size = selection.block_size
     n_blocks = scored_blocks(n, band, size)
-    operands = far_selection.bound_operands(
-        *far_selection.plain_summaries(k_far[:, :, :n_blocks * size], size, n_blocks), n_heads // k_far.shape[1])
+    product = far_selection.product_dtype(k_far.device, k_far.dtype)  # bounds on the tensor cores where exact
+    summaries = far_selection.plain_summaries(k_far[:, :, :n_blocks * size], size, n_blocks, product)
+    operands = far_selection.bound_operands(*summaries, n_heads // k_far.shape[1])
     k_far, v = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else t.contiguous()
                 for t in (k_far, v))
     entry_elements = batch * n_heads * slots * q_far.shape[-1] if LAYOUT == "by_block" else 0
