@@ -759,6 +759,44 @@ def test_plain_summaries_are_the_blocks_min_and_max():
     assert torch.isinf(mn[:, :, 4:]).all() and torch.isinf(mx[:, :, 4:]).all()
 
 
+def _reference_picks(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_picks' tensors, row by row in Python: the k largest scores above -inf (equal ones by index),
+    then those reaching the k-th among the others."""
+    rows = scores.reshape(-1, scores.shape[-1]).tolist()
+    picks, tied = [], []
+    for row in rows:
+        order = sorted((j for j, x in enumerate(row) if x > float("-inf")), key=lambda j: (-row[j], j))[:k]
+        kth = row[order[-1]] if len(order) == k and k else None  # fewer scores than k: no ties
+        picks.append(order + [-1] * (k - len(order)))
+        tied.append([kth is not None and j not in order and x >= kth for j, x in enumerate(row)])
+    return (torch.tensor(picks, dtype=torch.long).view(*scores.shape[:-1], k),
+            torch.tensor(tied, dtype=torch.bool).view(scores.shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_picks_are_the_largest_scores_by_index_then_the_ties(dtype):
+    """far_selection.top_picks against a sort in Python: float32 by its int64 keys (the fused form,
+    also compiled), float64 by argmax and a mask; ties, -inf, +-0.0, subnormals, the extremes, rows
+    with fewer scores than k."""
+    from hf_dilated.ops import far_selection
+
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randint(-3, 4, (48, 37), generator=g).to(dtype)  # many ties
+    scores[scores == -3] = float("-inf")
+    scores[:6] = torch.randn(6, 37, generator=g, dtype=torch.float64).to(dtype)
+    scores[6, ::2], scores[6, 1::2] = -0.0, 0.0  # equal: by index
+    scores[7, :8] = torch.tensor([1e-45, -1e-45, 3.4e38, -3.4e38, float("inf"), 1.0, -1.0, 0.0], dtype=dtype)
+    scores[8:12, 2:] = float("-inf")  # fewer than k
+    scores[12] = float("-inf")
+    compiled = torch.compile(far_selection.top_picks, backend="inductor", dynamic=False)
+    for k in (0, 1, 2, 5, 16, 37, 40):
+        expected = _reference_picks(scores, k)
+        for fn in (far_selection.top_picks, compiled):
+            picks, tied = fn(scores, k)
+            assert torch.equal(picks, expected[0]) and torch.equal(tied, expected[1]), (fn, k)
+    torch._dynamo.reset()
+
+
 def test_picks_by_sort_are_top_picks():
     """far_selection.top_picks_by_sort (sparse_far_flex.PICKS "sort") returns top_picks' tensors
     themselves: the picks in order, ties at the k-th, rows with fewer candidates than top_k, -inf."""
