@@ -59,11 +59,12 @@ _BLOCK_TILES_FAILED: str | None = None  # why key tiles of a far block failed he
 # pairs, sorted by block: the work is the pairs chosen) or "by_query" (rows are the queries: the
 # work is every key tile some query of a tile chose). Both compute the same set.
 LAYOUT = "by_block"
-# How merge_entries sums a query's entries (by_block): "reduce", one reduction over the (query, slot,
-# d) gather; "by_slot", a sum of one gather per slot, expected to compile into a few passes over the
-# outputs (not measured yet: on an H200 at 16K the merge took 12 of 59 ms of GPU time as a
-# reduction, 2026-11-27).
-MERGE = "reduce"
+# How merge_entries sums a query's entries (by_block): "by_slot", a sum of one gather per slot (one
+# pass over the entries' outputs, each read once); "reduce", one reduction over the (query, slot, d)
+# gather, which compiled into two kernels over that gather: on an H200 at 16K they took 4.4 and 8.0 of
+# the prefill's 59.5 ms of GPU time (2026-11-27). Compiled on this CPU
+# (512 queries, 32/8 heads x 128, 17 slots) by_slot took 7.0 ms, reduce 38.9; not yet timed on a GPU.
+MERGE = "by_slot"
 MERGES = ("reduce", "by_slot")
 # How by_block_plan picks a query's top_k blocks: "maxima", far_selection.top_picks (top_k row
 # maxima, fused into one reduction kernel); "sort", far_selection.top_picks_by_sort. The same set.
