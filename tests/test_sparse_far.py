@@ -789,12 +789,16 @@ def test_top_picks_are_the_largest_scores_by_index_then_the_ties(dtype):
     scores[8:12, 2:] = float("-inf")  # fewer than k
     scores[12] = float("-inf")
     compiled = torch.compile(far_selection.top_picks, backend="inductor", dynamic=False)
-    for k in (0, 1, 2, 5, 16, 37, 40):
-        expected = _reference_picks(scores, k)
-        for fn in (far_selection.top_picks, compiled):
-            picks, tied = fn(scores, k)
-            assert torch.equal(picks, expected[0]) and torch.equal(tied, expected[1]), (fn, k)
-    torch._dynamo.reset()
+    try:
+        for k in (0, 1, 2, 5, 16, 37, 40):
+            expected = _reference_picks(scores, k)
+            for fn in (far_selection.top_picks, compiled):
+                picks, tied = fn(scores, k)
+                assert torch.equal(picks, expected[0]) and torch.equal(tied, expected[1]), (fn, k)
+        transposed = scores.T.contiguous().T  # not contiguous: the same picks
+        assert torch.equal(far_selection.top_picks(transposed, 5)[0], _reference_picks(scores, 5)[0])
+    finally:
+        torch._dynamo.reset()
 
 
 def test_picks_by_sort_are_top_picks():
@@ -1515,8 +1519,8 @@ def test_flex_far_path_by_query_matches_reference_and_counts_its_pairs(setting, 
 
 
 @pytest.mark.parametrize("setting", FLEX_SETTINGS, ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
-@pytest.mark.parametrize("merge, picks", (("by_slot", "maxima"), ("reduce", "sort")),
-                         ids=("merged_by_slot", "picked_by_sort"))
+@pytest.mark.parametrize("merge, picks", (("reduce", "maxima"), ("by_slot", "sort")),
+                         ids=("merged_by_reduction", "picked_by_sort"))
 def test_flex_far_path_other_merge_and_picks_match_reference_and_count_their_pairs(setting, merge, picks,
                                                                                     monkeypatch):
     check_flex_far_path(setting, (4, 2), True, "by_block", monkeypatch, merge=merge, picks=picks)
@@ -1534,7 +1538,7 @@ def test_flex_far_path_refuses_an_unknown_choice(name, value, monkeypatch):
         sparse_far_plain.sparse_far_forward(q, q, q, q, q, 64, None, FarSelection(2, 16, 1), 0.3, far_kernel="flex")
 
 
-def check_flex_far_path(setting, heads, chunked, layout, monkeypatch, merge="reduce", picks="maxima"):
+def check_flex_far_path(setting, heads, chunked, layout, monkeypatch, merge="by_slot", picks="maxima"):
     from hf_dilated.ops import sparse_far_flex, sparse_far_plain
 
     monkeypatch.setattr(sparse_far_flex, "LAYOUT", layout)
@@ -1730,7 +1734,7 @@ def test_flex_bounds_only_the_blocks_a_query_reaches(monkeypatch):
     assert widths and set(widths) == {16}
 
 
-def test_bounds_of_sixteen_bit_keys_are_multiplied_in_their_own_dtype_on_cuda_only():
+def test_product_dtype_keeps_sixteen_bit_keys_dtype_on_cuda_only():
     """far_selection.product_dtype: the far keys' own dtype on CUDA for 16-bit floats (the tensor
     cores' products, summed in float32), bound_dtype elsewhere: the CPU's bounds and figures stay."""
     from hf_dilated.ops import far_selection
@@ -1742,6 +1746,42 @@ def test_bounds_of_sixteen_bit_keys_are_multiplied_in_their_own_dtype_on_cuda_on
         assert far_selection.product_dtype(cpu, dtype) == torch.float32
     assert far_selection.product_dtype(cuda, torch.float32) == torch.float32
     assert far_selection.product_dtype(cuda, torch.float64) == torch.float64
+    flag = torch.backends.cuda.matmul.allow_fp16_accumulation  # then torch refuses float16's float32 output
+    try:
+        torch.backends.cuda.matmul.allow_fp16_accumulation = True
+        assert far_selection.product_dtype(cuda, torch.float16) == torch.float32
+        bfloat16 = far_selection.product_dtype(cuda, torch.bfloat16)
+        assert bfloat16 == (torch.bfloat16 if sums_in_float32 else torch.float32)
+    finally:
+        torch.backends.cuda.matmul.allow_fp16_accumulation = flag
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_bounds_branch_groups_heads_and_takes_slices(dtype, monkeypatch):
+    """bounds()' branch for 16-bit operands (on CUDA: torch.bmm with a float32 output, which the CPU
+    has no kernel for) run here with that product made in float32 from the same 16-bit values (what
+    the GPU computes, up to the order of its sums): its grouping of query heads per kv head, a
+    summary of batch one, and a slice of blocks (plain_slots' form) give the float32 path's bounds
+    (to float32's rounding: another product sums in another order)."""
+    from hf_dilated.ops import far_selection
+
+    bmm = torch.bmm
+
+    def bmm_in_float32(a, b, out_dtype=None):
+        assert out_dtype == torch.float32 and a.dtype == b.dtype == dtype
+        return bmm(a.float(), b.float())
+
+    g = torch.Generator().manual_seed(6)
+    k_far = torch.randn(1, 2, 320, 16, generator=g).to(dtype)
+    q_far = torch.randn(3, 6, 40, 16, generator=g).to(dtype)
+    full = far_selection.bound_operands(*far_selection.plain_summaries(k_far, 64, 5), 3)
+    low = far_selection.bound_operands(*far_selection.plain_summaries(k_far, 64, 5, dtype), 3)
+    expected = far_selection.bounds(q_far, None, None, (full[0][:, :, 1:4], None))
+    monkeypatch.setattr(far_selection, "product_dtype", lambda device, dt: dt)
+    monkeypatch.setattr(torch, "bmm", bmm_in_float32)
+    got = far_selection.bounds(q_far, None, None, (low[0][:, :, 1:4], None))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)  # the same sums, another order
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -1976,11 +2016,11 @@ def test_far_kernel_is_checked():
 @pytest.mark.cuda
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, chunked, dtype, merge, picks", [
-    ("by_block", False, torch.bfloat16, "reduce", "maxima"), ("by_block", True, torch.float32, "reduce", "maxima"),
-    ("by_query", False, torch.float32, "reduce", "maxima"), ("by_query", True, torch.bfloat16, "reduce", "maxima"),
-    ("by_block", True, torch.bfloat16, "by_slot", "maxima"), ("by_block", True, torch.bfloat16, "reduce", "sort")],
+    ("by_block", False, torch.bfloat16, "by_slot", "maxima"), ("by_block", True, torch.float32, "by_slot", "maxima"),
+    ("by_query", False, torch.float32, "by_slot", "maxima"), ("by_query", True, torch.bfloat16, "by_slot", "maxima"),
+    ("by_block", True, torch.bfloat16, "reduce", "maxima"), ("by_block", True, torch.bfloat16, "by_slot", "sort")],
     ids=("by_block-one_call-bfloat16", "by_block-calls_of_128-float32", "by_query-one_call-float32",
-         "by_query-calls_of_128-bfloat16", "by_block-calls_of_128-bfloat16-merged_by_slot",
+         "by_query-calls_of_128-bfloat16", "by_block-calls_of_128-bfloat16-merged_by_reduction",
          "by_block-calls_of_128-bfloat16-picked_by_sort"))
 def test_cuda_inference_matches_reference(dtype, chunked, layout, merge, picks, monkeypatch):
     """The CUDA inference path of sparse far keys (the band on flash's sliding window, the far keys
@@ -1988,13 +2028,14 @@ def test_cuda_inference_matches_reference(dtype, chunked, layout, merge, picks, 
     to `dtype` first (so both rank the same blocks): 1,000 keys, bands of 256 inside and 128 past
     the window. Each layout in one call and in calls of 128 queries, each in both dtypes: four
     cases, not all eight, since each by_block case compiles its plan anew (30-39 s on an H200, where
-    all eight passed on 2026-11-27); and by block, merged slot by slot (MERGE) and picked by sort
-    (PICKS)."""
+    all eight passed on 2026-11-27); and by block, merged by one reduction (MERGE) and picked by
+    sort (PICKS)."""
     from hf_dilated.ops import sparse_far_flex
 
     monkeypatch.setattr(sparse_far_flex, "LAYOUT", layout)
     monkeypatch.setattr(sparse_far_flex, "MERGE", merge)
     monkeypatch.setattr(sparse_far_flex, "PICKS", picks)
+    monkeypatch.setattr(sparse_far_flex, "_FUSED_FAILED", None)
     if chunked:
         monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)
     calls = []

@@ -106,13 +106,17 @@ _SIXTEEN_BIT = (torch.float16, torch.bfloat16)
 
 def product_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dtype bounds() multiplies queries and summaries of far keys of `dtype` in: theirs where the
-    products are exact and summed in float32 (16-bit floats on CUDA: two 8- or 11-bit significands
-    make at most 22 bits, which float32 holds; the tensor cores sum in float32), else bound_dtype.
-    The same bounds either way, to the order of the float32 sums (what 4.2 allows): a summary is a
-    minimum or maximum of the keys, so one of their values, and a query of that dtype is too. On an
-    H200 (2026-11-26/27) the float32 products, off the tensor cores, took 3.0 of a 16K prefill's
-    59.5 ms of GPU time and 48 of 281 at 64K: they grow with the square of the length."""
-    if device.type == "cuda" and dtype in _SIXTEEN_BIT and _SUMS_IN_FLOAT32:
+    products are exact and summed in float32 (16-bit floats on NVIDIA's CUDA: two 8- or 11-bit
+    significands make at most 22 bits, which float32 holds, and the tensor cores sum in float32),
+    else bound_dtype. The same bounds either way up to float32's rounding of the sums (which 4.2
+    allows): a summary is a minimum or maximum of the keys, so one of their values, and a query of
+    that dtype is too (finite values, and products within float32's range, as float32's own products
+    need). Not float16 where torch.backends.cuda.matmul.allow_fp16_accumulation is set (torch then
+    refuses a float32 output), nor on ROCm (not tried). On an H200 (2026-11-26/27) the float32
+    products, off the tensor cores, took 3.0 of a 16K prefill's 59.5 ms of GPU time and 48 of 281
+    at 64K: they grow with the square of the length."""
+    if (device.type == "cuda" and dtype in _SIXTEEN_BIT and _SUMS_IN_FLOAT32 and torch.version.hip is None
+            and not (dtype == torch.float16 and getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False))):
         return dtype
     return bound_dtype(dtype)
 
@@ -157,6 +161,7 @@ def bounds(q_far: torch.Tensor, mn: torch.Tensor | None, mx: torch.Tensor | None
     q = q_far.to(summary.dtype)
     q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], -1).reshape(batch, kv_heads, group * n, 2 * dim)
     if sixteen_bit:  # product_dtype: exact products on the tensor cores, summed in float32
+        summary = summary.expand(batch, -1, -1, -1)  # (bmm does not broadcast a batch of one, as @ does)
         up = torch.bmm(q2.flatten(0, 1), summary.flatten(0, 1).transpose(1, 2), out_dtype=torch.float32)
     else:
         up = q2 @ summary.transpose(-1, -2)
@@ -185,7 +190,8 @@ def top_picks(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Ten
     topk is one slow radix select: float32 scores (the bounds') become one int64 key each
     (_order_keys), and pick j is the largest key below pick j - 1's, one row maximum that reads the
     keys and one number. (Masking each pick out instead made pass j read the j picks before it:
-    top_k = 32 over rows of 1,024 blocks, compiled on this CPU, took 3.6x as long.)"""
+    top_k = 32 over rows of 1,024 blocks, compiled on this CPU, took 2.3x as long.) Rows without
+    NaN (a bound of finite queries and keys has none)."""
     if top_k == 0:
         return scores.new_empty(scores.shape[:-1] + (0,), dtype=torch.long), torch.zeros_like(scores, dtype=torch.bool)
     if scores.dtype != torch.float32:  # no key holds a wider score and its index: argmax and a mask per pick
@@ -202,7 +208,7 @@ def top_picks(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Ten
         below = (keys if below is None else torch.where(keys < below, keys, _NO_KEY)).amax(-1, keepdim=True)
         top.append(below)
     top = torch.cat(top, -1)
-    index = _INDEX_BITS - top % (1 << 32)
+    index = _INDEX_BITS - (top & 0xFFFFFFFF)
     valid = top >= _ABOVE_MINUS_INF
     picks = torch.where(valid, index, -1)
     if picks.shape[-1] < top_k:
@@ -225,11 +231,11 @@ def _order_keys(scores: torch.Tensor) -> torch.Tensor:
     non-negative floats; flipping all but the sign bit of the negative ones orders those too. -0.0 is
     made 0.0 first, which the float order holds equal."""
     bits = torch.where(scores == 0, 0.0, scores).view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ _INDEX_BITS, bits).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # all but the sign bit
     return ordered * (1 << 32) + (_INDEX_BITS - torch.arange(scores.shape[-1], device=scores.device))
 
 
-_ABOVE_MINUS_INF = (_order_keys(torch.tensor([float("-inf")])).item() >> 32) + 1 << 32  # keys of scores > -inf
+_ABOVE_MINUS_INF = ((_order_keys(torch.tensor([float("-inf")])).item() >> 32) + 1) << 32  # keys of scores > -inf
 
 
 def top_picks_by_sort(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

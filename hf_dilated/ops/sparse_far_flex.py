@@ -475,7 +475,8 @@ def by_block_mask(row_block, row_last, kv_count, kv_indices, full_count, size: i
 # (query, head, block) scores and (entry, d) outputs) compiled on CUDA: eagerly they were most of a
 # 16K prefill's GPU time (an H200, 2026-11-26: 81 of 89 ms beside FlexAttention's 4 and the band's
 # 4); compiled, the prefill's GPU time went to 42 ms at 16K, and at 64K the selection's fused
-# reduction is 66 of 281 ms, the bounds' float32 products 48.
+# reduction was 66 of 281 ms, the bounds' float32 products 48 (both since cut: far_selection.top_picks,
+# product_dtype).
 _FUSED_FAILED: str | None = None  # why compiling them failed in this process (they then run eagerly)
 
 
