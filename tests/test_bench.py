@@ -765,7 +765,7 @@ def test_gpu_table_compiles_ahead_the_cases_whose_first_call_compiles(tmp_path):
     keys = [key for key, _ in gpu_table.warm_plan(["model", "static"], s, "cpu")]
     shortest, *middle, longest = sorted(s["prefill_lengths"])  # the model part's order: shortest, longest, the rest
     assert keys == [f"model|default|{n}" for n in (shortest, longest, *middle)] + [
-        f"static|{key}" for key, spec in gpu_table.plan("static", s, "cpu") if not spec.get("fallback")]
+        f"static|{key}" for key, _ in gpu_table.plan("static", s, "cpu")]
     assert [key for key, _ in gpu_table.warm_plan(["block-sparse"], s, "cpu")] == [
         "block-sparse|flex", "block-sparse|block_sparse"]  # the 1.0x target row first
     data = gpu_table.warm(["model"], s, tmp_path, budget_s=300, log=lambda m: None)

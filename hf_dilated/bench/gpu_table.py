@@ -70,6 +70,12 @@ def sdpa_backends(device: str, s: dict) -> list[str]:
     return ["flash", "cudnn"] if device == "cuda" and s["dtype"] != "float32" else ["default"]
 
 
+def static_sdpa_backends(backends: list[str]) -> list[str]:
+    """The sdpa kernels a StaticCache step is timed on: sdpa's own choice, and cuDNN where `backends`
+    (sdpa_backends') hold it; never flash, which takes no mask (plan's static part)."""
+    return ["default"] + [b for b in backends if b == "cudnn"]
+
+
 def _shape(shape) -> str:
     hq, hkv, d = shape
     return f"{hq}/{hkv}x{d}"
@@ -522,13 +528,14 @@ def plan(part: str, s: dict, device: str) -> list[tuple[str, dict]]:
         n = s["static_length"]
         base = dict(common, kind=_kind("static_case"), n=n, original=s["original"], model=s["model"],
                     decode_warmup=s["decode_warmup"], decode_repeats=s["decode_repeats"])
-        first, rest = backends[:1], backends[1:]
-        out += [(f"sdpa {b}|{n}", dict(base, conversion="sdpa", backends=[b])) for b in first]
+        # sdpa's own choice first (what a user's compiled step runs), then ours, then cuDNN forced (on
+        # CUDA, half precision). Not flash: a StaticCache step gives sdpa a mask (the slots not written
+        # yet), which flash refuses ("Flash Attention does not support non-null attn_mask": the H200's
+        # run of 2026-11-27 spent its step compiling it, then measured nothing).
+        static_baselines = static_sdpa_backends(backends)
+        out.append((f"sdpa {static_baselines[0]}|{n}", dict(base, conversion="sdpa", backends=static_baselines[:1])))
         out += [(f"{conv}|{n}", dict(base, conversion=conv, backends=[])) for conv in ("union", "default")]
-        out += [(f"sdpa {b}|{n}", dict(base, conversion="sdpa", backends=[b])) for b in rest]
-        # sdpa's own choice, only where neither flash nor cuDNN ran (run_part decides)
-        if backends != ["default"]:
-            out.append((f"sdpa default|{n}", dict(base, conversion="sdpa", backends=["default"], fallback=True)))
+        out += [(f"sdpa {b}|{n}", dict(base, conversion="sdpa", backends=[b])) for b in static_baselines[1:]]
     elif part == "block-sparse":
         # FlexAttention's case first: it times block_sparse in turn with FlexAttention (the 1.0x target
         # row); the other, against sdpa, was the only one reached on 2026-11-27
@@ -574,7 +581,7 @@ def warm_plan(parts, s: dict, device: str) -> list[tuple[str, dict]]:
             raise ValueError(f"part: {part!r} compiles nothing ahead; one of {', '.join(WARM_PARTS)}")
         for key, spec in plan(part, s, device):
             if (part == "block-sparse" or (part == "model" and spec["conversion"] == "default")
-                    or (part == "static" and not spec.get("fallback"))):
+                    or part == "static"):
                 out.append((f"{part}|{key}", spec))
     return out
 
@@ -724,10 +731,6 @@ def run_part(part: str, s: dict, out: Path, budget_s: float, runner=None, log=No
     path = out / f"{part}.json"
     _write(path, data)
     for key, spec in plan(part, s, device):
-        if spec.get("fallback") and any("median_s" in r.get("backends", {}).get(b, {}).get("static", {})
-                                        for r in data["results"].values() for b in ("flash", "cudnn")):
-            data["skipped"][key] = "not needed: flash or cuDNN ran"
-            continue
         left = budget_s - (time.perf_counter() - start)
         if left < 3:
             data["skipped"][key] = f"skipped: the step's {budget_s:.0f} s were spent"
@@ -948,13 +951,11 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
             sdpa_static["backends"].update(r.get("backends", {}))
             if "error" in r and not r.get("backends"):
                 sdpa_static["backends"][key.split("|")[0][5:]] = {"static": {"error": r["error"]}}
-    static_backends = backends + ([] if backends == ["default"] else ["default"])
+    static_backends = static_sdpa_backends(backends)
     for conv in ("default", "union"):
         ours = static.get(f"{conv}|{n}")
         t, _, terr = _best(ours, "static", ["ours"])
         bt, bname, berr = _best(sdpa_static if sdpa_static["backends"] else None, "static", static_backends)
-        if "default" in bname and backends != ["default"]:
-            bname = "sdpa (own choice: flash and cuDNN did not run)"
         why = None
         if not (t and bt):
             parts_missing = []
@@ -963,7 +964,7 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
             elif terr:
                 parts_missing.append(f"ours: {terr}")
             if not sdpa_static["backends"]:
-                parts_missing.append("sdpa: " + _missing("static", f"sdpa {backends[0]}|{n}", parts))
+                parts_missing.append("sdpa: " + _missing("static", f"sdpa {static_backends[0]}|{n}", parts))
             elif berr:
                 parts_missing.append(f"sdpa: {berr}")
             why = _short("; ".join(parts_missing))
