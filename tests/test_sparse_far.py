@@ -801,6 +801,30 @@ def test_top_picks_are_the_largest_scores_by_index_then_the_ties(dtype):
         torch._dynamo.reset()
 
 
+@pytest.mark.cuda
+@pytest.mark.slow  # three compiles
+def test_cuda_compiled_top_picks_are_the_reference_picks():
+    """far_selection.top_picks compiled for CUDA (Triton: the float32 bits as int32, int64 keys and
+    their row maxima) against the sort in Python, on rows with ties, -inf, +-0.0 and the extremes."""
+    from hf_dilated.ops import far_selection
+
+    g = torch.Generator().manual_seed(2)
+    scores = torch.randint(-3, 4, (300, 256), generator=g).float()
+    scores[scores == -3] = float("-inf")
+    scores[:100] = torch.randn(100, 256, generator=g)
+    scores[100, ::2], scores[100, 1::2] = -0.0, 0.0
+    scores[101, :6] = torch.tensor([1e-45, -1e-45, 3.4e38, -3.4e38, float("inf"), 0.0])
+    scores[102:110, 3:] = float("-inf")
+    compiled = torch.compile(far_selection.top_picks, backend="inductor", dynamic=False)
+    try:
+        for k in (1, 16, 40):
+            picks, tied = compiled(scores.cuda(), k)
+            expected = _reference_picks(scores, k)
+            assert torch.equal(picks.cpu(), expected[0]) and torch.equal(tied.cpu(), expected[1]), k
+    finally:
+        torch._dynamo.reset()
+
+
 def test_picks_by_sort_are_top_picks():
     """far_selection.top_picks_by_sort (sparse_far_flex.PICKS "sort") returns top_picks' tensors
     themselves: the picks in order, ties at the k-th, rows with fewer candidates than top_k, -inf."""
