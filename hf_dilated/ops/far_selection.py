@@ -223,7 +223,6 @@ def top_picks(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Ten
 # top_picks' keys: a float32 score's order-preserving bits times 2**32 plus _INDEX_BITS - its index, so
 # that a larger key is a larger score or an equal one at a smaller index (argmax's first index).
 _INDEX_BITS = (1 << 31) - 1
-_NO_KEY = -(1 << 63)
 
 
 def _order_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -235,7 +234,11 @@ def _order_keys(scores: torch.Tensor) -> torch.Tensor:
     return ordered * (1 << 32) + (_INDEX_BITS - torch.arange(scores.shape[-1], device=scores.device))
 
 
-_ABOVE_MINUS_INF = ((_order_keys(torch.tensor([float("-inf")])).item() >> 32) + 1) << 32  # keys of scores > -inf
+_MINUS_INF_BITS = _order_keys(torch.tensor([float("-inf")])).item() >> 32
+_ABOVE_MINUS_INF = (_MINUS_INF_BITS + 1) << 32  # the keys of scores above -inf are at least this
+# below every key of a score (rows without NaN): a pass with nothing left; not int64's minimum, which
+# a generated kernel's source may not spell as a literal
+_NO_KEY = (_MINUS_INF_BITS - 1) << 32
 
 
 def top_picks_by_sort(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
