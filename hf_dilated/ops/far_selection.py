@@ -189,8 +189,8 @@ def top_picks(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Ten
     that torch.compile fuses it into a few passes over each row (sparse_far_flex, on CUDA), where a
     topk is one slow radix select: float32 scores (the bounds') become one int64 key each
     (_order_keys), and pick j is the largest key below pick j - 1's, one row maximum that reads the
-    keys and one number. (Masking each pick out instead made pass j read the j picks before it:
-    top_k = 32 over rows of 1,024 blocks, compiled on this CPU, took 2.3x as long.) Rows without
+    keys and one number. (Masking each pick out instead chained a mask per pick: top_k = 32 over
+    rows of 1,024 blocks, compiled on this CPU, took 2.3x as long.) Rows without
     NaN (a bound of finite queries and keys has none)."""
     if top_k == 0:
         return scores.new_empty(scores.shape[:-1] + (0,), dtype=torch.long), torch.zeros_like(scores, dtype=torch.bool)
@@ -234,11 +234,11 @@ def _order_keys(scores: torch.Tensor) -> torch.Tensor:
     return ordered * (1 << 32) + (_INDEX_BITS - torch.arange(scores.shape[-1], device=scores.device))
 
 
-_MINUS_INF_BITS = _order_keys(torch.tensor([float("-inf")])).item() >> 32
-_ABOVE_MINUS_INF = (_MINUS_INF_BITS + 1) << 32  # the keys of scores above -inf are at least this
+_MINUS_INF_ORDER = _order_keys(torch.tensor([float("-inf")])).item() >> 32
+_ABOVE_MINUS_INF = (_MINUS_INF_ORDER + 1) << 32  # the keys of scores above -inf are at least this
 # below every key of a score (rows without NaN): a pass with nothing left; not int64's minimum, which
 # a generated kernel's source may not spell as a literal
-_NO_KEY = (_MINUS_INF_BITS - 1) << 32
+_NO_KEY = (_MINUS_INF_ORDER - 1) << 32
 
 
 def top_picks_by_sort(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
