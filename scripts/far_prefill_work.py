@@ -5,15 +5,19 @@
 One row of N keys (1 x 8/2 heads x 16, blocks of 64, 1 sink), far keys from query BAND on: the
 bounds the plan scores and the pairs FlexAttention computes per row, in partial tiles (under the
 mask_mod) and in full ones, read from the BlockMasks (FlexAttention itself is not run). With
---launches, also the launches one call dispatches (each compiled call counted as one) and its reads
-back: on a GPU each launch is host time. --rows R: R queries per FlexAttention call (chunks).
+--launches, also the launches and the bytes that one whole call of the GPU's path (the first BAND
+queries' causal call, the band, the far keys, the output: sparse_far_plain.sparse_far_forward with
+far_kernel "flex") dispatches outside its compiled calls (each compiled call, FlexAttention and flash's
+band counted as one launch, their bytes not), and its reads back: on a GPU each launch is host time,
+and each byte an eager pass moves (read and written) GPU time. --rows R: R queries per FlexAttention
+call (chunks).
 """
 import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from hf_dilated.ops import sparse_far_flex
+from hf_dilated.ops import backend, sparse_far_flex, sparse_far_plain
 from hf_dilated.ops.far_selection import FarSelection
 
 
@@ -39,38 +43,45 @@ def main(n: int, band: int, top_k: int, launches: bool, rows: int | None) -> Non
     counter = Launches() if launches else None
 
     def opaque(name, fn):  # a compiled call: one launch, its insides not dispatched one by one
-        def call(*args):
+        def call(*args, **kwargs):
             if counter is not None and counter.on:
                 counter.count += 1
             with _disable_current_modes():
-                return fn(*args)
+                return fn(*args, **kwargs)
         return call
+
+    def flash_band(q, k, v, *, window, scale):  # flash's sliding window on CUDA, in its layout (not computed)
+        return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2), q.new_zeros(q.shape[:3])
 
     sparse_far_flex.by_block_plan = counted_plan
     sparse_far_flex._flex_call = opaque("flex", recorded_flex)
     sparse_far_flex._fused = lambda fn, bucket: opaque(fn.__name__, fused(fn, bucket))
+    backend.band_forward = opaque("band", flash_band)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, n, 16, generator=g) for h in (8, 2, 2))
-    out, lse = torch.zeros(1, 8, n, 16), torch.full((1, 8, n), float("-inf"))
+    call = lambda: sparse_far_plain.sparse_far_forward(q, k, v, q, k, band, band, FarSelection(top_k, 64, 1), 0.25,
+                                                       far_kernel="flex")
     with torch.no_grad():
-        sparse_far_flex.far_attention(q, k, v, out, lse, band, band, FarSelection(top_k, 64, 1), 0.25)
+        call()
         print(f"n {n}, band {band}, top_k {top_k}: bounds {work['bounds'] / 1e6:.1f} M; FlexAttention rows "
               f"{work['rows'] / 1e6:.2f} M, pairs per row {(work['partial'] + work['full']) / max(1, work['rows']):.1f}, "
               f"in partial tiles {work['partial'] / 1e6:.1f} M, in full tiles {work['full'] / 1e6:.1f} M")
         if counter is not None:
             with counter:
-                sparse_far_flex.far_attention(q, k, v, out, lse, band, band, FarSelection(top_k, 64, 1), 0.25)
-            print(f"one call (the second): {counter.count} launches, {counter.reads} reads back")
+                call()
+            print(f"one call (the second): {counter.count} launches, {counter.bytes / 2 ** 20:.1f} MiB moved by "
+                  f"eager passes, {counter.reads} reads back")
 
 
 class Launches(TorchDispatchMode):
-    """Operations that are not views (launches on a GPU), and reads of a device value on the host."""
+    """Operations that are not views (launches on a GPU), the bytes they read and write (their tensor
+    arguments and results), and reads of a device value on the host."""
 
     READS = {"aten._local_scalar_dense", "aten.nonzero", "aten.item"}
 
     def __init__(self):
         super().__init__()
-        self.count = self.reads = 0
+        self.count = self.reads = self.bytes = 0
         self.on = False
 
     def __enter__(self):
@@ -82,11 +93,14 @@ class Launches(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         if not func.is_view:
             self.count += 1
+            tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+            self.bytes += sum(t.numel() * t.element_size() for t in tensors)
         if str(func.overloadpacket) in self.READS:
             self.reads += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 if __name__ == "__main__":

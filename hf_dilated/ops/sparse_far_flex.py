@@ -5,8 +5,9 @@ sink blocks and of its selected blocks, j <= i - band), computed the way a GPU w
 of queries, the selection (bounds, top-k) as a few batched operations, then one FlexAttention call
 whose rows are the chosen (query, head, block) entries, per kv head sorted by block (by_block_plan):
 a tile of 128 rows then holds one block or a few neighbours and lists one or two 128-key tiles,
-so the work is the pairs chosen. Each query's entries are merged by log-sum-exp. Nothing is read
-back to the host: the plan is built on the device.
+so the work is the pairs chosen. Each query's entries and its band (flash's sliding window, one
+call a chunk) are merged by log-sum-exp in one compiled pass, written once into the output
+(prefill). Nothing is read back to the host: the plan is built on the device.
 
 The other layout, rows = the queries (by_query_mask, LAYOUT = "by_query"), lists per 128 queries
 every key tile one of them chose: nearly every far key where queries choose apart (random
@@ -39,9 +40,11 @@ try:  # torch >= 2.5
 except ImportError:  # pragma: no cover - the package's oldest torch
     _flex = None
 
-from . import far_selection, pair_count
+from . import backend, far_selection, pair_count
+from .backend import attention_forward
 from .far_selection import FarSelection
-from .merge import merge_dtype, merge_into
+from .local_band import near_plain
+from .merge import merge_dtype, merge_partial
 
 AVAILABLE = _flex is not None
 # A BlockMask's query-block lists (its key-block lists transposed: a sort and a few passes each) serve
@@ -108,7 +111,7 @@ def _flex_by_query(*args, **kwargs):
 def compiled_for_bucket(fn, bucket):
     """fn compiled (dynamic=False) for the calls of one length bucket, as a code object of its own:
     dynamo keeps at most recompile_limit (8) graphs per code object, and each bucket takes one or two
-    shapes (far_attention) per dtype and batch size; sharing one, a few buckets reached the limit,
+    shapes (prefill) per dtype and batch size; sharing one, a few buckets reached the limit,
     past which the plan ran eagerly and FlexAttention materialised its full scores. (Raising the
     limit per call instead, with torch._dynamo.config.patch, cost 0.5 ms of host time a call on the
     CPU.) `bucket`: the length bucket, or a tuple that starts with it and holds whatever else would
@@ -195,42 +198,50 @@ def listed_tiles(chosen: torch.Tensor, n_tiles: int, block_size: int) -> torch.T
     return (chosen.float() @ _tile_overlap(chosen.shape[-1], n_tiles, block_size, chosen.device)) > 0
 
 
-def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: FarSelection, scale: float) -> bool:
-    """Merge into out/lse ((batch, heads, n, d) / (batch, heads, n), float32; from `start` on the
-    band's result, where each query saw its own key: every lse finite) the far keys every query
-    from `start` on selects: keys j <= i - band in its sink blocks and its top_k blocks by
-    Quest's bound from the blocks' summaries (far_selection). Returns False, having merged
-    nothing, where FlexAttention does not take heads this narrow here (takes_head_dim) or failed
-    to build its kernel in this process (warned once): the caller then takes the block-by-block
-    path."""
+def prefill(q, k, v, q_far, k_far, start: int, band: int, selection: FarSelection, scale: float):
+    """The output (shaped like q, in q's dtype) of sparse_far_plain's rows on FlexAttention, or None
+    (nothing computed) where FlexAttention does not take heads this narrow here (takes_head_dim) or
+    failed to build its kernel in this process (warned once): the caller then takes the block-by-block
+    path. Queries before `start` (> 0) read every key before them (one causal call); each later query
+    its band (keys j > i - band) and the far keys it selects: keys j <= i - band in its sink blocks and
+    its top_k blocks by Quest's bound from the blocks' summaries (far_selection).
+
+    Per chunk of queries: the band's call (flash's sliding window on CUDA), the far keys' calls, and
+    one compiled merge of both by log-sum-exp, written once into the output, in the memory layout
+    transformers' attention interface returns ((batch, n, heads, d): its transpose is then free).
+    (The band and the far keys' chunks merged eagerly into a float32 accumulator of the whole row,
+    cast at the end, moved 45% more bytes in eager passes and took 32% more launches:
+    scripts/far_prefill_work.py, 16K tokens in chunks of 1,280 queries, 2026-11-27.)"""
     global _FAILED, _BLOCK_TILES_FAILED
     check_choices()
     if _FAILED is not None or not takes_head_dim(q_far.device, min(q_far.shape[-1], v.shape[-1])):
-        return False
+        return None
     batch, n_heads, n = q_far.shape[:3]
-    slots = selection.top_k + selection.sinks
-    if slots == 0:  # no far key is read
-        return True
+    dim = v.shape[-1]
     # Every call has one shape per power of two of the length (one compile for all the lengths in
     # it, where one per length would recompile at each new prompt): the keys are padded to it (no
     # query reaches a padded key, and no tile of them is listed: they cost memory, not work), the
     # blocks' summaries to a bucket of their own (below; empty ones: never chosen), every call takes
-    # `chunk` query rows, the last chunk moved back to end at n (merging only the rows not merged
+    # `chunk` query rows, the last chunk moved back to end at n (writing only the rows not written
     # yet), a row shorter than a chunk padded with queries that read nothing. Every operand is
     # contiguous: a compiled call specialises on strides too, and a slice of a longer row has others.
     n_keys = length_bucket(n)
     size = selection.block_size
+    slots = selection.top_k + selection.sinks
     n_blocks = scored_blocks(n, band, size)
     product = far_selection.product_dtype(k_far.device, k_far.dtype)  # bounds on the tensor cores where exact
     summaries = far_selection.plain_summaries(k_far[:, :, :n_blocks * size], size, n_blocks, product)
     operands = far_selection.bound_operands(*summaries, n_heads // k_far.shape[1])
-    k_far, v = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else t.contiguous()
-                for t in (k_far, v))
+    k_far, v_far = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else t.contiguous()
+                    for t in (k_far, v))
     entry_elements = batch * n_heads * slots * q_far.shape[-1] if LAYOUT == "by_block" else 0
     chunk = min(query_chunk(batch * n_heads, n_blocks, entry_elements), max(TILE, n_keys))
     # each query's last far key (i - band), made once; the rows past n pad a short row and read nothing
     position = torch.arange(n + chunk, device=q_far.device)
     lasts = torch.where(position < n, position - band, -1)
+    out = torch.empty(batch, n, n_heads, dim, dtype=q.dtype, device=q.device)  # (the layout transformers returns)
+    out[:, :start] = attention_forward(q[:, :, :start], k[:, :, :start], v[:, :, :start], is_causal=True,
+                                       scale=scale)[0].transpose(1, 2)
     lo = start
     while lo < n:
         e = min(n, lo + chunk)
@@ -238,18 +249,25 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
         q_chunk = q_far[:, :, s:e].contiguous()
         if e - s < chunk:
             q_chunk = torch.nn.functional.pad(q_chunk, (0, 0, 0, chunk - (e - s)))
+        band_out, band_lse = band_rows(q, k, v, s, e, band, scale)
+        if e - s < chunk:  # (flash's layout kept: (batch, rows, heads, d) is contiguous either way)
+            band_out = torch.nn.functional.pad(band_out, (0, 0, 0, 0, 0, chunk - (e - s)))
+            band_lse = torch.nn.functional.pad(band_lse, (0, chunk - (e - s)))
         last = lasts[s:s + chunk]
         pairs = None
-        if pair_count.TALLY.active or LAYOUT != "by_block":
+        if slots and (pair_count.TALLY.active or LAYOUT != "by_block"):
             chosen = far_selection.plain_choice(q_chunk[:, :, :e - s], None, None, s, band, selection, operands)
             chosen = torch.nn.functional.pad(chosen, (0, 0, 0, chunk - (e - s)), value=False)
             if pair_count.TALLY.active:
                 pairs = pairs_read(chosen, s, band, size, lo - s)
         try:
-            if LAYOUT == "by_block":
-                o, part = _by_block_call(q_chunk, k_far, v, operands, last, selection, scale)
+            if not slots:  # no far key is read
+                rows = _fused(merge_band, n)(band_out, band_lse, None, None, q.dtype)
+            elif LAYOUT == "by_block":
+                rows = _by_block_call(q_chunk, k_far, v_far, operands, last, selection, scale, band_out, band_lse)
             else:
-                o, part = _flex_call(q_chunk, k_far, v, by_query_mask(chosen, last, n_keys, size), scale)
+                far = _flex_call(q_chunk, k_far, v_far, by_query_mask(chosen, last, n_keys, size), scale)
+                rows = _fused(merge_band, n)(band_out, band_lse, *far, q.dtype)
         except _KeyTilesFailed as exc:  # the by-block call, with key tiles of a far block: first without them
             if lo != start:
                 raise
@@ -266,14 +284,39 @@ def far_attention(q_far, k_far, v, out, lse, start: int, band: int, selection: F
             _FAILED = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"hf_dilated: FlexAttention failed here ({_FAILED[:500]}); sparse far keys take the "
                           "block-by-block path from now on (correct, but slow on a GPU)", RuntimeWarning, stacklevel=2)
-            return False
-        # out holds the band's result, where every query saw its own key: its lse is finite
-        merge_into(out[:, :, lo:e], lse[:, :, lo:e], o[:, :, lo - s:e - s], part[:, :, lo - s:e - s].to(lse.dtype),
-                   acc_finite=True)
-        if pairs is not None:  # counted once merged: a fallback counts its own
+            return None
+        out[:, lo:e] = rows[:, lo - s:e - s]
+        if pairs is not None:  # counted once written: a fallback counts its own
             pair_count.TALLY.pairs += pairs
         lo = e
-    return True
+    return out.transpose(1, 2)
+
+
+def band_rows(q, k, v, s: int, e: int, band: int, scale: float):
+    """(out, lse) of queries s .. e - 1 over their band (keys j with i - band < j <= i), out
+    (batch, rows, heads, d) contiguous (flash's own layout), lse (batch, heads, rows): flash's
+    sliding window on CUDA, local_band.near_plain's blocks elsewhere (in float32 or float64)."""
+    lo = max(0, s - band + 1)
+    part = backend.band_forward(q[:, :, s:e], k[:, :, lo:e], v[:, :, lo:e], window=band, scale=scale)
+    if part is not None:
+        return part[0].transpose(1, 2), part[1]
+    acc = merge_dtype(q.dtype)
+    out = torch.zeros(*q.shape[:2], e - lo, v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full(out.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    near_plain(q[:, :, lo:e], k[:, :, lo:e], v[:, :, lo:e], out, lse, band, s - lo, scale)
+    return out[:, :, s - lo:].transpose(1, 2).contiguous(), lse[:, :, s - lo:].contiguous()
+
+
+def merge_band(band_out, band_lse, far_out, far_lse, dtype):
+    """Rows of the output, (batch, rows, heads, d) in `dtype`: the band's (band_rows': band_out
+    (batch, rows, heads, d), band_lse (batch, heads, rows)), merged with the far keys' (far_out,
+    far_lse: (batch, heads, rows, d) / (batch, heads, rows); both None where no far key is read) by
+    merge_partial. Compiled on CUDA (_fused), or inside merge_entries' compiled call: one pass."""
+    acc = merge_dtype(dtype)
+    out = band_out.transpose(1, 2).to(acc)
+    if far_out is not None:
+        out = merge_partial(out, band_lse.to(acc), far_out, far_lse.to(acc))[0]
+    return out.to(dtype).transpose(1, 2).contiguous()
 
 
 def check_choices() -> None:
@@ -395,11 +438,12 @@ def sort_key_dtype(n_blocks: int) -> torch.dtype:
     return torch.int16 if n_blocks < 1 << 15 else torch.int32 if n_blocks < 1 << 31 else torch.int64
 
 
-def merge_entries(o, part, inverse, heads: int, rows: int, tied_out, tied_lse, by_slot: bool = False):
-    """(out, lse) per (query, head) of a chunk, (batch, heads, rows, d) / (batch, heads, rows) in
-    float32 (float64 for float64): each query's entries (FlexAttention rows `inverse` of o / part)
-    and its tied blocks' part (tied_out, tied_lse) in one softmax by their log-sum-exp. Compiled on
-    CUDA (_fused): the gather, the weights and the sum are one pass over o."""
+def merge_entries(o, part, inverse, heads: int, rows: int, tied_out, tied_lse, band_out, band_lse,
+                  by_slot: bool = False):
+    """A chunk's rows of the output, as merge_band returns them (o's dtype): each query's entries
+    (FlexAttention rows `inverse` of o / part) and its tied blocks' part (tied_out, tied_lse) in one
+    softmax by their log-sum-exp, then merged with its band (band_out, band_lse). Compiled on CUDA
+    (_fused): the gather, the weights and the sums are one pass over o."""
     batch, kv_heads, _, dim = o.shape
     acc = merge_dtype(o.dtype)
     lse_e = part.gather(2, inverse).view(batch, heads, rows, -1).to(acc)
@@ -413,20 +457,22 @@ def merge_entries(o, part, inverse, heads: int, rows: int, tied_out, tied_lse, b
         for slot in range(slots):
             o_s = o.gather(2, rows_of[..., slot, None].expand(-1, -1, -1, dim)).view(batch, heads, rows, dim)
             far_out = far_out + weight[..., slot, None] * o_s.to(acc)
-        return far_out, far_lse
-    o_e = o.gather(2, inverse[..., None].expand(-1, -1, -1, dim)).view(batch, heads, rows, -1, dim).to(acc)
-    return far_out + (weight[..., :-1, None] * o_e).sum(-2), far_lse
+    else:
+        o_e = o.gather(2, inverse[..., None].expand(-1, -1, -1, dim)).view(batch, heads, rows, -1, dim).to(acc)
+        far_out = far_out + (weight[..., :-1, None] * o_e).sum(-2)
+    return merge_band(band_out, band_lse, far_out, far_lse, o.dtype)
 
 
-def merge_entries_by_slot(o, part, inverse, heads: int, rows: int, tied_out, tied_lse):
+def merge_entries_by_slot(o, part, inverse, heads: int, rows: int, tied_out, tied_lse, band_out, band_lse):
     """merge_entries summing slot by slot (MERGE "by_slot"): compiled apart from it."""
-    return merge_entries(o, part, inverse, heads, rows, tied_out, tied_lse, by_slot=True)
+    return merge_entries(o, part, inverse, heads, rows, tied_out, tied_lse, band_out, band_lse, by_slot=True)
 
 
-def _by_block_call(q_chunk, k_far, v, operands, last, selection: FarSelection, scale: float):
-    """(out, lse) of one chunk, like _flex_call's, from FlexAttention over by_block_plan's rows,
+def _by_block_call(q_chunk, k_far, v, operands, last, selection: FarSelection, scale: float, band_out, band_lse):
+    """One chunk's rows of the output (merge_band's), from FlexAttention over by_block_plan's rows,
     merged per (query, head) by merge_entries with the blocks tied beyond the slots (one more call,
-    by query: its tiles are those some query has a tied block in, usually none, which cost nothing)."""
+    by query: its tiles are those some query has a tied block in, usually none, which cost nothing)
+    and with the band."""
     batch, n_heads, rows, _ = q_chunk.shape
     n = k_far.shape[2]
     size = selection.block_size
@@ -438,12 +484,12 @@ def _by_block_call(q_chunk, k_far, v, operands, last, selection: FarSelection, s
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:
-        if tile < TILE:  # far_attention tries 128-key tiles next
+        if tile < TILE:  # prefill tries 128-key tiles next
             raise _KeyTilesFailed(f"{type(exc).__name__}: {exc}") from exc
         raise
     o2, part2 = _flex_call(q_chunk, k_far, v, by_query_block_mask(*tied_lists, size, n, rows), scale)
     merge = merge_entries if MERGE == "reduce" else merge_entries_by_slot  # (a compiled function each)
-    return _fused(merge, n)(o, part, inverse, n_heads, rows, o2, part2)
+    return _fused(merge, n)(o, part, inverse, n_heads, rows, o2, part2, band_out, band_lse)
 
 
 class _KeyTilesFailed(Exception):
@@ -454,7 +500,7 @@ def key_tile(block_size: int) -> int:
     """The keys of a by-block BlockMask's tile: the far block itself where it is 32, 64 or 128 keys
     (a row tile of one block then lists one key tile, all of it that block's: with 128-key tiles and
     blocks of 64, half of every tile read was another block's, masked), else TILE (and once such
-    tiles failed to build here: far_attention)."""
+    tiles failed to build here: prefill)."""
     return block_size if block_size in (32, 64, 128) and _BLOCK_TILES_FAILED is None else TILE
 
 

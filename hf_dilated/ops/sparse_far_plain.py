@@ -10,8 +10,9 @@ against its B keys. The work is the pairs the selection reads: a call
 over the union of a chunk's blocks would read every block any of its queries chose (CPU flash
 attention does not skip masked keys; 38 blocks per 64 queries on SmolLM2, for 9 chosen each).
 Queries before `window` read every key exactly (one causal call); the band of the others is
-local_band.near_plain's. On CUDA the far keys go to sparse_far_flex instead (one FlexAttention
-call per chunk of queries, same set): there a launch per block is the cost. Used for prefill
+local_band.near_plain's. On CUDA the row goes to sparse_far_flex.prefill instead (per chunk of
+queries the band's flash call, one FlexAttention call and one compiled merge; same set): there a
+launch per block is the cost. Used for prefill
 without autograd (inference); training takes
 local_band's masked calls, which compute the same set.
 """
@@ -59,23 +60,24 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
     if far_kernel not in ("blocks", "flex"):
         raise ValueError(f"far_kernel must be 'blocks' or 'flex', got {far_kernel!r}")
     batch, n_heads, n, dim = q.shape
-    acc = merge_dtype(q.dtype)
-    out = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
     head = min(n, window)  # queries whose band holds every key before them
-    o, part = attention_forward(q[:, :, :head], k[:, :, :head], v[:, :, :head], is_causal=True, scale=scale)
-    out[:, :, :head], lse[:, :, :head] = o.to(acc), part.to(acc)
     band = window if far_band is None else far_band
     if pair_count.TALLY.active:
         tail = torch.arange(head, n)
         pair_count.TALLY.pairs += n_heads * batch * (head * (head + 1) // 2 + int(torch.clamp(tail + 1, max=band).sum()))
         pair_count.add_call()
+    if far_kernel == "flex" and n > window:
+        out = sparse_far_flex.prefill(q, k, v, q_far, k_far, head, band, selection, scale)
+        if out is not None:
+            return out
+    acc = merge_dtype(q.dtype)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    o, part = attention_forward(q[:, :, :head], k[:, :, :head], v[:, :, :head], is_causal=True, scale=scale)
+    out[:, :, :head], lse[:, :, :head] = o.to(acc), part.to(acc)
     if n <= window:
         return out.to(q.dtype)
     near_plain(q, k, v, out, lse, band, head, scale)
-    if far_kernel == "flex" and sparse_far_flex.far_attention(q_far, k_far, v, out, lse, head, band, selection,
-                                                               scale):
-        return out.to(q.dtype)
     mn, mx = far_selection.plain_summaries(k_far, selection.block_size, -(-n // selection.block_size))
     for b in range(batch):
         _far_by_block(q_far[b], k_far[b], v[b], out[b], lse[b], head, band, selection, scale,
