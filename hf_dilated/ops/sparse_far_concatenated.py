@@ -8,7 +8,8 @@ back per layer, then ~100 launches. Here the step is one compiled call (torch.co
 length dynamic) of ops/sparse_far_static.kept_step with the summaries made again from the whole
 cache in the same call: fused, they cost that same pass and nothing else (the rotation to grouped
 positions, its turns read from a table kept outside the step (far_turns), and the blocks' minima
-and maxima in one kernel), exact whatever happened to the cache, no read back. On CUDA only: on
+and maxima in one kernel), exact whatever happened to the cache, no read back. The chosen far keys
+are turned by the same table. On CUDA only: on
 the CPU there are no launches to save, and summaries kept between steps are cheaper.
 """
 from __future__ import annotations
@@ -94,7 +95,8 @@ def _concatenated(q, k, v, first, cut, inv_freq, turn_cos, turn_sin, *, local_wi
                             bound_dtype(k.dtype), spare=_spare_blocks(selection))
     q_far = q if rotation is None else far_queries_static(q, real, seen, *rotation)
     return kept_step(q, k, v, q_far, local_window=local_window, far_band=far_band, selection=selection, scale=scale,
-                     real=real, seen=seen, rotation=rotation, kept=MadeSummaries(mn, mx, cut), refresh=False)
+                     real=real, seen=seen, rotation=rotation, kept=MadeSummaries(mn, mx, cut), refresh=False,
+                     turns=None if far is None else (turn_cos, turn_sin))
 
 
 class ConcatenatedState:

@@ -42,7 +42,7 @@ import torch
 
 from .far_selection import FarSelection, bound_dtype, bound_operands, bounds, select
 from .merge import merge_dtype
-from .rope import rotate_by
+from .rope import rotate_by, rotate_with
 from .token_layout import mask_ranks
 
 TIE_SLOTS = 8  # blocks tied at the k-th bound that a kept step reads beyond its top_k
@@ -170,12 +170,14 @@ def warn_ties_cut(cut: torch.Tensor, stacklevel: int) -> None:
 
 
 def kept_step(q, k, v, q_far, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
-              real, seen, rotation, kept: KeptSummaries, refresh: bool = True):
+              real, seen, rotation, kept: KeptSummaries, refresh: bool = True, turns=None):
     """A compiled step's output (shaped like q) from kept summaries (module docstring). q (batch,
     heads, q_len, d) the queries at slots seen - q_len .. seen - 1, q_far the same at their far
     positions; k, v (batch, kv_heads, N, d) the cache's slots; real (batch, N) the written slots
     holding tokens; seen a 0-d tensor. q_len > 1 (a compiled prefill) rebuilds the summaries first;
-    refresh=False: the caller made them from the whole cache (concatenated_step)."""
+    refresh=False: the caller made them from the whole cache (concatenated_step). turns: where given,
+    rope.far_turn_table's (cos, sin) by rank, of at least the blocks' ranks: the chosen far keys are
+    turned by reading it, not by a float64 cos and sin per key and head."""
     batch, n_heads, q_len, dim = q.shape
     kv_heads, n = k.shape[1], k.shape[2]
     group = n_heads // kv_heads
@@ -239,7 +241,9 @@ def kept_step(q, k, v, q_far, *, local_window: int, far_band: int | None, select
         key_ok = ok.repeat_interleave(size, -1) & (key_rank <= last_far[:, :, None])
         key_slot = slot_of(key_rank.flatten(1), key_ok.flatten(1)).view(batch, kv_heads, -1)  # per kv head
         keys = gather(k, key_slot).view(batch, n_heads, -1, dim)
-        if rotation is not None:
+        if rotation is not None and turns is not None:  # (the table's values are rotate_by's)
+            keys = rotate_with(keys, turns[0][key_rank], turns[1][key_rank])
+        elif rotation is not None:
             keys = rotate_by(keys.flatten(0, 1)[:, None], (key_rank // rotation[1] - key_rank).flatten(0, 1),
                              rotation[2])[:, 0].view(batch, n_heads, -1, dim)
         qf = q_far[:, :, t, None].to(acc) * scale  # (batch, heads, 1, d)
