@@ -50,15 +50,16 @@ def main(n: int, band: int, top_k: int, launches: bool, rows: int | None) -> Non
                 return fn(*args, **kwargs)
         return call
 
-    def flash_band(q, k, v, *, window, scale):  # flash's sliding window on CUDA, in its layout (not computed)
-        return q.new_zeros(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2), q.new_zeros(q.shape[:3])
+    def flash_band(q, k, v, *, window, scale):  # flash's sliding window on CUDA: its out lies as q does (not computed)
+        return torch.zeros_like(q.transpose(1, 2)).transpose(1, 2), q.new_zeros(q.shape[:3])
 
     sparse_far_flex.by_block_plan = counted_plan
     sparse_far_flex._flex_call = opaque("flex", recorded_flex)
     sparse_far_flex._fused = lambda fn, bucket: opaque(fn.__name__, fused(fn, bucket))
     backend.band_forward = opaque("band", flash_band)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, h, n, 16, generator=g) for h in (8, 2, 2))
+    # (batch, heads, n, d) views of (batch, n, heads, d), as transformers' attention interface gives them
+    q, k, v = (torch.randn(1, n, h, 16, generator=g).transpose(1, 2) for h in (8, 2, 2))
     call = lambda: sparse_far_plain.sparse_far_forward(q, k, v, q, k, band, band, FarSelection(top_k, 64, 1), 0.25,
                                                        far_kernel="flex")
     with torch.no_grad():

@@ -898,15 +898,16 @@ def test_flex_plan_and_merge_compile_to_the_eager_results():
     assert len(flat) == 11 and eager[5].any()  # blocks of 32: key tiles of 32, some of them full
     for a, b in flat:
         assert torch.equal(a, b)
-    o = torch.randn(1, 2, eager[0].shape[2], 8, generator=g).to(torch.bfloat16)
+    o = torch.randn(1, 2, eager[0].shape[2], 8, generator=g)
     part = torch.randn(1, 2, eager[0].shape[2], generator=g).masked_fill(eager[1] < 0, float("-inf"))
-    merge_args = (o, part, eager[-2], 4, 256, torch.randn(1, 4, 256, 8, generator=g), torch.full((1, 4, 256), -1e9),
-                  torch.randn(1, 256, 4, 8, generator=g), torch.randn(1, 4, 256, generator=g))
-    out = sparse_far_flex.merge_entries(*merge_args)
-    assert out.shape == (1, 256, 4, 8) and out.dtype == o.dtype  # the rows, in the output's layout and dtype
-    for merge in (sparse_far_flex.merge_entries, sparse_far_flex.merge_entries_by_slot):  # MERGE's two sums
-        out_c = torch.compile(merge)(*merge_args)
-        assert out_c.is_contiguous() and torch.allclose(out.float(), out_c.float(), atol=1e-2)
+    rest = (eager[-2], 4, 256, torch.randn(1, 4, 256, 8, generator=g), torch.full((1, 4, 256), -1e9),
+            torch.randn(1, 256, 4, 8, generator=g), torch.randn(1, 4, 256, generator=g))
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):  # (bfloat16: the output rounded once)
+        out = sparse_far_flex.merge_entries(o.to(dtype), part, *rest)
+        assert out.shape == (1, 256, 4, 8) and out.dtype == dtype  # the rows, in the output's layout and dtype
+        for merge in (sparse_far_flex.merge_entries, sparse_far_flex.merge_entries_by_slot):  # MERGE's two sums
+            out_c = torch.compile(merge)(o.to(dtype), part, *rest)
+            assert out_c.is_contiguous() and torch.allclose(out.float(), out_c.float(), atol=tol)
     torch._dynamo.reset()
 
 
@@ -2005,6 +2006,73 @@ def test_flex_compiles_one_or_two_shapes_per_bucket_each_bucket_its_own(monkeypa
             for n in (200, 150):  # bucket 256: 168 far keys (past 128), then 118
                 flex_row_matches_reference(n)
             assert len(graphs) == 10, len(graphs)
+    finally:
+        torch._dynamo.reset()
+        sparse_far_flex.compiled_for_bucket.cache_clear()
+
+
+@pytest.mark.parametrize("layout, selection", (("by_block", FarSelection(2, 16, 1)), ("by_query", FarSelection(2, 16, 1)),
+                                               ("by_block", FarSelection(0, 16, 0))), ids=("by_block", "by_query", "band_only"))
+def test_flex_merges_compile_once_per_bucket_with_flashs_band_layout(layout, selection, monkeypatch):
+    """The merge of a chunk's band and far keys is compiled (dynamic=False) once per length bucket,
+    every one of its operands with a contiguous tensor's strides, for one row in transformers'
+    layout ((batch, n, heads, d) memory) whose band comes from flash: flash's out lies as its q does,
+    so a batch of one had a stride that followed the row's length (a guard of dynamo's, size-1
+    dimension or not) and each prompt length compiled the merge again. Here flash's band is the CPU's
+    band written into the layout flash gives; rows of 300 and 330 (bucket 512) trace the graphs of
+    the first alone, and the outputs are the float64 reference's."""
+    from hf_dilated.ops import backend, sparse_far_flex, sparse_far_plain
+    from hf_dilated.ops.local_band import near_plain
+
+    inside = []
+
+    def flash_like_band(q, k, v, *, window, scale):  # (the CPU's band, in flash's memory layout)
+        if inside:  # near_plain's own try of band_forward, below: the CPU's blocks
+            return None
+        lo = k.shape[2] - q.shape[2]
+        queries = torch.cat([q.new_zeros(q.shape[0], q.shape[1], lo, q.shape[3]), q], 2)
+        out, lse = torch.zeros(queries.shape, dtype=q.dtype), torch.full(queries.shape[:3], float("-inf"), dtype=q.dtype)
+        inside.append(1)
+        near_plain(queries, k, v, out, lse, window, lo, scale)
+        inside.clear()
+        laid = torch.empty_like(q.transpose(1, 2))  # flash's out: q's strides (empty_like keeps them)
+        return laid.copy_(out[:, :, lo:].transpose(1, 2)).transpose(1, 2), lse[:, :, lo:]
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    sparse_far_flex.compiled_for_bucket.cache_clear()
+    monkeypatch.setattr(sparse_far_flex, "LAYOUT", layout)
+    monkeypatch.setattr(sparse_far_flex, "COMPILED_ON", ("cuda", "cpu"))
+    monkeypatch.setattr(sparse_far_flex, "BACKEND", counting)
+    monkeypatch.setattr(sparse_far_flex, "_FUSED_FAILED", None)
+    monkeypatch.setattr(sparse_far_flex, "_FAILED", None)
+    monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)  # 128 queries per call
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    real_band = backend.band_forward
+    monkeypatch.setattr(backend, "band_forward", lambda q, k, v, **kw: (
+        flash_like_band(q, k, v, **kw) if q.shape[0] == 1 else real_band(q, k, v, **kw)))
+    far = dict(far_band=32, far_top_k=selection.top_k, far_block_size=selection.block_size, far_sinks=selection.sinks)
+    g = torch.Generator().manual_seed(31)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no compile failed, no fallback
+            for n in (300, 330):
+                q, q_far = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2) for _ in "qf")
+                k, v, k_far = (torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64).transpose(1, 2)
+                               for _ in "kvf")
+                out = sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, 64, 32, selection, 8 ** -0.5,
+                                                          far_kernel="flex")
+                ref = local_band_reference(q, k, v, [512], [1], 64, q_far=q_far, k_far=k_far, **far)
+                assert (out - ref).abs().max().item() < TOL
+                if n == 300:
+                    first = len(graphs)
+            assert first > 0 and len(graphs) == first, (first, len(graphs))
     finally:
         torch._dynamo.reset()
         sparse_far_flex.compiled_for_bucket.cache_clear()

@@ -210,7 +210,7 @@ def prefill(q, k, v, q_far, k_far, start: int, band: int, selection: FarSelectio
     one compiled merge of both by log-sum-exp, written once into the output, in the memory layout
     transformers' attention interface returns ((batch, n, heads, d): its transpose is then free).
     (The band and the far keys' chunks merged eagerly into a float32 accumulator of the whole row,
-    cast at the end, moved 45% more bytes in eager passes and took 32% more launches:
+    cast at the end, moved 40% more bytes in eager passes and took 31% more launches:
     scripts/far_prefill_work.py, 16K tokens in chunks of 1,280 queries, 2026-11-27.)"""
     global _FAILED, _BLOCK_TILES_FAILED
     check_choices()
@@ -223,17 +223,19 @@ def prefill(q, k, v, q_far, k_far, start: int, band: int, selection: FarSelectio
     # query reaches a padded key, and no tile of them is listed: they cost memory, not work), the
     # blocks' summaries to a bucket of their own (below; empty ones: never chosen), every call takes
     # `chunk` query rows, the last chunk moved back to end at n (writing only the rows not written
-    # yet), a row shorter than a chunk padded with queries that read nothing. Every operand is
-    # contiguous: a compiled call specialises on strides too, and a slice of a longer row has others.
+    # yet), a row shorter than a chunk padded with queries that read nothing. Every operand has a
+    # contiguous tensor's strides (canonical): a compiled call specialises on strides too, a size-1
+    # dimension's included, and a slice of a longer row has others.
     n_keys = length_bucket(n)
     size = selection.block_size
     slots = selection.top_k + selection.sinks
     n_blocks = scored_blocks(n, band, size)
-    product = far_selection.product_dtype(k_far.device, k_far.dtype)  # bounds on the tensor cores where exact
-    summaries = far_selection.plain_summaries(k_far[:, :, :n_blocks * size], size, n_blocks, product)
-    operands = far_selection.bound_operands(*summaries, n_heads // k_far.shape[1])
-    k_far, v_far = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else t.contiguous()
-                    for t in (k_far, v))
+    if slots:
+        product = far_selection.product_dtype(k_far.device, k_far.dtype)  # bounds on the tensor cores where exact
+        summaries = far_selection.plain_summaries(k_far[:, :, :n_blocks * size], size, n_blocks, product)
+        operands = far_selection.bound_operands(*summaries, n_heads // k_far.shape[1])
+        k_far, v_far = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else canonical(t)
+                        for t in (k_far, v))
     entry_elements = batch * n_heads * slots * q_far.shape[-1] if LAYOUT == "by_block" else 0
     chunk = min(query_chunk(batch * n_heads, n_blocks, entry_elements), max(TILE, n_keys))
     # each query's last far key (i - band), made once; the rows past n pad a short row and read nothing
@@ -246,11 +248,10 @@ def prefill(q, k, v, q_far, k_far, start: int, band: int, selection: FarSelectio
     while lo < n:
         e = min(n, lo + chunk)
         s = max(start, e - chunk)
-        q_chunk = q_far[:, :, s:e].contiguous()
+        q_chunk = canonical(q_far[:, :, s:e])
+        band_out, band_lse = band_rows(q, k, v, s, e, band, scale)
         if e - s < chunk:
             q_chunk = torch.nn.functional.pad(q_chunk, (0, 0, 0, chunk - (e - s)))
-        band_out, band_lse = band_rows(q, k, v, s, e, band, scale)
-        if e - s < chunk:  # (flash's layout kept: (batch, rows, heads, d) is contiguous either way)
             band_out = torch.nn.functional.pad(band_out, (0, 0, 0, 0, 0, chunk - (e - s)))
             band_lse = torch.nn.functional.pad(band_lse, (0, chunk - (e - s)))
         last = lasts[s:s + chunk]
@@ -262,12 +263,12 @@ def prefill(q, k, v, q_far, k_far, start: int, band: int, selection: FarSelectio
                 pairs = pairs_read(chosen, s, band, size, lo - s)
         try:
             if not slots:  # no far key is read
-                rows = _fused(merge_band, n)(band_out, band_lse, None, None, q.dtype)
+                rows = _fused(merge_band, n_keys)(band_out, band_lse, None, None, q.dtype)
             elif LAYOUT == "by_block":
                 rows = _by_block_call(q_chunk, k_far, v_far, operands, last, selection, scale, band_out, band_lse)
             else:
                 far = _flex_call(q_chunk, k_far, v_far, by_query_mask(chosen, last, n_keys, size), scale)
-                rows = _fused(merge_band, n)(band_out, band_lse, *far, q.dtype)
+                rows = _fused(merge_band, n_keys)(band_out, band_lse, *far, q.dtype)
         except _KeyTilesFailed as exc:  # the by-block call, with key tiles of a far block: first without them
             if lo != start:
                 raise
@@ -293,18 +294,35 @@ def prefill(q, k, v, q_far, k_far, start: int, band: int, selection: FarSelectio
 
 
 def band_rows(q, k, v, s: int, e: int, band: int, scale: float):
-    """(out, lse) of queries s .. e - 1 over their band (keys j with i - band < j <= i), out
-    (batch, rows, heads, d) contiguous (flash's own layout), lse (batch, heads, rows): flash's
-    sliding window on CUDA, local_band.near_plain's blocks elsewhere (in float32 or float64)."""
+    """(out, lse) of queries s .. e - 1 over their band (keys j with i - band < j <= i), canonical:
+    out (batch, rows, heads, d) and lse (batch, heads, rows), each with the strides of a contiguous
+    tensor of its shape. Flash's sliding window on CUDA (its out lies as its q does, here (batch,
+    rows, heads, d) where q is transformers' layout: one copy where it is not), local_band.near_plain's
+    blocks elsewhere (in float32 or float64)."""
     lo = max(0, s - band + 1)
     part = backend.band_forward(q[:, :, s:e], k[:, :, lo:e], v[:, :, lo:e], window=band, scale=scale)
     if part is not None:
-        return part[0].transpose(1, 2), part[1]
+        return canonical(part[0].transpose(1, 2)), canonical(part[1])
     acc = merge_dtype(q.dtype)
     out = torch.zeros(*q.shape[:2], e - lo, v.shape[-1], dtype=acc, device=q.device)
     lse = torch.full(out.shape[:3], float("-inf"), dtype=acc, device=q.device)
     near_plain(q[:, :, lo:e], k[:, :, lo:e], v[:, :, lo:e], out, lse, band, s - lo, scale)
-    return out[:, :, s - lo:].transpose(1, 2).contiguous(), lse[:, :, s - lo:].contiguous()
+    return canonical(out[:, :, s - lo:].transpose(1, 2)), canonical(lse[:, :, s - lo:])
+
+
+def canonical(x: torch.Tensor) -> torch.Tensor:
+    """x with the strides of a contiguous tensor of its shape (a copy only where x is not
+    contiguous). A compiled call (dynamic=False) guards every stride, a size-1 dimension's too, which
+    .contiguous() leaves as it was: a batch of one sliced from a longer row (flash's band output of
+    transformers' layout) has a stride that follows the row's length, and recompiled at each length."""
+    if not x.is_contiguous():
+        return x.contiguous()
+    strides, step = [], 1
+    for size in reversed(x.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    strides = tuple(reversed(strides))
+    return x if x.stride() == strides else x.as_strided(x.shape, strides)
 
 
 def merge_band(band_out, band_lse, far_out, far_lse, dtype):
