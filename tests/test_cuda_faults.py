@@ -28,7 +28,7 @@ import hf_dilated.ops.block_sparse as block_sparse_module
 import hf_dilated.ops.dilated as dilated_module
 import hf_dilated.ops.local_band as local_band_module
 from hf_dilated.ops import block_sparse_attention, dilated_attention
-from hf_dilated.ops.strided import as_strided_within, storage_elements, view_reach
+from hf_dilated.ops.strided import as_strided_within, canonical, storage_elements, view_reach
 from reference import block_sparse_reference, dilated_reference
 
 _aten = torch.ops.aten
@@ -163,6 +163,24 @@ def test_no_as_strided_view_reaches_past_its_storage():
                 _run_block_sparse(pattern, scenario)
     assert spy.views > 0, "no as_strided view was seen: the check checks nothing"
     assert not spy.past_end, spy.past_end[:5]
+
+
+def test_canonical_gives_a_contiguous_tensors_strides_copying_only_what_is_not_contiguous():
+    """strided.canonical (the compiled calls' operands): a batch of one sliced from a longer row is
+    contiguous but keeps the row's batch stride (which a compiled call guards, and .contiguous()
+    keeps): the same data with a contiguous tensor's strides, no copy, within its storage; a tensor
+    that is not contiguous is copied; a canonical one is returned as it is."""
+    row = torch.arange(2 * 10 * 3, dtype=torch.float32).view(1, 10, 2, 3)  # (batch, n, heads, d)
+    part = row[:, 4:7]
+    assert part.is_contiguous() and part.stride() == (60, 6, 3, 1)
+    same = canonical(part)
+    assert same.stride() == (18, 6, 3, 1) and same.data_ptr() == part.data_ptr() and torch.equal(same, part)
+    assert part.contiguous().stride() == (60, 6, 3, 1)  # (what .contiguous() leaves)
+    apart = row.transpose(1, 2)
+    copied = canonical(apart)
+    assert copied.stride() == (60, 30, 3, 1) and torch.equal(copied, apart)
+    assert copied.data_ptr() != apart.data_ptr()
+    assert canonical(copied) is copied
 
 
 def test_as_strided_within_refuses_views_past_the_storage():

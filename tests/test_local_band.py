@@ -240,6 +240,27 @@ def test_plain_inference_path_takes_rows_shorter_than_a_segment(levels, n, windo
     _check_plain_path(levels, n, window, monkeypatch, plain=True)
 
 
+@pytest.mark.parametrize("levels", [((64,), (1,)), ((8, 64), (1, 1)), ((16, 32), (1, 2))],
+                         ids=("one_level", "a_later_level_of_rate_1", "segments_tile_the_row"))
+@pytest.mark.parametrize("window", (3, 12))
+def test_every_far_key_on_flashs_band_writes_the_models_layout(levels, window, flash_band):
+    """A level of dilation 1 holding the whole row (the default conversion reading every far key), with
+    the band from flash as on a GPU (the flash_band fixture: the CPU's band, in flash's layout): one
+    more call for every far key, merged straight into q's dtype in transformers' layout (its
+    transpose there copies nothing), equal to the float64 reference. Levels without such a level
+    keep the accumulators (the band is asked for in their near_plain)."""
+    seg, dil = levels
+    n = 32
+    g = torch.Generator().manual_seed(window)
+    q, q_far = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+    k, v, k_far = (torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64).transpose(1, 2) for _ in range(3))
+    with torch.no_grad():
+        out = dilated_attention(q, k, v, list(seg), list(dil), local_window=window, q_far=q_far, k_far=k_far)
+    ref = local_band_reference(q, k, v, list(seg), list(dil), window, q_far=q_far, k_far=k_far)
+    assert (out - ref).abs().max().item() < 1e-12
+    assert flash_band and out.transpose(1, 2).is_contiguous() == any(w >= n and r == 1 for w, r in zip(seg, dil))
+
+
 @pytest.mark.parametrize("levels, n", [(((6, 24), (1, 4)), 24), (((6, 24), (1, 4)), 12), (((4, 16), (1, 8)), 16),
                                        (((4, 16), (1, 8)), 8), (((2, 6, 24), (1, 2, 4)), 24)],
                          ids=("6x24_rate_4", "6x24_rate_4_shorter_row", "4x16_rate_8", "4x16_rate_8_shorter_row",

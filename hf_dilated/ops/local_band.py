@@ -22,8 +22,9 @@ import torch
 from . import backend, far_selection, pair_count
 from .backend import attention_backward, attention_forward
 from .far_selection import FarSelection, band_widths
-from .merge import merge_dtype, merge_into
+from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
+from .strided import canonical
 from .token_layout import TokenLayout, first_key_within, token_layout, visible_pairs
 
 _CHUNK = 512  # queries per call: a (heads x chunk x keys) mask stays a few hundred MB at 16K keys
@@ -362,9 +363,59 @@ def near_plain(q, k, v, out, lse, window: int, start: int, scale: float) -> None
             merge_into(out[:, :, s:e], lse[:, :, s:e], o.flip(2), part.flip(2))
 
 
+def band_rows(q, k, v, s: int, e: int, band: int, scale: float):
+    """(out, lse) of queries s .. e - 1 over their band (keys j with i - band < j <= i), canonical:
+    out (batch, rows, heads, d) and lse (batch, heads, rows), each with the strides of a contiguous
+    tensor of its shape. Flash's sliding window on CUDA (its out lies as its q does, here (batch,
+    rows, heads, d) where q is transformers' layout: one copy where it is not), near_plain's blocks
+    elsewhere (in float32 or float64)."""
+    lo = max(0, s - band + 1)
+    part = backend.band_forward(q[:, :, s:e], k[:, :, lo:e], v[:, :, lo:e], window=band, scale=scale)
+    if part is not None:
+        return canonical(part[0].transpose(1, 2)), canonical(part[1])
+    acc = merge_dtype(q.dtype)
+    out = torch.zeros(*q.shape[:2], e - lo, v.shape[-1], dtype=acc, device=q.device)
+    lse = torch.full(out.shape[:3], float("-inf"), dtype=acc, device=q.device)
+    near_plain(q[:, :, lo:e], k[:, :, lo:e], v[:, :, lo:e], out, lse, band, s - lo, scale)
+    return canonical(out[:, :, s - lo:].transpose(1, 2)), canonical(lse[:, :, s - lo:])
+
+
+def merge_band(band_out, band_lse, far_out, far_lse, dtype):
+    """Rows of the output, (batch, rows, heads, d) in `dtype`: the band's (band_rows': band_out
+    (batch, rows, heads, d), band_lse (batch, heads, rows)), merged with the far keys' (far_out,
+    far_lse: (batch, heads, rows, d) / (batch, heads, rows); both None where no far key is read) by
+    merge_partial. sparse_far_flex compiles it on CUDA (alone, or inside its merge of the entries):
+    one pass over the rows."""
+    acc = merge_dtype(dtype)
+    out = band_out.transpose(1, 2).to(acc)
+    if far_out is not None:
+        out = merge_partial(out, band_lse.to(acc), far_out, far_lse.to(acc))[0]
+    return out.to(dtype).transpose(1, 2).contiguous()
+
+
+def _every_far(q, k_far, v, q_far, band, window: int, scale: float):
+    """plain_forward where a level of dilation 1 holds the whole row (the default conversion reading
+    every far key: its later levels add no key), on a GPU: `band` (out, lse) of every query from
+    flash's sliding window, and every key beyond it in one more call (query i >= window reads the far
+    keys j <= i - window: causal, top-left, between the last n - window queries and the first n -
+    window keys), merged by merge_band straight into an output in q's dtype and transformers'
+    layout. (Into float32 accumulators of the whole row, then cast, it moved about twice the bytes.)"""
+    n = q.shape[2]
+    out = torch.empty(q.shape[0], n, q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
+    out[:, :window] = band[0][:, :, :window].transpose(1, 2)
+    far = attention_forward(q_far[:, :, window:], k_far[:, :, :n - window], v[:, :, :n - window], is_causal=True,
+                            scale=scale)
+    out[:, window:] = merge_band(band[0][:, :, window:].transpose(1, 2), band[1][:, :, window:], *far, q.dtype)
+    return out.transpose(1, 2)
+
+
 def plain_forward(q, k, v, q_far, k_far, segment_lengths, dilation_rates, window: int, scale: float):
     """The same result as the masked calls, for plain layouts (plain_forward_applies)."""
     batch, n_heads, n, head_dim = q.shape
+    if n > window and any(r == 1 and w >= n for w, r in zip(segment_lengths, dilation_rates)):
+        band = backend.band_forward(q, k, v, window=window, scale=scale)
+        if band is not None:
+            return _every_far(q, k_far, v, q_far, band, window, scale)
     group = n_heads // k.shape[1]
     acc = merge_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)

@@ -40,11 +40,12 @@ try:  # torch >= 2.5
 except ImportError:  # pragma: no cover - the package's oldest torch
     _flex = None
 
-from . import backend, far_selection, pair_count
+from . import far_selection, pair_count
 from .backend import attention_forward
 from .far_selection import FarSelection
-from .local_band import near_plain
-from .merge import merge_dtype, merge_partial
+from .local_band import band_rows, merge_band
+from .merge import merge_dtype
+from .strided import canonical
 
 AVAILABLE = _flex is not None
 # A BlockMask's query-block lists (its key-block lists transposed: a sort and a few passes each) serve
@@ -291,50 +292,6 @@ def prefill(q, k, v, q_far, k_far, start: int, band: int, selection: FarSelectio
             pair_count.TALLY.pairs += pairs
         lo = e
     return out.transpose(1, 2)
-
-
-def band_rows(q, k, v, s: int, e: int, band: int, scale: float):
-    """(out, lse) of queries s .. e - 1 over their band (keys j with i - band < j <= i), canonical:
-    out (batch, rows, heads, d) and lse (batch, heads, rows), each with the strides of a contiguous
-    tensor of its shape. Flash's sliding window on CUDA (its out lies as its q does, here (batch,
-    rows, heads, d) where q is transformers' layout: one copy where it is not), local_band.near_plain's
-    blocks elsewhere (in float32 or float64)."""
-    lo = max(0, s - band + 1)
-    part = backend.band_forward(q[:, :, s:e], k[:, :, lo:e], v[:, :, lo:e], window=band, scale=scale)
-    if part is not None:
-        return canonical(part[0].transpose(1, 2)), canonical(part[1])
-    acc = merge_dtype(q.dtype)
-    out = torch.zeros(*q.shape[:2], e - lo, v.shape[-1], dtype=acc, device=q.device)
-    lse = torch.full(out.shape[:3], float("-inf"), dtype=acc, device=q.device)
-    near_plain(q[:, :, lo:e], k[:, :, lo:e], v[:, :, lo:e], out, lse, band, s - lo, scale)
-    return canonical(out[:, :, s - lo:].transpose(1, 2)), canonical(lse[:, :, s - lo:])
-
-
-def canonical(x: torch.Tensor) -> torch.Tensor:
-    """x with the strides of a contiguous tensor of its shape (a copy only where x is not
-    contiguous). A compiled call (dynamic=False) guards every stride, a size-1 dimension's too, which
-    .contiguous() leaves as it was: a batch of one sliced from a longer row (flash's band output of
-    transformers' layout) has a stride that follows the row's length, and recompiled at each length."""
-    if not x.is_contiguous():
-        return x.contiguous()
-    strides, step = [], 1
-    for size in reversed(x.shape):
-        strides.append(step)
-        step *= max(size, 1)
-    strides = tuple(reversed(strides))
-    return x if x.stride() == strides else x.as_strided(x.shape, strides)
-
-
-def merge_band(band_out, band_lse, far_out, far_lse, dtype):
-    """Rows of the output, (batch, rows, heads, d) in `dtype`: the band's (band_rows': band_out
-    (batch, rows, heads, d), band_lse (batch, heads, rows)), merged with the far keys' (far_out,
-    far_lse: (batch, heads, rows, d) / (batch, heads, rows); both None where no far key is read) by
-    merge_partial. Compiled on CUDA (_fused), or inside merge_entries' compiled call: one pass."""
-    acc = merge_dtype(dtype)
-    out = band_out.transpose(1, 2).to(acc)
-    if far_out is not None:
-        out = merge_partial(out, band_lse.to(acc), far_out, far_lse.to(acc))[0]
-    return out.to(dtype).transpose(1, 2).contiguous()
 
 
 def check_choices() -> None:

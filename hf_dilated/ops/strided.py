@@ -35,3 +35,18 @@ def as_strided_within(x: torch.Tensor, size, stride, storage_offset: int) -> tor
             raise IndexError(f"as_strided view (size {size}, stride {stride}, offset {storage_offset}) reaches "
                              f"element {reach - 1} of a storage of {limit} elements")
     return x.as_strided(size, stride, storage_offset)
+
+
+def canonical(x: torch.Tensor) -> torch.Tensor:
+    """x with the strides of a contiguous tensor of its shape (a copy only where x is not
+    contiguous). A compiled call (dynamic=False) guards every stride, a size-1 dimension's too, which
+    .contiguous() leaves as it was: a batch of one sliced from a longer row (flash's band output of
+    transformers' layout) has a stride that follows the row's length, and recompiled at each length."""
+    if not x.is_contiguous():
+        return x.contiguous()
+    strides, step = [], 1
+    for size in reversed(x.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    strides = tuple(reversed(strides))
+    return x if x.stride() == strides else as_strided_within(x, x.shape, strides, x.storage_offset())
