@@ -1,6 +1,7 @@
 """The work of the GPU's prefill path of sparse far keys (ops/sparse_far_flex.py), counted on the CPU.
 
     python scripts/far_prefill_work.py N BAND TOP_K [--launches] [--rows R]
+    python scripts/far_prefill_work.py N BAND 0 --every-far   # reading every far key instead
 
 One row of N keys (1 x 8/2 heads x 16, blocks of 64, 1 sink), far keys from query BAND on: the
 bounds the plan scores and the pairs FlexAttention computes per row, in partial tiles (under the
@@ -10,18 +11,19 @@ queries' causal call, the band, the far keys, the output: sparse_far_plain.spars
 far_kernel "flex") dispatches outside its compiled calls (each compiled call, FlexAttention and flash's
 band counted as one launch, their bytes not), and its reads back: on a GPU each launch is host time,
 and each byte an eager pass moves (read and written) GPU time. --rows R: R queries per FlexAttention
-call (chunks).
+call (chunks). --every-far: the launches and bytes of the default conversion that reads every far key
+instead (local_band.plain_forward: a level of dilation 1 holding the row, the band BAND).
 """
 import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from hf_dilated.ops import backend, sparse_far_flex, sparse_far_plain
+from hf_dilated.ops import backend, local_band, sparse_far_flex, sparse_far_plain
 from hf_dilated.ops.far_selection import FarSelection
 
 
-def main(n: int, band: int, top_k: int, launches: bool, rows: int | None) -> None:
+def main(n: int, band: int, top_k: int, launches: bool, rows: int | None, every_far: bool = False) -> None:
     if rows:  # the entries' budget that makes calls of `rows` queries
         sparse_far_flex._ENTRY_ELEMENTS = 8 * (top_k + 1) * 16 * rows
     work = dict(bounds=0, rows=0, partial=0, full=0)
@@ -62,6 +64,16 @@ def main(n: int, band: int, top_k: int, launches: bool, rows: int | None) -> Non
     q, k, v = (torch.randn(1, n, h, 16, generator=g).transpose(1, 2) for h in (8, 2, 2))
     call = lambda: sparse_far_plain.sparse_far_forward(q, k, v, q, k, band, band, FarSelection(top_k, 64, 1), 0.25,
                                                        far_kernel="flex")
+    if every_far:
+        counter = Launches()
+        call = lambda: local_band.plain_forward(q, k, v, q, k, [2 * n], [1], band, 0.25)
+        with torch.no_grad():
+            call()
+            with counter:
+                call()
+        print(f"n {n}, band {band}, every far key: one call (the second): {counter.count} launches, "
+              f"{counter.bytes / 2 ** 20:.1f} MiB moved by eager passes, {counter.reads} reads back")
+        return
     with torch.no_grad():
         call()
         print(f"n {n}, band {band}, top_k {top_k}: bounds {work['bounds'] / 1e6:.1f} M; FlexAttention rows "
@@ -109,4 +121,4 @@ if __name__ == "__main__":
         sys.exit(__doc__)
     args = sys.argv[1:]
     rows = int(args[args.index("--rows") + 1]) if "--rows" in args else None
-    main(int(args[0]), int(args[1]), int(args[2]), "--launches" in args, rows)
+    main(int(args[0]), int(args[1]), int(args[2]), "--launches" in args, rows, "--every-far" in args)

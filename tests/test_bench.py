@@ -1015,7 +1015,7 @@ def test_far_prefill_work_script_counts_the_gpu_paths_work():
     """scripts/far_prefill_work.py (docs/benchmarks.md's counts of the GPU prefill of sparse far keys)
     runs on the CPU and prints what it counts: key tiles of a block (64 pairs a row at most), full
     tiles, a second call's launches, the bytes its eager passes move (at least the output's, written
-    once) and no read back."""
+    once) and no read back; and with --every-far those of the conversion reading every far key."""
     import re
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -1029,3 +1029,9 @@ def test_far_prefill_work_script_counts_the_gpu_paths_work():
     assert work and launches, out.stdout
     assert 0 < float(work[1]) <= 64 and float(work[3]) > 0
     assert int(launches[1]) > 0 and float(launches[2]) >= 2048 * 8 * 16 * 4 / 2 ** 20 and int(launches[3]) == 0
+    every = subprocess.run([sys.executable, script, "2048", "1024", "0", "--every-far"], capture_output=True, text=True,
+                           timeout=600, env=env)
+    assert every.returncode == 0, every.stderr[-2000:]
+    launches = re.search(r"every far key: one call \(the second\): (\d+) launches, ([\d.]+) MiB moved by eager "
+                         r"passes, (\d+) reads back", every.stdout)
+    assert launches and int(launches[1]) > 0 and int(launches[3]) == 0, every.stdout
