@@ -12,7 +12,7 @@ far_kernel "flex") dispatches outside its compiled calls (each compiled call, Fl
 band counted as one launch, their bytes not), and its reads back: on a GPU each launch is host time,
 and each byte an eager pass moves (read and written) GPU time. --rows R: R queries per FlexAttention
 call (chunks). --every-far: the launches and bytes of the default conversion that reads every far key
-instead (local_band.plain_forward: a level of dilation 1 holding the row, the band BAND).
+instead (local_band.plain_forward: a level of dilation 1 holding the row, the band BAND), in bfloat16.
 """
 import sys
 
@@ -53,7 +53,7 @@ def main(n: int, band: int, top_k: int, launches: bool, rows: int | None, every_
         return call
 
     def flash_band(q, k, v, *, window, scale):  # flash's sliding window on CUDA: its out lies as q does (not computed)
-        return torch.zeros_like(q.transpose(1, 2)).transpose(1, 2), q.new_zeros(q.shape[:3])
+        return torch.zeros_like(q.transpose(1, 2)).transpose(1, 2), q.new_zeros(q.shape[:3], dtype=torch.float32)
 
     sparse_far_flex.by_block_plan = counted_plan
     sparse_far_flex._flex_call = opaque("flex", recorded_flex)
@@ -64,8 +64,9 @@ def main(n: int, band: int, top_k: int, launches: bool, rows: int | None, every_
     q, k, v = (torch.randn(1, n, h, 16, generator=g).transpose(1, 2) for h in (8, 2, 2))
     call = lambda: sparse_far_plain.sparse_far_forward(q, k, v, q, k, band, band, FarSelection(top_k, 64, 1), 0.25,
                                                        far_kernel="flex")
-    if every_far:
+    if every_far:  # in bfloat16, as on a GPU (flash takes no float32: there the accumulators' path runs)
         counter = Launches()
+        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
         call = lambda: local_band.plain_forward(q, k, v, q, k, [2 * n], [1], band, 0.25)
         with torch.no_grad():
             call()

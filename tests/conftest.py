@@ -25,21 +25,24 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def flash_band(monkeypatch):
     """backend.band_forward as it is on a GPU, here on the CPU: flash's sliding window (what
-    local_band.near_plain's blocks compute, exactly), its out laid out as its q is (flash's
-    empty_like), for batches of one; the CPU's None for the rest. Yields the calls' count."""
+    local_band.near_plain's blocks compute, in float32 or float64 accumulators), its out in q's dtype
+    laid out as its q is (flash's empty_like), its lse in float32 (float64 for float64 inputs; flash
+    takes half precision alone, where it is float32). Yields the calls' lengths."""
     from hf_dilated.ops import backend
     from hf_dilated.ops.local_band import near_plain
+    from hf_dilated.ops.merge import merge_dtype
 
     real, inside, calls = backend.band_forward, [], []
 
     def band_forward(q, k, v, *, window, scale):
-        if inside or q.shape[0] != 1:  # near_plain's own try of band_forward below: the CPU's blocks
+        if inside:  # near_plain's own try of band_forward, below: the CPU's blocks
             return real(q, k, v, window=window, scale=scale)
         calls.append(q.shape[2])
         lo = k.shape[2] - q.shape[2]  # the queries are the last of the keys
         queries = torch.cat([q.new_zeros(q.shape[0], q.shape[1], lo, q.shape[3]), q], 2)
-        out = torch.zeros(queries.shape, dtype=q.dtype)
-        lse = torch.full(queries.shape[:3], float("-inf"), dtype=q.dtype)
+        acc = merge_dtype(q.dtype)
+        out = torch.zeros(queries.shape, dtype=acc)
+        lse = torch.full(queries.shape[:3], float("-inf"), dtype=acc)
         inside.append(1)
         try:
             near_plain(queries, k, v, out, lse, window, lo, scale)

@@ -1034,4 +1034,5 @@ def test_far_prefill_work_script_counts_the_gpu_paths_work():
     assert every.returncode == 0, every.stderr[-2000:]
     launches = re.search(r"every far key: one call \(the second\): (\d+) launches, ([\d.]+) MiB moved by eager "
                          r"passes, (\d+) reads back", every.stdout)
-    assert launches and int(launches[1]) > 0 and int(launches[3]) == 0, every.stdout
+    # (the float32 accumulators of the whole row took 25 launches at 16K, 12 now: the path taken)
+    assert launches and 0 < int(launches[1]) <= 12 and int(launches[3]) == 0, every.stdout

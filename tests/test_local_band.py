@@ -241,23 +241,28 @@ def test_plain_inference_path_takes_rows_shorter_than_a_segment(levels, n, windo
 
 
 @pytest.mark.parametrize("levels", [((64,), (1,)), ((8, 64), (1, 1)), ((16, 32), (1, 2))],
-                         ids=("one_level", "a_later_level_of_rate_1", "segments_tile_the_row"))
+                         ids=("one_level", "two_levels_of_rate_1", "segments_tile_the_row"))
 @pytest.mark.parametrize("window", (3, 12))
-def test_every_far_key_on_flashs_band_writes_the_models_layout(levels, window, flash_band):
+@pytest.mark.parametrize("dtype, batch", ((torch.float64, 1), (torch.bfloat16, 2)), ids=("float64", "bfloat16_batch_2"))
+def test_every_far_key_on_flashs_band_writes_the_models_layout(levels, window, dtype, batch, flash_band):
     """A level of dilation 1 holding the whole row (the default conversion reading every far key), with
-    the band from flash as on a GPU (the flash_band fixture: the CPU's band, in flash's layout): one
-    more call for every far key, merged straight into q's dtype in transformers' layout (its
-    transpose there copies nothing), equal to the float64 reference. Levels without such a level
-    keep the accumulators (the band is asked for in their near_plain)."""
+    the band from flash as on a GPU (the flash_band fixture: the CPU's band, in flash's layout and
+    float32 lse): one more call for every far key, merged straight into q's dtype in transformers'
+    layout (its transpose there copies nothing), equal to the float64 reference (bfloat16: within its
+    rounding, as the accumulators' path). Levels without such a level keep the accumulators (the band
+    is asked for in their near_plain)."""
     seg, dil = levels
     n = 32
     g = torch.Generator().manual_seed(window)
-    q, q_far = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2) for _ in range(2))
-    k, v, k_far = (torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64).transpose(1, 2) for _ in range(3))
+    q, q_far = (torch.randn(batch, n, 4, 8, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
+                for _ in range(2))
+    k, v, k_far = (torch.randn(batch, n, 2, 8, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
+                   for _ in range(3))
     with torch.no_grad():
         out = dilated_attention(q, k, v, list(seg), list(dil), local_window=window, q_far=q_far, k_far=k_far)
-    ref = local_band_reference(q, k, v, list(seg), list(dil), window, q_far=q_far, k_far=k_far)
-    assert (out - ref).abs().max().item() < 1e-12
+    ref = local_band_reference(*(t.double() for t in (q, k, v)), list(seg), list(dil), window, q_far=q_far.double(),
+                               k_far=k_far.double())
+    assert out.dtype == dtype and (out.double() - ref).abs().max().item() < (1e-12 if dtype == torch.float64 else 2e-2)
     assert flash_band and out.transpose(1, 2).is_contiguous() == any(w >= n and r == 1 for w, r in zip(seg, dil))
 
 

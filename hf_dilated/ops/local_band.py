@@ -384,8 +384,8 @@ def merge_band(band_out, band_lse, far_out, far_lse, dtype):
     """Rows of the output, (batch, rows, heads, d) in `dtype`: the band's (band_rows': band_out
     (batch, rows, heads, d), band_lse (batch, heads, rows)), merged with the far keys' (far_out,
     far_lse: (batch, heads, rows, d) / (batch, heads, rows); both None where no far key is read) by
-    merge_partial. sparse_far_flex compiles it on CUDA (alone, or inside its merge of the entries):
-    one pass over the rows."""
+    merge_partial. sparse_far_flex.prefill's merge: compiled there on CUDA (alone, or inside its
+    merge of the entries), one pass over the rows."""
     acc = merge_dtype(dtype)
     out = band_out.transpose(1, 2).to(acc)
     if far_out is not None:
@@ -393,29 +393,36 @@ def merge_band(band_out, band_lse, far_out, far_lse, dtype):
     return out.to(dtype).transpose(1, 2).contiguous()
 
 
-def _every_far(q, k_far, v, q_far, band, window: int, scale: float):
+def _every_far(q, q_far, k_far, v, band, window: int, scale: float):
     """plain_forward where a level of dilation 1 holds the whole row (the default conversion reading
-    every far key: its later levels add no key), on a GPU: `band` (out, lse) of every query from
-    flash's sliding window, and every key beyond it in one more call (query i >= window reads the far
-    keys j <= i - window: causal, top-left, between the last n - window queries and the first n -
-    window keys), merged by merge_band straight into an output in q's dtype and transformers'
-    layout. (Into float32 accumulators of the whole row, then cast, it moved about twice the bytes.)"""
+    every far key; union's rates divide the next, so the levels before it have rate 1 too: every
+    earlier key is read), on a GPU: `band` (out, lse) of every query from flash's sliding window, and
+    every key beyond it in one more call (query i >= window reads the far keys j <= i - window: causal
+    between the last n - window queries and the first n - window keys, as many of each, so flash's
+    alignment is the contract's), merged by merge_partial and written once into an output in q's
+    dtype and transformers' layout, returned as its (batch, heads, n, d) view. (Into float32
+    accumulators of the whole row, then cast, it moved about twice the bytes.)"""
     n = q.shape[2]
+    acc = merge_dtype(q.dtype)
     out = torch.empty(q.shape[0], n, q.shape[1], v.shape[-1], dtype=q.dtype, device=q.device)
-    out[:, :window] = band[0][:, :, :window].transpose(1, 2)
-    far = attention_forward(q_far[:, :, window:], k_far[:, :, :n - window], v[:, :, :n - window], is_causal=True,
-                            scale=scale)
-    out[:, window:] = merge_band(band[0][:, :, window:].transpose(1, 2), band[1][:, :, window:], *far, q.dtype)
+    band_out, band_lse = band
+    out[:, :window] = band_out[:, :, :window].transpose(1, 2)
+    far_out, far_lse = attention_forward(q_far[:, :, window:], k_far[:, :, :n - window], v[:, :, :n - window],
+                                         is_causal=True, scale=scale)
+    merged = merge_partial(band_out[:, :, window:].to(acc), band_lse[:, :, window:].to(acc), far_out,
+                           far_lse.to(acc))[0]
+    out[:, window:] = merged.transpose(1, 2)  # (cast to q's dtype in the copy)
     return out.transpose(1, 2)
 
 
 def plain_forward(q, k, v, q_far, k_far, segment_lengths, dilation_rates, window: int, scale: float):
-    """The same result as the masked calls, for plain layouts (plain_forward_applies)."""
+    """The same result as the masked calls, for plain layouts (plain_forward_applies). (On a GPU,
+    every far key read: a (batch, heads, n, d) view of transformers' layout, _every_far.)"""
     batch, n_heads, n, head_dim = q.shape
     if n > window and any(r == 1 and w >= n for w, r in zip(segment_lengths, dilation_rates)):
         band = backend.band_forward(q, k, v, window=window, scale=scale)
         if band is not None:
-            return _every_far(q, k_far, v, q_far, band, window, scale)
+            return _every_far(q, q_far, k_far, v, band, window, scale)
     group = n_heads // k.shape[1]
     acc = merge_dtype(q.dtype)
     out = torch.zeros(q.shape, dtype=acc, device=q.device)
