@@ -266,6 +266,27 @@ def test_every_far_key_on_flashs_band_writes_the_models_layout(levels, window, d
     assert flash_band and out.transpose(1, 2).is_contiguous() == any(w >= n and r == 1 for w, r in zip(seg, dil))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_cuda_every_far_key_on_flash_matches_reference(dtype):
+    """On CUDA, reading every far key (one level of dilation 1 holding the row) in half precision takes
+    flash's band and one far call merged into transformers' layout (local_band._every_far): 1,000
+    tokens, band 256, grouped-query heads of 64, a batch of two, against the float64 reference on
+    the same rounded inputs."""
+    g = torch.Generator().manual_seed(8)
+    q, q_far = (torch.randn(2, 1000, 8, 64, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
+                for _ in range(2))
+    k, v, k_far = (torch.randn(2, 1000, 2, 64, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
+                   for _ in range(3))
+    with torch.no_grad():
+        out = dilated_attention(*(t.cuda() for t in (q, k, v)), [2048], [1], local_window=256, q_far=q_far.cuda(),
+                                k_far=k_far.cuda())
+    ref = local_band_reference(*(t.double() for t in (q, k, v)), [2048], [1], 256, q_far=q_far.double(),
+                               k_far=k_far.double())
+    assert out.transpose(1, 2).is_contiguous()  # (the path taken: the accumulators' output is not)
+    assert (out.cpu().double() - ref).abs().max().item() / ref.abs().max().item() < 2e-2
+
+
 @pytest.mark.parametrize("levels, n", [(((6, 24), (1, 4)), 24), (((6, 24), (1, 4)), 12), (((4, 16), (1, 8)), 16),
                                        (((4, 16), (1, 8)), 8), (((2, 6, 24), (1, 2, 4)), 24)],
                          ids=("6x24_rate_4", "6x24_rate_4_shorter_row", "4x16_rate_8", "4x16_rate_8_shorter_row",
