@@ -529,11 +529,12 @@ def test_kth_by_maxima_reads_nothing_back():
 
 
 @pytest.mark.parametrize("merge, picks", (("reduce", "maxima"), ("by_slot", "maxima"), ("reduce", "sort")))
-def test_sparse_far_flex_prefill_steady_state_has_no_sync(merge, picks, monkeypatch):
-    """The CUDA inference path of sparse far keys (selection, BlockMasks, merges) reads nothing
-    back in a second call, with each way of merging and picking (sparse_far_flex.MERGE, PICKS).
-    The FlexAttention call itself runs outside the counter: on CUDA it is one compiled kernel, and
-    the eager form used here compiles its own wrapper, which no dispatch mode may watch."""
+def test_sparse_far_flex_prefill_steady_state_has_no_sync(merge, picks, flash_band, monkeypatch):
+    """The CUDA inference path of sparse far keys (the band's flash call per chunk, selection,
+    BlockMasks, merges) reads nothing back in a second call, with each way of merging and picking
+    (sparse_far_flex.MERGE, PICKS); the band comes in flash's layout (the flash_band fixture), as on
+    CUDA. The FlexAttention call itself runs outside the counter: on CUDA it is one compiled kernel,
+    and the eager form used here compiles its own wrapper, which no dispatch mode may watch."""
     import warnings
 
     from torch.utils._python_dispatch import _disable_current_modes
@@ -558,3 +559,15 @@ def test_sparse_far_flex_prefill_steady_state_has_no_sync(merge, picks, monkeypa
         call()
         fwd, _ = count_syncs(call)
     assert_no_syncs(fwd, "sparse far flex prefill")
+    assert flash_band  # (the band came from "flash")
+
+
+def test_every_far_key_prefill_on_flash_has_no_sync(flash_band):
+    """Reading every far key on a GPU (local_band._every_far: flash's band, one far call, one merge
+    into the output) reads nothing back in a second call."""
+    q, k, v = _qkv(n=1024, grad=False)
+    call = lambda: dilated_attention(q, k, v, [2048], [1], local_window=256)
+    call()
+    fwd, out = count_syncs(call)
+    assert_no_syncs(fwd, "every far key on flash's band")
+    assert flash_band and out.transpose(1, 2).is_contiguous()  # (the path taken)

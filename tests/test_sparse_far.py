@@ -1967,18 +1967,11 @@ def test_listed_tiles_are_the_tiles_a_chosen_block_overlaps(size):
     assert torch.equal(listed_tiles(chosen, n_tiles, size), expect)
 
 
-def test_flex_compiles_one_or_two_shapes_per_bucket_each_bucket_its_own(monkeypatch):
-    """Compiled (dynamic=False, as on CUDA; here with dynamo's graphs run eagerly, which the CPU
-    does), rows of 300, 400 and 500 keys (band 32) in calls of 128 queries trace one graph per
-    compiled function (the plan, FlexAttention by block, the ties' FlexAttention by query, the
-    merge): every operand has one shape and one set of strides per power of two (a slice of a longer
-    row traced one graph per length). A band that keeps every far key in the bucket's first half
-    scores fewer blocks: one more plan (its other shape). Each bucket compiles functions of its own,
-    so with dynamo's limit at 2 graphs per function (failing past it) every call compiles: one
-    function shared by the buckets met the limit, past which it ran eagerly (FlexAttention: its
-    full scores)."""
-    import warnings
-
+@pytest.fixture
+def flex_graphs(monkeypatch):
+    """sparse_far_flex compiled on the CPU too (COMPILED_ON widened, dynamic=False as on CUDA) by a
+    backend that records each graph dynamo traces and runs it eagerly; calls of 128 queries; dynamo
+    failing past its recompile limit (a test sets the limit). Yields the graphs' list."""
     from hf_dilated.ops import sparse_far_flex
 
     graphs = []
@@ -1993,27 +1986,40 @@ def test_flex_compiles_one_or_two_shapes_per_bucket_each_bucket_its_own(monkeypa
     monkeypatch.setattr(sparse_far_flex, "BACKEND", counting)
     monkeypatch.setattr(sparse_far_flex, "_FUSED_FAILED", None)
     monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)  # 128 queries per call
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # no compile failed, no fallback
-            for n in (300, 400, 500):
-                flex_row_matches_reference(n)
-            assert len(graphs) == 4, len(graphs)
-            flex_row_matches_reference(300, far_band=64)  # 236 far keys: in the first 256 of 512
-            assert len(graphs) == 5, len(graphs)
-            for n in (200, 150):  # bucket 256: 168 far keys (past 128), then 118
-                flex_row_matches_reference(n)
-            assert len(graphs) == 10, len(graphs)
-    finally:
-        torch._dynamo.reset()
-        sparse_far_flex.compiled_for_bucket.cache_clear()
+    yield graphs
+    torch._dynamo.reset()
+    sparse_far_flex.compiled_for_bucket.cache_clear()
+
+
+def test_flex_compiles_one_or_two_shapes_per_bucket_each_bucket_its_own(flex_graphs, monkeypatch):
+    """Compiled (dynamic=False, as on CUDA; here with dynamo's graphs run eagerly, which the CPU
+    does), rows of 300, 400 and 500 keys (band 32) in calls of 128 queries trace one graph per
+    compiled function (the plan, FlexAttention by block, the ties' FlexAttention by query, the
+    merge): every operand has one shape and one set of strides per power of two (a slice of a longer
+    row traced one graph per length). A band that keeps every far key in the bucket's first half
+    scores fewer blocks: one more plan (its other shape). Each bucket compiles functions of its own,
+    so with dynamo's limit at 2 graphs per function (failing past it) every call compiles: one
+    function shared by the buckets met the limit, past which it ran eagerly (FlexAttention: its
+    full scores)."""
+    graphs = flex_graphs
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no compile failed, no fallback
+        for n in (300, 400, 500):
+            flex_row_matches_reference(n)
+        assert len(graphs) == 4, len(graphs)
+        flex_row_matches_reference(300, far_band=64)  # 236 far keys: in the first 256 of 512
+        assert len(graphs) == 5, len(graphs)
+        for n in (200, 150):  # bucket 256: 168 far keys (past 128), then 118
+            flex_row_matches_reference(n)
+        assert len(graphs) == 10, len(graphs)
 
 
 @pytest.mark.parametrize("layout, selection", (("by_block", FarSelection(2, 16, 1)), ("by_query", FarSelection(2, 16, 1)),
                                                ("by_block", FarSelection(0, 16, 0))), ids=("by_block", "by_query", "band_only"))
-def test_flex_merges_compile_once_per_bucket_with_flashs_band_layout(layout, selection, flash_band, monkeypatch):
+def test_flex_merges_compile_once_per_bucket_with_flashs_band_layout(layout, selection, flash_band, flex_graphs,
+                                                                     monkeypatch):
     """The merge of a chunk's band and far keys is compiled (dynamic=False) once per length bucket,
     every one of its operands with a contiguous tensor's strides, for one row in transformers'
     layout ((batch, n, heads, d) memory) whose band comes from flash: flash's out lies as its q does,
@@ -2023,42 +2029,25 @@ def test_flex_merges_compile_once_per_bucket_with_flashs_band_layout(layout, sel
     512) trace the graphs of the first alone, and the outputs are the float64 reference's."""
     from hf_dilated.ops import sparse_far_flex, sparse_far_plain
 
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    torch._dynamo.reset()
-    sparse_far_flex.compiled_for_bucket.cache_clear()
+    graphs = flex_graphs
     monkeypatch.setattr(sparse_far_flex, "LAYOUT", layout)
-    monkeypatch.setattr(sparse_far_flex, "COMPILED_ON", ("cuda", "cpu"))
-    monkeypatch.setattr(sparse_far_flex, "BACKEND", counting)
-    monkeypatch.setattr(sparse_far_flex, "_FUSED_FAILED", None)
     monkeypatch.setattr(sparse_far_flex, "_FAILED", None)
-    monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)  # 128 queries per call
-    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     far = dict(far_band=32, far_top_k=selection.top_k, far_block_size=selection.block_size, far_sinks=selection.sinks)
     g = torch.Generator().manual_seed(31)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # no compile failed, no fallback
-            for n in (300, 330):
-                q, q_far = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2) for _ in "qf")
-                k, v, k_far = (torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64).transpose(1, 2)
-                               for _ in "kvf")
-                out = sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, 64, 32, selection, 8 ** -0.5,
-                                                          far_kernel="flex")
-                ref = local_band_reference(q, k, v, [512], [1], 64, q_far=q_far, k_far=k_far, **far)
-                assert (out - ref).abs().max().item() < TOL
-                if n == 300:
-                    first = len(graphs)
-            assert first > 0 and len(graphs) == first, (first, len(graphs))
-            assert flash_band  # the band came from "flash"
-    finally:
-        torch._dynamo.reset()
-        sparse_far_flex.compiled_for_bucket.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no compile failed, no fallback
+        for n in (300, 330):
+            q, q_far = (torch.randn(1, n, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2) for _ in "qf")
+            k, v, k_far = (torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64).transpose(1, 2) for _ in "kvf")
+            out = sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, 64, 32, selection, 8 ** -0.5,
+                                                      far_kernel="flex")
+            ref = local_band_reference(q, k, v, [512], [1], 64, q_far=q_far, k_far=k_far, **far)
+            assert (out - ref).abs().max().item() < TOL
+            if n == 300:
+                first = len(graphs)
+        assert first > 0 and len(graphs) == first, (first, len(graphs))
+        assert flash_band  # the band came from "flash"
 
 
 def test_flex_path_without_far_blocks_reads_only_the_band(monkeypatch):

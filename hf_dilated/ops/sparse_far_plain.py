@@ -12,8 +12,7 @@ attention does not skip masked keys; 38 blocks per 64 queries on SmolLM2, for 9 
 Queries before `window` read every key exactly (one causal call); the band of the others is
 local_band.near_plain's. On CUDA the row goes to sparse_far_flex.prefill instead (per chunk of
 queries the band's flash call, one FlexAttention call and one compiled merge; same set): there a
-launch per block is the cost. Used for prefill
-without autograd (inference); training takes
+launch per block is the cost. Used for prefill without autograd (inference); training takes
 local_band's masked calls, which compute the same set.
 """
 from __future__ import annotations
