@@ -103,6 +103,58 @@ def host_and_device(step: Callable[[], object], device: torch.device, busy_s: fl
             "device_s": statistics.median(kernels) if kernels else None, "waited": waited, "calls": max(1, repeats)}
 
 
+def synchronizing_calls(step: Callable[[], object], device: torch.device) -> list[str] | None:
+    """On CUDA, where one call of `step` makes the host wait for the GPU: torch's sync debug mode
+    (torch.cuda.set_sync_debug_mode) warns at each such operation (a read back, a blocking copy
+    either way, a stream's synchronize), and each warning is listed as "file:line: message", the
+    line the Python frame that made the operation. Reads back that the CPU's counts see (aten's
+    _local_scalar_dense, nonzero: tests/test_host_sync.py) and the CUDA-only ones they cannot (a
+    blocking copy from pageable memory, a synchronize in a library). [] when there is none; None
+    elsewhere (no queue to wait on)."""
+    if device.type != "cuda":
+        return None
+    import warnings
+
+    torch.cuda.synchronize(device)
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    torch.cuda.synchronize(device)
+    return [f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:160]}" for w in caught
+            if "synchroniz" in str(w.message)]
+
+
+def host_profile(step: Callable[[], object], calls: int = 3, top: int = 20) -> str:
+    """The `top` functions (Python, and the C functions they call) by their own time over `calls`
+    calls of `step`, under cProfile, per call: where a host-bound step spends its host's time (on a
+    GPU, with host_and_device saying that the host bounds it). Any device; the profiler's own cost
+    inflates small functions alike for every step profiled, so compare steps, not milliseconds."""
+    import cProfile
+    import os
+    import pstats
+
+    calls = max(1, calls)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        for _ in range(calls):
+            step()
+    finally:
+        profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, function) -> (primitive calls, calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    lines = [f"{'own ms':>8} {'cum ms':>8} {'calls':>6}  function (per call of the step; {calls} calls)"]
+    for (file, line, function), (_, count, own, cumulative, _) in rows:
+        where = function if file == "~" else f"{os.path.basename(file)}:{line}({function})"
+        lines.append(f"{1e3 * own / calls:8.3f} {1e3 * cumulative / calls:8.3f} {count / calls:6.0f}  {where}")
+    return "\n".join(lines)
+
+
 _SPIN_RATE: dict = {}  # device -> seconds per cycle of torch.cuda._sleep
 
 

@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="16384")
     parser.add_argument("--conversion", default="default", choices=("default", "union"))
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--host-top", type=int, default=15, help="decode: functions listed by host time")
     parser.add_argument("--picks", default=sparse_far_flex.PICKS,
                         help="by block, how the selection picks a query's blocks: " + ", ".join(sparse_far_flex.PICKERS)
                              + " (comma-separated: each timed with each of --merges, the first pair profiled)")
@@ -182,6 +183,13 @@ def main() -> None:
                             apart = ("waits for the GPU" if split["host_s"] is None else
                                      f"host {1e3 * split['host_s']:.2f} ms, GPU {1e3 * split['device_s']:.2f} ms")
                             print(f"  {label} {name}: {apart} (waited in {split['waited']} of {split['calls']} calls)")
+                        waits = measure.synchronizing_calls(step, torch.device(device))
+                        if waits is not None:  # where it waits, if it does (a read back, a blocking copy)
+                            print(f"  {label} {name}: synchronizing calls in a step: {len(waits)}"
+                                  + "".join(f"\n    {w}" for w in waits[:12]))
+                        if backend is None or backend == runs[0][2]:  # where a host-bound step's host time goes
+                            print(f"  {label} {name}: host time by function (cProfile, 3 steps)\n"
+                                  + measure.host_profile(step, calls=3, top=args.host_top))
                         if backend is None:  # how its layers' steps ran (graphed, compiled, eager)
                             print(f"  {label} layer steps: {paths or 'no sparse-far step'}; fell back: "
                                   f"{gpu_table.fallbacks() or 'nothing'}")

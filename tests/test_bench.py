@@ -2,6 +2,7 @@
 worker and timing rules, smoke runs of every `hf-dilated bench` subcommand that check the files they
 write, and the `hf-dilated` command's wiring."""
 import contextlib
+import inspect
 import json
 import os
 import random
@@ -729,6 +730,51 @@ def test_gpu_table_decode_rows_say_host_and_gpu_time_apart():
                                  "sdpa flash") is None
 
 
+def test_host_profile_lists_where_a_step_spends_its_host_time():
+    """measure.host_profile: per call of the step, the functions by their own time, the one that
+    spends it first, with its calls per step; the step's other functions after it."""
+    from hf_dilated import measure
+
+    def slow_part():  # its own time: a loop of Python (no call the profiler would charge instead)
+        total = 0
+        for i in range(300_000):
+            total += i
+        return total
+
+    def fast_part():
+        return sum(range(10))
+
+    def step():
+        slow_part()
+        fast_part()
+        fast_part()
+
+    table = measure.host_profile(step, calls=2, top=3).splitlines()
+    assert table[0].split()[:3] == ["own", "ms", "cum"] and len(table) == 4
+    own, cumulative, calls, where = table[1].split()
+    assert where.endswith("(slow_part)") and "test_bench.py:" in where and calls == "1"
+    assert 0 < float(own) <= float(cumulative) < 1000
+    assert any(line.split()[2] == "2" and line.endswith("(fast_part)") for line in table[2:])
+
+
+@pytest.mark.cuda
+def test_cuda_synchronizing_calls_names_the_line_that_waits():
+    """measure.synchronizing_calls on a GPU: a step that reads a value back is reported at its line;
+    one of queued kernels has none; the sync debug mode is restored after (a raising step too)."""
+    from hf_dilated import measure
+
+    device = torch.device("cuda")
+    x = torch.randn(512, 512, device=device)
+    line = inspect.currentframe().f_lineno + 1
+    waits = measure.synchronizing_calls(lambda: (x @ x).sum().item(), device)
+    assert len(waits) == 1 and f"test_bench.py:{line}:" in waits[0], waits
+    assert measure.synchronizing_calls(lambda: x @ x, device) == []
+    assert measure.synchronizing_calls(lambda: x.cpu(), device)  # a blocking copy to the host
+    with pytest.raises(ZeroDivisionError):
+        measure.synchronizing_calls(lambda: 1 / 0, device)
+    assert torch.cuda.get_sync_debug_mode() == 0
+
+
 @pytest.mark.slow
 def test_profile_model_times_everything_before_its_first_profile():
     """scripts/profile_model.py prints every timing, at every length, before any torch.profiler
@@ -745,6 +791,9 @@ def test_profile_model_times_everything_before_its_first_profile():
     timings = [i for i, line in enumerate(lines) if "speed" in line and "of sdpa's best" in line]
     profiles = [i for i, line in enumerate(lines) if "aten ops:" in line]
     assert len(timings) == 6 and len(profiles) == 10  # per length: prefill, two caches; ours' 3 profiles, sdpa's 2
+    # per length and cache, ours' and sdpa's first kernel's host time by function (measure.host_profile)
+    hosts = [line for line in lines if "host time by function" in line]
+    assert len(hosts) == 8 and sum(line.lstrip().startswith("DynamicCache default:") for line in hosts) == 2, hosts
     assert max(timings) < min(profiles), done.stdout[-3000:]
     sections = "\n".join(lines).split("\n== profile: ")[1:]
     prompts = {section.splitlines()[0]: [line for line in section.splitlines() if "aten::embedding [[" in line]
