@@ -726,6 +726,13 @@ def test_gpu_table_decode_rows_say_host_and_gpu_time_apart():
     ours["backends"]["ours"]["dynamic"]["split"]["waited"] = 1
     assert gpu_table._split_note(ours, None, "dynamic", "sdpa") == (
         "ours: host 5.10 ms, GPU 1.90 ms (waited in 1 of 3 calls)")
+    # and where a step waits (measure.synchronizing_calls: "file:line: message" each), where it was asked
+    ours["backends"]["ours"]["dynamic"]["waits"] = [
+        "/x/hf_dilated/ops/sparse_far_static.py:240: called a synchronizing CUDA operation"] * 2
+    sdpa["backends"]["flash"]["dynamic"]["waits"] = []
+    assert gpu_table._split_note(ours, sdpa, "dynamic", "sdpa flash") == (
+        "ours: host 5.10 ms, GPU 1.90 ms (waited in 1 of 3 calls); 2 synchronizing calls a step, first at "
+        "sparse_far_static.py:240; sdpa flash: waits for the GPU (3 of 3 calls); no synchronizing call")
     assert gpu_table._split_note({"backends": {"ours": {"dynamic": {"median_s": 1.0}}}}, sdpa, "reserved",
                                  "sdpa flash") is None
 

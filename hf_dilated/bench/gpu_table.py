@@ -298,6 +298,9 @@ def model_case(spec: dict, own_process: bool = False) -> dict:
                                                     repeats=2)
                     if split:
                         res[name]["split"] = split
+                    waits = measure.synchronizing_calls(step, device)  # where it waits, if it does
+                    if waits is not None:
+                        res[name]["waits"] = waits
                 del cache
                 gc.collect()
     result["fallbacks"] = fallbacks()
@@ -820,15 +823,21 @@ def _split_note(ours, sdpa, entry: str, sdpa_label: str) -> str | None:
     """A decode row's host and GPU time apart (measure.host_and_device), ours then sdpa's kernel of
     the row's ratio (cuDNN's is not split: never the faster for decode): "host 5.10 ms, GPU 1.90 ms",
     or "waits for the GPU (2 of 2 calls)": a read back, a blocking copy or free, a full launch queue,
-    or host work longer than the spin (measure.host_and_device); None without."""
+    or host work longer than the spin (measure.host_and_device); then the step's synchronizing calls
+    (measure.synchronizing_calls: their count and the first's file and line); None without."""
     def said(result, backend):
         split = ((result or {}).get("backends", {}).get(backend, {}).get(entry, {}) or {}).get("split")
         if not split:
             return None
+        waits = result["backends"][backend][entry].get("waits")
+        at = "" if waits is None else (
+            "; no synchronizing call" if not waits else
+            f"; {len(waits)} synchronizing call{'s' if len(waits) > 1 else ''} a step, first at "
+            + _short(waits[0].split(": ")[0].rsplit("/", 1)[-1], 60))
         if split.get("host_s") is None:
-            return f"waits for the GPU ({split['waited']} of {split['calls']} calls)"
+            return f"waits for the GPU ({split['waited']} of {split['calls']} calls){at}"
         return (f"host {_ms(split['host_s'])} ms, GPU {_ms(split['device_s'])} ms"
-                + (f" (waited in {split['waited']} of {split['calls']} calls)" if split.get("waited") else ""))
+                + (f" (waited in {split['waited']} of {split['calls']} calls)" if split.get("waited") else "") + at)
 
     backend = sdpa_label.split()[1] if sdpa_label.startswith("sdpa ") else None
     parts = [f"{who}: {text}" for who, text in (("ours", said(ours, "ours")),
