@@ -825,7 +825,9 @@ def test_cuda_host_and_device_tells_a_step_that_waits_for_the_gpu():
     heavy = measure.host_and_device(lambda: [x @ x for _ in range(40)], device, busy_s=0.2)
     assert light["waited"] == heavy["waited"] == 0
     assert light["host_s"] < 0.1 and heavy["host_s"] < 0.1
-    assert heavy["device_s"] > 10 * light["device_s"] > 0
+    # (40 products against 1; gpu_check.sh runs the CUDA tests on 8 workers sharing the GPU, whose
+    # time slices may lengthen the light step's interval: a margin well below 40)
+    assert heavy["device_s"] > 4 * light["device_s"] > 0
 
 
 @pytest.mark.slow

@@ -1289,6 +1289,36 @@ def test_compiled_steps_on_a_concatenating_cache_read_the_keys_turns_from_a_tabl
     assert tables == {128, 256} and compiled_steps.frame_count == 1
 
 
+def test_a_model_under_inference_mode_keeps_its_turn_table_between_steps(compiled_steps, monkeypatch):
+    """A model's far-key frequencies (integrations: rope_frequencies_for) are made outside inference
+    mode, so that they keep a version counter: the compiled DynamicCache step keeps its turn table by
+    it. Made under inference mode (a model first called there: generate() under torch.inference_mode),
+    they had none, and every step of every layer made its table again (a review, 2026-11-27). Here a
+    tiny Llama of the default conversion under inference mode, prefill and five steps: one table."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from hf_dilated.bench.gpu_table import _cache_arg, _model_entry
+    from hf_dilated.config import CONFIG_KEY
+    from hf_dilated.ops import sparse_far_concatenated
+
+    made = []
+    real = sparse_far_concatenated.far_turn_table
+    monkeypatch.setattr(sparse_far_concatenated, "far_turn_table", lambda *a: made.append(a[0]) or real(*a))
+    n = 300
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_hidden_layers=2, intermediate_size=64, vocab_size=64, max_position_embeddings=n + 8)
+    setattr(config, CONFIG_KEY, _model_entry("default", 128, n + 8))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="dilated").eval()
+    ids = torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(1))
+    arg = {_cache_arg(model): DynamicCache(config=config)}
+    with torch.inference_mode():
+        model(input_ids=ids[:, :-5], **arg)
+        for t in range(5):
+            model(input_ids=ids[:, n - 5 + t:n - 4 + t], **arg)
+    assert compiled_steps.frame_count == 1 and len(made) == 1, made
+
+
 def test_far_turns_are_rotate_by_and_kept_while_their_frequencies_stay():
     """sparse_far_concatenated.far_turns: rope.rotate_by's turns to the grouped far positions, read by
     position; one table per frequency tensor (a model's layers share it), kept while it is long
@@ -1778,6 +1808,39 @@ def test_product_dtype_keeps_sixteen_bit_keys_dtype_on_cuda_only():
         assert far_selection.product_dtype(cuda, torch.float16) == torch.float32
         bfloat16 = far_selection.product_dtype(cuda, torch.bfloat16)
         assert bfloat16 == (torch.bfloat16 if sums_in_float32 else torch.float32)
+    finally:
+        torch.backends.cuda.matmul.allow_fp16_accumulation = flag
+
+
+def test_product_dtype_traces_in_a_compiled_plan_without_a_graph_break():
+    """product_dtype inside a compiled call (bounds() in the by-block plan calls it): dynamo cannot
+    trace the getter of allow_fp16_accumulation, so for float16 on CUDA the plan broke into three
+    graphs, one of them bounds() alone, shared by every length and shape (a review, 2026-11-27).
+    Traced with fullgraph (where a break is an error), for the CUDA device, it is one graph now; the
+    flag is still read eagerly."""
+    from hf_dilated.ops import far_selection
+
+    cuda = torch.device("cuda")
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def plan(x):
+        return x.to(far_selection.product_dtype(cuda, torch.float16)) + 1
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(plan, backend=counting, fullgraph=True)(torch.zeros(3))
+    finally:
+        torch._dynamo.reset()
+    sums_in_float32 = "dtype" in torch.ops.aten.bmm.overloads()
+    assert len(graphs) == 1 and out.dtype == (torch.float16 if sums_in_float32 else torch.float32)
+    flag = torch.backends.cuda.matmul.allow_fp16_accumulation
+    try:
+        torch.backends.cuda.matmul.allow_fp16_accumulation = True
+        assert far_selection.product_dtype(cuda, torch.float16) == torch.float32
     finally:
         torch.backends.cuda.matmul.allow_fp16_accumulation = flag
 

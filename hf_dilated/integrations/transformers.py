@@ -105,7 +105,10 @@ def rope_frequencies_for(module, settings, device) -> torch.Tensor | None:
     if entry.rope_frequencies is None:
         entry.rope_frequencies = {}
     if device not in entry.rope_frequencies:
-        entry.rope_frequencies[device] = rotary_frequencies(module).to(device)
+        # made outside inference mode: an inference tensor has no version counter, and a GPU's compiled
+        # DynamicCache step keeps its turn table by the frequencies' version (made again every step without)
+        with torch.inference_mode(False):
+            entry.rope_frequencies[device] = rotary_frequencies(module).to(device)
     return entry.rope_frequencies[device]
 
 

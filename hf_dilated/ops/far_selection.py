@@ -116,9 +116,19 @@ def product_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     products, off the tensor cores, took 3.0 of a 16K prefill's 59.5 ms of GPU time and 48 of 281
     at 64K: they grow with the square of the length."""
     if (device.type == "cuda" and dtype in _SIXTEEN_BIT and _SUMS_IN_FLOAT32 and torch.version.hip is None
-            and not (dtype == torch.float16 and getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False))):
+            and not (dtype == torch.float16 and _fp16_accumulation())):
         return dtype
     return bound_dtype(dtype)
+
+
+def _fp16_accumulation() -> bool:
+    """torch.backends.cuda.matmul.allow_fp16_accumulation, read eagerly only: dynamo cannot trace its
+    getter, and a compiled plan calling bounds() broke into three graphs on float16 (one of them
+    bounds() alone, shared by every length and shape: past dynamo's limit it ran eagerly). Compiled,
+    bounds() trusts the 16-bit summaries its eager caller made by product_dtype (sparse_far_flex.prefill)."""
+    if torch.compiler.is_compiling():
+        return False
+    return getattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", False)
 
 
 def summaries(k_far: torch.Tensor, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
