@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_dilated.eval import core, runner
-from hf_dilated.eval.passkey import KEY_DIGITS, min_length
+from hf_dilated.eval.passkey import min_length
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
