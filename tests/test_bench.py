@@ -660,6 +660,8 @@ def test_gpu_table_measures_every_row_on_cpu_at_tiny_sizes(tmp_path):
                 and "default conversion" in row["config"] and "every far key" not in row["config"]):
             # the CPU's sparse-far step is the eager one (reading every far key has none)
             assert "layer steps: " in row["note"] and " eager" in row["note"], row
+        if row["measure"] in ("decode step, DynamicCache", "decode step, ReservedCache"):  # ours and sdpa in turn
+            assert row["base"] == "sdpa default (in turn)" and "apart: ours " in row["note"], row
         assert "fell back" not in (row.get("note") or ""), row
         if row["measure"] == "prefill (DynamicCache)" and "every far key" in row["config"]:
             assert row["pair_rate"] == pytest.approx(row["speed"]), row  # it reads dense attention's pairs

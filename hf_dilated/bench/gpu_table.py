@@ -254,7 +254,8 @@ def model_case(spec: dict, own_process: bool = False) -> dict:
     """Prefill of N tokens (DynamicCache, logits of the last token only), then one decode step with
     DynamicCache and with hf_dilated.ReservedCache, each filled by a prefill of its own; on CUDA each
     step's host and GPU time apart too (measure.host_and_device: which of them bounds the step, and
-    whether it waits for the GPU)."""
+    whether it waits for the GPU) and its synchronizing calls. Ours' steps again in turn with sdpa's
+    (_decode_in_turn), whose ratio the table's decode rows give."""
     import torch
     from transformers import DynamicCache
 
@@ -266,6 +267,14 @@ def model_case(spec: dict, own_process: bool = False) -> dict:
     model.eval()
     arg = _cache_arg(model)
     caches = {"dynamic": lambda: DynamicCache(config=config), "reserved": lambda: ReservedCache(config=config)}
+    # Ours' decode steps are timed once more in turn with sdpa's (its first kernel, flash on a GPU) in
+    # this process: in processes of their own sdpa's step took 2.3 ms in one and 3.6 in the next (an
+    # H200, 2026-11-27), a spread that no ratio of two processes can carry.
+    base = None
+    if spec["conversion"] != "sdpa":
+        base, _, _ = _build_model(dict(spec, conversion="sdpa"))
+        base.eval()
+        base_backend = sdpa_backends(spec["device"], spec)[0]
     result = {"spec": spec, "backends": {}}
     for backend in _backends_of(spec):
         res = result["backends"][backend] = {}
@@ -301,10 +310,42 @@ def model_case(spec: dict, own_process: bool = False) -> dict:
                     waits = measure.synchronizing_calls(step, device)  # where it waits, if it does
                     if waits is not None:
                         res[name]["waits"] = waits
+                if base is not None and "median_s" in res[name]:
+                    res[name]["in_turn"] = _decode_in_turn(step, base, make, ids, arg, base_backend, device,
+                                                           spec["decode_repeats"])
                 del cache
                 gc.collect()
     result["fallbacks"] = fallbacks()
     return result
+
+
+def _decode_in_turn(step, base, make, ids, arg, backend: str, device, repeats: int) -> dict:
+    """Ours' decode `step` and sdpa's (the model `base` under its kernel `backend`, on a cache of its
+    own made by `make` and filled by the same prefill), timed in turn, one call each a round after
+    one to warm up: {"backend", "ours_s", "sdpa_s"} (medians), or {"error"}."""
+    import statistics
+
+    import torch
+
+    from .. import measure
+
+    cache = make()
+    try:
+        with torch.no_grad(), _sdpa_context(backend):
+            _prefill(base, ids, cache)
+    except measure.CALL_ERRORS as e:
+        return {"error": "sdpa's prefill: " + measure.error_text(e)}
+
+    def sdpa_step():
+        with torch.no_grad(), _sdpa_context(backend):
+            base(input_ids=ids[:, -1:], **{arg: cache}, use_cache=True)
+
+    errors = []  # (time_interleaved logs a call that raises, and leaves its side out)
+    ours, sdpa = measure.time_interleaved([("ours", step), ("sdpa", sdpa_step)], repeats=max(3, repeats),
+                                          warmup=1, log=errors.append, device=device)
+    if not ours or not sdpa:
+        return {"error": "; ".join(errors)[:300] or "no call timed"}
+    return {"backend": backend, "ours_s": statistics.median(ours), "sdpa_s": statistics.median(sdpa)}
 
 
 def train_case(spec: dict, own_process: bool = False) -> dict:
@@ -923,6 +964,16 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
             for entry, label, _ in entries:
                 t, tname, terr = _best(ours, entry, ["ours"])
                 bt, bname, berr = _best(sdpa, entry, backends)
+                # a decode step's ratio: ours and sdpa's timed in turn in ours' process (model_case), where
+                # there; the two cases' own figures in its note
+                turn = (((ours or {}).get("backends", {}).get("ours", {}).get(entry) or {}).get("in_turn")
+                        if entry != "prefill" else None) or {}
+                apart = None
+                if "ours_s" in turn:
+                    apart = f"apart: ours {_ms(t)} ms, {bname} {_ms(bt)} ms" if (t and bt) else None
+                    t, bt, bname = turn["ours_s"], turn["sdpa_s"], f"sdpa {turn['backend']} (in turn)"
+                elif "error" in turn:
+                    apart = f"in turn: {_short(turn['error'], 100)}"
                 if entry == "prefill" and conv in ("default", "every_far"):
                     target, check = ">= 0.8x best (>= 1.0x flash)", lambda sp, pr: sp >= 0.8
                 elif entry == "prefill" and n == max(s["prefill_lengths"]):
@@ -949,7 +1000,7 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
                     row["note"] = "; ".join(filter(None, [row.get("note"), (
                         f"first call {cold:.1f} s compiling ahead, {_seconds(first)} here" if cold
                         else f"first call {_seconds(first)}")]))
-                row["note"] = "; ".join(filter(None, [row.get("note"), _path_note(ours, entry),
+                row["note"] = "; ".join(filter(None, [row.get("note"), apart, _path_note(ours, entry),
                                                       _split_note(ours, sdpa, entry, bname)]))
                 rows.append(row)
     n = s["static_length"]
