@@ -109,8 +109,10 @@ def synchronizing_calls(step: Callable[[], object], device: torch.device) -> lis
     either way, a stream's synchronize), and each warning is listed as "file:line: message", the
     line the Python frame that made the operation. Reads back that the CPU's counts see (aten's
     _local_scalar_dense, nonzero: tests/test_host_sync.py) and the CUDA-only ones they cannot (a
-    blocking copy from pageable memory, a synchronize in a library). [] when there is none; None
-    elsewhere (no queue to wait on)."""
+    blocking copy either way, a stream's synchronize in a library). Not seen: torch.cuda.synchronize
+    and an event's synchronize (torch flags neither), the allocator's cudaFree, a full launch queue
+    (host_and_device counts those as waits). [] when there is none; None elsewhere (no queue to
+    wait on)."""
     if device.type != "cuda":
         return None
     import warnings

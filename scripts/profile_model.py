@@ -177,8 +177,12 @@ def main() -> None:
 
                     sync()
                     start = time.perf_counter()
-                    step()  # (ours' first step past the band compiles or captures its graphs)
-                    sync()
+                    try:
+                        step()  # (ours' first step past the band compiles or captures its graphs)
+                        sync()
+                    except Exception as exc:  # noqa: BLE001 - reported; the other steps and lengths go on
+                        print(f"  {label} {name}: first step failed: {measure.error_text(exc)}", flush=True)
+                        continue
                     print(f"  {label} {name}: first step {1e3 * (time.perf_counter() - start):.0f} ms", flush=True)
                     cache_steps[name] = (step, backend)
                 # the steps timed in turn, round by round: a slow spell of the machine falls on each alike
@@ -190,6 +194,8 @@ def main() -> None:
                                                       warmup=1, device=torch.device(device))
                 ms = {name: 1e3 * statistics.median(t) for name, t in zip(cache_steps, rounds) if t}
                 for name, (step, backend) in cache_steps.items():
+                    if name not in ms:  # (it raised: time_interleaved printed why)
+                        continue
                     split = measure.host_and_device(step, torch.device(device), busy_s=max(0.05, 4e-3 * ms.get(name, 0)))
                     if split:  # which bounds the step: its host's work or its GPU's, or a wait
                         apart = ("waits for the GPU" if split["host_s"] is None else
@@ -210,9 +216,11 @@ def main() -> None:
                         profiles.append((f"decode step after N {n}, {label}: {name}", profile_step))
                 print(f"  {label} layer steps: {paths or 'no sparse-far step'}; fell back: "
                       f"{gpu_table.fallbacks() or 'nothing'}")
-                best = min(v for k, v in ms.items() if k.startswith("sdpa"))
-                print(f"{label}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
-                      + f"; speed {best / ms[args.conversion]:.2f}x of sdpa's best (7 rounds in turn, medians)")
+                sdpa_ms = [v for k, v in ms.items() if k.startswith("sdpa")]
+                speed = (f"speed {min(sdpa_ms) / ms[args.conversion]:.2f}x of sdpa's best (7 rounds in turn, medians)"
+                         if sdpa_ms and args.conversion in ms else "no ratio: a step failed")
+                print(f"{label}: " + ", ".join(f"{k} {ms[k]:.2f} ms" if k in ms else f"{k} failed" for k, _, _ in runs)
+                      + f"; {speed}")
                 del cache_steps, step
         if device == "cuda":  # what no profile holds (caches of unprofiled steps) goes before the next length
             torch.cuda.empty_cache()

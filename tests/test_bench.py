@@ -668,6 +668,38 @@ def test_gpu_table_measures_every_row_on_cpu_at_tiny_sizes(tmp_path):
     assert not [line for line in lines if "not run" in line and not line.startswith("| CUDA tests")]
 
 
+def test_gpu_table_decode_diagnostics_that_fail_keep_the_case_figures(monkeypatch):
+    """model_case's diagnostics of a decode step (its synchronizing calls, its timing in turn with
+    sdpa's) report their own failure and keep the case's figures (a review: raising out of the case,
+    they lost its prefill and decode timings). sdpa's step in turn gets copies of ours' cache, not a
+    prefill of its own (most of a second at 128K)."""
+    from hf_dilated import measure
+    from hf_dilated.bench import gpu_table
+
+    def fails(*args, **kwargs):
+        raise ValueError("boom")
+
+    prefills = []
+    real_prefill = gpu_table._prefill
+    monkeypatch.setattr(gpu_table, "_prefill", lambda model, *a: prefills.append(model) or real_prefill(model, *a))
+    s = gpu_table.settings(smoke=True)
+    (key, spec), = [(k, v) for k, v in gpu_table.plan("model", dict(s, prefill_lengths=[128]), "cpu")
+                    if k == "union|128"]
+    ours = gpu_table.model_case(spec)["backends"]["ours"]
+    assert ours["dynamic"]["in_turn"]["ours_s"] > 0 and ours["reserved"]["in_turn"]["sdpa_s"] > 0
+    assert len({id(m) for m in prefills}) == 1  # ours' model alone prefilled
+    monkeypatch.setattr(measure, "synchronizing_calls", fails)
+    monkeypatch.setattr(gpu_table, "_decode_in_turn", fails)
+    ours = gpu_table.model_case(spec)["backends"]["ours"]
+    for entry in ("dynamic", "reserved"):
+        assert ours[entry]["median_s"] > 0 and ours["prefill"]["median_s"] > 0
+        assert ours[entry]["in_turn"] == {"error": "ValueError: boom"}
+        assert ours[entry]["waits_error"] == "ValueError: boom" and "waits" not in ours[entry]
+        ours[entry]["split"] = {"host_s": 1e-3, "device_s": 1e-3, "waited": 0, "calls": 2}
+        assert gpu_table._split_note({"backends": {"ours": ours}}, None, entry, "sdpa") == (
+            "ours: host 1.00 ms, GPU 1.00 ms; synchronizing calls not found (ValueError: boom)")
+
+
 def test_gpu_table_says_how_decode_steps_ran_and_what_fell_back(monkeypatch):
     """step_paths counts each layer's sparse-far decode step by the form that served it, in kinds.py's
     order (the CUDA graph, the compiled call, else the eager step): a slow row says which it was.

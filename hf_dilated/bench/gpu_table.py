@@ -307,22 +307,30 @@ def model_case(spec: dict, own_process: bool = False) -> dict:
                                                     repeats=2)
                     if split:
                         res[name]["split"] = split
-                    waits = measure.synchronizing_calls(step, device)  # where it waits, if it does
+                    try:  # (diagnostics: a failure is reported, never the case's figures lost)
+                        waits = measure.synchronizing_calls(step, device)  # where it waits, if it does
+                    except Exception as e:  # noqa: BLE001
+                        waits, res[name]["waits_error"] = None, measure.error_text(e)
                     if waits is not None:
                         res[name]["waits"] = waits
                 if base is not None and "median_s" in res[name]:
-                    res[name]["in_turn"] = _decode_in_turn(step, base, make, ids, arg, base_backend, device,
-                                                           spec["decode_repeats"])
+                    try:
+                        res[name]["in_turn"] = _decode_in_turn(step, base, cache, make, ids, arg, base_backend,
+                                                               device, spec["decode_repeats"])
+                    except Exception as e:  # noqa: BLE001
+                        res[name]["in_turn"] = {"error": measure.error_text(e)}
                 del cache
                 gc.collect()
     result["fallbacks"] = fallbacks()
     return result
 
 
-def _decode_in_turn(step, base, make, ids, arg, backend: str, device, repeats: int) -> dict:
+def _decode_in_turn(step, base, ours_cache, make, ids, arg, backend: str, device, repeats: int) -> dict:
     """Ours' decode `step` and sdpa's (the model `base` under its kernel `backend`, on a cache of its
-    own made by `make` and filled by the same prefill), timed in turn, one call each a round after
-    one to warm up: {"backend", "ours_s", "sdpa_s"} (medians), or {"error"}."""
+    own made by `make`, holding copies of ours_cache's keys and values: a step's time does not
+    depend on their values, and a prefill of sdpa's own took most of a second at 128K), timed in
+    turn, one call each a round after one to warm up: {"backend", "ours_s", "sdpa_s"} (medians), or
+    {"error"}."""
     import statistics
 
     import torch
@@ -330,11 +338,9 @@ def _decode_in_turn(step, base, make, ids, arg, backend: str, device, repeats: i
     from .. import measure
 
     cache = make()
-    try:
-        with torch.no_grad(), _sdpa_context(backend):
-            _prefill(base, ids, cache)
-    except measure.CALL_ERRORS as e:
-        return {"error": "sdpa's prefill: " + measure.error_text(e)}
+    with torch.no_grad():
+        for i, layer in enumerate(ours_cache.layers):
+            cache.update(layer.keys.clone(), layer.values.clone(), i)
 
     def sdpa_step():
         with torch.no_grad(), _sdpa_context(backend):
@@ -867,11 +873,11 @@ def _split_note(ours, sdpa, entry: str, sdpa_label: str) -> str | None:
     or host work longer than the spin (measure.host_and_device); then the step's synchronizing calls
     (measure.synchronizing_calls: their count and the first's file and line); None without."""
     def said(result, backend):
-        split = ((result or {}).get("backends", {}).get(backend, {}).get(entry, {}) or {}).get("split")
+        measured = (result or {}).get("backends", {}).get(backend, {}).get(entry, {}) or {}
+        split, waits, failed = measured.get("split"), measured.get("waits"), measured.get("waits_error")
         if not split:
             return None
-        waits = result["backends"][backend][entry].get("waits")
-        at = "" if waits is None else (
+        at = f"; synchronizing calls not found ({_short(failed, 80)})" if failed else "" if waits is None else (
             "; no synchronizing call" if not waits else
             f"; {len(waits)} synchronizing call{'s' if len(waits) > 1 else ''} a step, first at "
             + _short(waits[0].split(": ")[0].rsplit("/", 1)[-1], 60))
@@ -1000,8 +1006,9 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
                     row["note"] = "; ".join(filter(None, [row.get("note"), (
                         f"first call {cold:.1f} s compiling ahead, {_seconds(first)} here" if cold
                         else f"first call {_seconds(first)}")]))
+                split_label = f"sdpa {turn['backend']}" if "ours_s" in turn else bname  # (its own process's)
                 row["note"] = "; ".join(filter(None, [row.get("note"), apart, _path_note(ours, entry),
-                                                      _split_note(ours, sdpa, entry, bname)]))
+                                                      _split_note(ours, sdpa, entry, split_label)]))
                 rows.append(row)
     n = s["static_length"]
     static = parts.get("static", {}).get("results", {})
