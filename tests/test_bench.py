@@ -614,6 +614,31 @@ def test_gpu_table_flex_block_mask_is_the_block_layout():
     assert torch.equal(mask.full_kv_num_blocks[0, 0], (layout.bool().tril().sum(-1) - 1).int())
 
 
+def test_block_sparse_compiled_mask_is_the_baselines():
+    """block_sparse's FlexAttention path, compiled (lists honoured: CUDA), builds for the benchmark's
+    layout (global_local, blocks of 256) the very BlockMask its baseline builds: the same tiles, the
+    same lists, the same causal mask_mod on the diagonal blocks; the row against FlexAttention then
+    compares the same work."""
+    from hf_dilated.bench.gpu_table import flex_block_mask
+    from hf_dilated.ops import block_sparse_flex
+    from hf_dilated.ops.block_patterns import make_pattern
+
+    n, bs = 4096, 256
+    layout = make_pattern({"type": "global_local", "global_blocks": 1, "window": 5}).block_layout(
+        torch.arange(n // bs), n // bs)
+    ours = block_sparse_flex.block_mask(layout, n, bs, lists_honoured=True)
+    base = flex_block_mask(layout[0, 0], n, bs, "cpu")
+    assert ours.BLOCK_SIZE == base.BLOCK_SIZE == (bs, bs)
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(ours, name), getattr(base, name)), name
+    for count, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        for row, k in enumerate(getattr(base, count)[0, 0].tolist()):  # (listed first; the rest unread)
+            assert torch.equal(getattr(ours, indices)[0, 0, row, :k].sort().values,
+                               getattr(base, indices)[0, 0, row, :k].sort().values), (indices, row)
+    i = torch.arange(n)
+    assert torch.equal(ours.mask_mod(0, 0, i[:, None], i[None, :]), base.mask_mod(0, 0, i[:, None], i[None, :]))
+
+
 def test_gpu_table_counts_the_cuda_tests_from_the_xml_or_a_stopped_log(tmp_path):
     from hf_dilated.bench.gpu_table import cuda_tests
 
