@@ -53,3 +53,21 @@ def flash_band(monkeypatch):
 
     monkeypatch.setattr(backend, "band_forward", band_forward)
     yield calls
+
+
+def tiny_default_llama(n: int, original: int, layers: int = 2, batch: int = 1):
+    """(model, config, ids): a tiny LlamaForCausalLM (4 query / 2 kv heads of 16) under `dilated`,
+    converted by the default conversion from `original` tokens to n + 8, and `batch` rows of n
+    token ids: the model tests of the GPU's decode paths (run on the CPU with those paths widened)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_dilated.bench.gpu_table import _model_entry
+    from hf_dilated.config import CONFIG_KEY
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_hidden_layers=layers, intermediate_size=64, vocab_size=64, max_position_embeddings=n + 8)
+    setattr(config, CONFIG_KEY, _model_entry("default", original, n + 8))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="dilated").eval()
+    ids = torch.randint(0, 64, (batch, n), generator=torch.Generator().manual_seed(1))
+    return model, config, ids

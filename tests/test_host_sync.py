@@ -301,21 +301,13 @@ def _masked_decode_syncs(layers, monkeypatch, masked=True, grad_mode=torch.no_gr
     """Syncs of one decode step of a Llama of `layers` layers (default conversion, a left-padded
     batch: an attention mask, as generate() passes) with ReservedCache, on the GPU's path (the
     sparse far keys' step replayed as a graph: GRAPHED_ON widened, here called), in grad_mode()."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from conftest import tiny_default_llama
     from hf_dilated import ReservedCache
-    from hf_dilated.bench.gpu_table import _model_entry
-    from hf_dilated.config import CONFIG_KEY
     from hf_dilated.ops import sparse_far_reserved
 
     monkeypatch.setattr(sparse_far_reserved, "GRAPHED_ON", ("cuda", "cpu"))
     n = 700
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         num_hidden_layers=layers, intermediate_size=64, vocab_size=64, max_position_embeddings=n + 8)
-    setattr(config, CONFIG_KEY, _model_entry("default", 256, n + 8))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="dilated").eval()
-    ids = torch.randint(0, 64, (2, n), generator=torch.Generator().manual_seed(1))
+    model, config, ids = tiny_default_llama(n, 256, layers=layers, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     cache = ReservedCache(config=config)
@@ -345,21 +337,15 @@ def test_compiled_step_on_a_dynamic_cache_reads_nothing_back(monkeypatch):
     eager path read back in every layer: checking its kept summaries against the new tensor.) The
     compiled form cannot read back either: it compiles with fullgraph=True, where a read back is a
     graph break, and a graph break an error."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
 
-    from hf_dilated.bench.gpu_table import _model_entry
-    from hf_dilated.config import CONFIG_KEY
+    from conftest import tiny_default_llama
     from hf_dilated.ops import sparse_far_concatenated
 
     monkeypatch.setattr(sparse_far_concatenated, "COMPILED_ON", ("cuda", "cpu"))
     monkeypatch.setattr(sparse_far_concatenated, "_COMPILE_FAILED", None)
     n = 700
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         num_hidden_layers=2, intermediate_size=64, vocab_size=64, max_position_embeddings=n + 8)
-    setattr(config, CONFIG_KEY, _model_entry("default", 256, n + 8))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="dilated").eval()
-    ids = torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(1))
+    model, config, ids = tiny_default_llama(n, 256)
     cache = DynamicCache(config=config)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache)
@@ -377,11 +363,12 @@ def test_masked_decode_step_reads_back_once_a_step_not_once_a_layer(monkeypatch)
     assert two.total == four.total <= 5, (dict(two.sites), dict(four.sites))
 
 
-def test_block_sparse_flex_prefill_steady_state_has_no_sync(monkeypatch):
+@pytest.mark.parametrize("block_size", [128, 256])
+def test_block_sparse_flex_prefill_steady_state_has_no_sync(block_size, monkeypatch):
     """block_sparse's FlexAttention path (a plain prefill on CUDA; FLEX_ON and where it compiles
     widened here, so the call takes its CUDA branch, compiled with a light backend): a second call
     with the same shapes reuses the plan, the BlockMask and the compiled function, and reads nothing
-    back. Only the compiled FlexAttention call itself runs outside the counter (on CUDA one kernel;
+    back (blocks of 128 in tiles of 128; blocks of 256, the tiles themselves). Only the compiled FlexAttention call itself runs outside the counter (on CUDA one kernel;
     here dynamo, which no dispatch mode may watch)."""
     from torch.utils._python_dispatch import _disable_current_modes
 
@@ -415,7 +402,7 @@ def test_block_sparse_flex_prefill_steady_state_has_no_sync(monkeypatch):
     try:
         with torch.no_grad():
             fwd, _ = steady_state(lambda: block_sparse_attention(q, k, v, {"type": "global_local", "global_blocks": 1,
-                                                                          "window": 2}, block_size=128),
+                                                                          "window": 2}, block_size=block_size),
                                   backward=False)
     finally:
         torch._dynamo.reset()

@@ -1295,22 +1295,17 @@ def test_a_model_under_inference_mode_keeps_its_turn_table_between_steps(compile
     it. Made under inference mode (a model first called there: generate() under torch.inference_mode),
     they had none, and every step of every layer made its table again (a review, 2026-11-27). Here a
     tiny Llama of the default conversion under inference mode, prefill and five steps: one table."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    from transformers import DynamicCache
 
-    from hf_dilated.bench.gpu_table import _cache_arg, _model_entry
-    from hf_dilated.config import CONFIG_KEY
+    from conftest import tiny_default_llama
+    from hf_dilated.bench.gpu_table import _cache_arg
     from hf_dilated.ops import sparse_far_concatenated
 
     made = []
     real = sparse_far_concatenated.far_turn_table
     monkeypatch.setattr(sparse_far_concatenated, "far_turn_table", lambda *a: made.append(a[0]) or real(*a))
     n = 300
-    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         num_hidden_layers=2, intermediate_size=64, vocab_size=64, max_position_embeddings=n + 8)
-    setattr(config, CONFIG_KEY, _model_entry("default", 128, n + 8))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="dilated").eval()
-    ids = torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(1))
+    model, config, ids = tiny_default_llama(n, 128)
     arg = {_cache_arg(model): DynamicCache(config=config)}
     with torch.inference_mode():
         model(input_ids=ids[:, :-5], **arg)
