@@ -70,11 +70,13 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
       "available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(0))
-for name in ("transformers", "flash_attn", "matplotlib"):
+for name in ("transformers", "flash_attn", "flash_attn_interface", "matplotlib"):  # flash_attn*: FA3 / FA4
     try:
-        print(name, importlib.import_module(name).__version__)
+        print(name, getattr(importlib.import_module(name), "__version__", "importable"))
     except Exception as e:  # report what is missing, never stop here
         print(name, "not importable:", type(e).__name__, e)
+import torch.nn.attention as attention  # the FlashAttention versions torch can put in place of its own
+print("flash versions torch registers:", getattr(attention, "list_flash_attention_impls", lambda: "none")())
 EOF
 } >"$out/env.txt" 2>&1
 

@@ -172,6 +172,42 @@ def test_choice_reads_the_torch_flags_when_not_given():
     assert choose_kernel("cuda", BF16, 64, **kw) == CUDA_FLASH
 
 
+def test_choice_follows_the_flash_torch_holds():
+    """A newer FlashAttention activated in place of torch's own (backend.activate_flash, or torch's
+    activate_flash_attention_impl) raises on any GPU but its own: flash is chosen only there."""
+    assert _pick(BF16, flash_impl=None, capability=(8, 0)) == CUDA_FLASH  # torch's own FlashAttention-2
+    assert _pick(BF16, flash_impl="FA3", capability=(9, 0)) == CUDA_FLASH
+    assert _pick(BF16, flash_impl="FA3", capability=(8, 0)) == CUDA_EFFICIENT
+    assert _pick(BF16, flash_impl="FA3", capability=(10, 0)) == CUDA_EFFICIENT
+    assert _pick(BF16, flash_impl="FA4", capability=(10, 0)) == CUDA_FLASH
+    assert _pick(BF16, flash_impl="FA4", capability=(12, 0)) == CUDA_EFFICIENT
+    assert _pick(BF16, 64, bias=True, flash_impl="FA3") == CUDA_EFFICIENT  # a bias never goes to flash
+
+
+def test_flash_versions_tried_newest_first_where_the_gpu_runs_them():
+    assert backend.flash_impls_for((9, 0), ["FA3", "FA4"]) == ["FA4", "FA3"]
+    assert backend.flash_impls_for((9, 0), ["FA3"]) == ["FA3"]
+    assert backend.flash_impls_for((10, 0), ["FA3", "FA4"]) == ["FA4"]
+    assert backend.flash_impls_for((8, 0), ["FA3", "FA4"]) == []
+    assert backend.flash_impls_for((9, 0), []) == []
+
+
+def test_activate_flash_refuses_what_it_cannot_do_and_names_the_argument():
+    before = backend.active_flash()
+    with pytest.raises(ValueError, match="impl"):
+        backend.activate_flash("FA5")
+    import importlib.util
+    for impl, package in (("FA3", "flash_attn_interface"), ("FA4", "flash_attn")):
+        if torch.cuda.is_available() and importlib.util.find_spec(package) is not None:
+            continue  # it can be activated here: the CUDA test runs it
+        with pytest.raises(RuntimeError, match=f"impl='{impl}'"):
+            backend.activate_flash(impl)
+        assert backend.active_flash() == before  # nothing half done
+    if not torch.cuda.is_available():
+        assert backend.activate_flash("auto") is None and backend.active_flash() is None  # torch's own stays
+    assert backend.activate_flash("FA2") is None and backend.active_flash() is None
+
+
 @pytest.mark.parametrize("device_type", ["cpu", "meta", "mps"])
 @pytest.mark.parametrize("dtype", [BF16, FP16, FP32, FP64])
 @pytest.mark.parametrize("bias", [False, True])
@@ -517,6 +553,29 @@ def check_cuda_path(kernel, dtype, hq, hk, n, m, causal, bias, head_dim=64, batc
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_cuda_path_matches_reference(kernel, dtype, hq, hk, n, m, causal, bias):
     check_cuda_path(kernel, dtype, hq, hk, n, m, causal, bias)
+
+
+@pytest.mark.cuda
+def test_cuda_newest_flash_keeps_every_flash_call_exact():
+    """activate_flash("auto") puts the newest FlashAttention installed for this GPU in place of torch's
+    own (or keeps torch's own where none is): the flash path's forward and backward, with GQA and
+    causal, and the band's sliding window, against the float64 reference; then torch's own again."""
+    name = backend.activate_flash("auto")
+    try:
+        assert name == backend.active_flash() and name in (None, *backend.FLASH_IMPLS)
+        check_cuda_path(CUDA_FLASH, BF16, 8, 2, 256, 256, True, False, head_dim=128, batch=2)
+        check_cuda_path(CUDA_FLASH, FP16, 4, 4, 64, 192, False, False, head_dim=64, batch=1)
+        n, m, window = 96, 256, 40  # the queries are the last n of the m keys; query i reads i - window < j <= i
+        q, k, v, _, _ = make_inputs(1, 8, 2, n, m, 64, BF16, device="cuda")
+        out, lse = backend.band_forward(q, k, v, window=window, scale=0.125)
+        pos_q = torch.arange(m - n, m, device="cuda")[:, None]
+        pos_k = torch.arange(m, device="cuda")[None, :]
+        bias = torch.zeros(n, m, device="cuda").masked_fill((pos_k > pos_q) | (pos_k <= pos_q - window), float("-inf"))
+        r_out, r_lse, *_ = reference(q, k, v, is_causal=False, scale=0.125, bias=bias)
+        assert rel_err(out, r_out) < TOL[BF16][0] and (lse.to(FP64) - r_lse).abs().max().item() < TOL[BF16][2]
+    finally:
+        backend.activate_flash("FA2")
+    assert backend.active_flash() is None
 
 
 @pytest.mark.cuda

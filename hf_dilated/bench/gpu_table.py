@@ -538,7 +538,10 @@ def _kind(name: str) -> str:
 
 def plan(part: str, s: dict, device: str) -> list[tuple[str, dict]]:
     """(key, spec) of every case of `part`."""
-    common = dict(device=device, dtype=s["dtype"], warmup=s["warmup"], repeats=s["repeats"], threads=None)
+    # flash "auto": the newest FlashAttention installed for the GPU (FA4, FA3; torch's own FlashAttention-2
+    # where none is) runs every flash call of a case, ours and sdpa's alike (ops/backend.activate_flash)
+    common = dict(device=device, dtype=s["dtype"], warmup=s["warmup"], repeats=s["repeats"], threads=None,
+                  flash="auto")
     backends = sdpa_backends(device, s)
     out = []
     if part == "kernels":
@@ -654,6 +657,9 @@ def warm_case(spec: dict, report=print) -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
+    if spec.get("flash"):
+        from ..ops import backend
+        backend.activate_flash(spec["flash"])
     if spec["kind"].endswith(":static_case"):
         report(f"first call {timed(lambda: static_case(spec)):.3f} s")
         return
@@ -1134,6 +1140,7 @@ def markdown(s: dict, rows: list[dict], tests: dict, env: dict, parts: dict) -> 
         + ("; --smoke: tiny sizes, timings meaningless" if s["smoke"] else ""),
         "- sdpa best = the faster of sdpa's flash and cuDNN backends (torch.nn.attention.sdpa_kernel), measured in the "
         "same run (in float32 or on the CPU: sdpa's default). Ours runs unrestricted.",
+        f"- FlashAttention in every flash call, ours and sdpa's: {env.get('flash') or 'not recorded'}",
         "- speed = sdpa time / ours (above 1: ours faster); time ratio = ours / sdpa; pair rate = (visible pairs / "
         "our time) / (dense causal pairs / sdpa time); pairs = visible (query, key) pairs / dense causal pairs.",
         f"- levels from {L}: segments {L}, {2 * L}, ... with dilations 1, 2, ... until a segment covers N (model rows: "
@@ -1200,6 +1207,8 @@ def render(s: dict, out: Path, tests_xml: Path | None = None, tests_log: Path | 
     env = {"device": device, "torch": torch.__version__, "python": platform.python_version()}
     if device == "cuda" and torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name(0)
+    flashes = sorted({r["flash"] for p in parts.values() for r in p.get("results", {}).values() if r.get("flash")})
+    env["flash"] = ", ".join(f.replace("FA2", "FA2 (torch's own)") for f in flashes) or None
     tests = cuda_tests(tests_xml, tests_log)
     rows = build_rows(s, parts, device)
     text = markdown(s, rows, tests, env, parts)

@@ -18,6 +18,7 @@ import traceback
 
 import torch
 
+from ..ops import backend
 from .block_sparse import run_block_sparse_case
 from .decode import run_decode_case, run_generate_case
 from .distributed import run_distributed_rank
@@ -54,8 +55,11 @@ def run_case(spec: dict, own_process: bool = False) -> dict:
     measurement may change its allocator settings."""
     if spec.get("threads"):
         torch.set_num_threads(int(spec["threads"]))
+    if spec.get("flash"):  # the FlashAttention of every flash call in the case: ours and sdpa's alike
+        backend.activate_flash(spec["flash"])
     result = case_function(spec["kind"])(spec, own_process)
     result["threads"] = torch.get_num_threads()
+    result["flash"] = backend.active_flash() or "FA2"
     return result
 
 

@@ -19,6 +19,9 @@ Backends, picked per call by `choose_kernel` (a pure function of the call's desc
   PyTorch's memory-efficient kernel, with K/V expanded to the query heads (it has no GQA mode).
 - CUDA where neither applies (float64, or both disabled by `torch.backends.cuda` flags): plain
   torch ops (`_math_forward`), exact but materialising the (q_len, kv_len) scores.
+CUDA_FLASH is whichever FlashAttention torch's dispatcher holds: its own FlashAttention-2, or a
+newer one (FA3, FA4) that `activate_flash` puts in its place where it is installed (for sdpa too:
+torch swaps the kernels process-wide).
 The log-sum-exp of every path is the natural-log one of the same rows, so a forward on one kernel
 and a backward on another (flags changed, or `needs_grad` rules) agree.
 A row whose keys are all masked comes back from the CPU kernel with log-sum-exp 0 and output 0;
@@ -29,6 +32,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.attention  # its FlashAttention registry (activate_flash)
 
 _aten = torch.ops.aten
 
@@ -47,12 +51,14 @@ _MAX_GRID_BATCH = 65535
 def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, *, has_bias: bool, is_causal: bool,
                   q_len: int, kv_len: int, q_heads: int = 1, kv_heads: int = 1, needs_grad: bool = False,
                   capability: tuple[int, int] | None = None, flash_enabled: bool | None = None,
-                  efficient_enabled: bool | None = None, flash_available: bool | None = None) -> str:
+                  efficient_enabled: bool | None = None, flash_available: bool | None = None,
+                  flash_impl: str | None = ...) -> str:
     """The kernel for one dense call: CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT or CUDA_MATH.
 
     Pure (no tensors): the CUDA-only inputs (`capability`, the `torch.backends.cuda` flags, whether
-    this build has the flash kernel) are read from torch only when left None on a CUDA call, so
-    that a test can pass them. `needs_grad` is True when choosing for a backward.
+    this build has the flash kernel, the FlashAttention the dispatcher holds: None for torch's own
+    FlashAttention-2, else "FA3" / "FA4") are read from torch only when left unset on a CUDA call,
+    so that a test can pass them. `needs_grad` is True when choosing for a backward.
     """
     if device_type != "cuda":
         return CPU_FLASH  # the CPU path (and any non-CUDA device) is the unchanged CPU kernel
@@ -67,10 +73,14 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, *, has_bi
         efficient_enabled = torch.backends.cuda.mem_efficient_sdp_enabled()
     if flash_available is None:
         flash_available = _flash_built()
+    if flash_impl is ...:
+        flash_impl = active_flash()
     empty = q_len == 0 or kv_len == 0
     if (flash_enabled and flash_available and not has_bias and not empty
-            # FlashAttention-2 kernels exist for sm80 up to sm121 (sdpa's check_flash_attention_hardware_support)
+            # FlashAttention-2 kernels exist for sm80 up to sm121 (sdpa's check_flash_attention_hardware_support);
+            # a newer one activated in its place raises on other GPUs than its own (FLASH_IMPLS)
             and dtype in _HALF and (8, 0) <= capability <= (12, 1)
+            and (flash_impl is None or capability[0] in FLASH_IMPLS.get(flash_impl, (capability[0],)))
             and head_dim % 8 == 0 and 0 < head_dim <= 256
             # flash's causal mask is bottom-right aligned; the contract is top-left. Equal for
             # q_len == kv_len; for q_len < kv_len no query sees a key past q_len (the call drops
@@ -87,6 +97,68 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, *, has_bi
     if efficient_enabled and dtype in efficient_dtypes and capability >= (5, 0) and aligned:
         return CUDA_EFFICIENT
     return CUDA_MATH
+
+
+# The FlashAttention versions torch.nn.attention can put in place of its own FlashAttention-2 (torch
+# >= 2.10 registers them; each needs its package installed), newest first, with the major compute
+# capabilities torch's adapter for each accepts (torch/nn/attention/_fa4.py, _fa3.py: it raises on
+# any other GPU).
+FLASH_IMPLS = {"FA4": (9, 10), "FA3": (9,)}
+
+
+def flash_impls_for(capability: tuple[int, int], registered) -> list[str]:
+    """The FlashAttention versions, newest first, that `activate_flash("auto")` tries on a GPU of
+    this compute capability, given the names torch has registered."""
+    return [name for name, majors in FLASH_IMPLS.items() if name in registered and capability[0] in majors]
+
+
+def activate_flash(impl: str = "auto", device=None) -> str | None:
+    """Put a newer FlashAttention in place of torch's own FlashAttention-2, for every flash call of
+    the process: this package's kernels and `sdpa`'s alike (torch.nn.attention.activate_flash_attention_impl
+    swaps the dispatcher's kernels; it is process-wide and torch leaves the choice to the user, so
+    nothing here does it unasked). Returns the name now active, None for torch's own.
+
+    impl: "auto" -- the newest of FLASH_IMPLS that torch registers, that this GPU (`device`, else the
+    current one) runs, and whose package is installed (FA4: flash_attn.cute; FA3:
+    flash_attn_interface); torch's own where none is (or without a GPU). "FA3" / "FA4" -- that one
+    (an error says why it cannot be). "FA2" -- torch's own again.
+    """
+    attention = torch.nn.attention
+    if impl == "FA2":
+        if active_flash() is not None:
+            attention.restore_flash_attention_impl()
+        return None
+    if impl != "auto" and impl not in FLASH_IMPLS:
+        raise ValueError(f"impl must be 'auto', 'FA2' or one of {list(FLASH_IMPLS)}, got {impl!r}")
+    registered = attention.list_flash_attention_impls() if hasattr(attention, "list_flash_attention_impls") else []
+    if impl != "auto" and impl not in registered:
+        raise RuntimeError(f"impl={impl!r}: this torch ({torch.__version__}) registers no such FlashAttention "
+                           f"(it has {registered or 'none'})")
+    if not torch.cuda.is_available() or not _flash_built():
+        if impl == "auto":
+            return None
+        raise RuntimeError(f"impl={impl!r}: FlashAttention needs a CUDA build of torch and a GPU")
+    capability = tuple(torch.cuda.get_device_capability(device))
+    candidates = flash_impls_for(capability, registered) if impl == "auto" else [impl]
+    if impl != "auto" and capability[0] not in FLASH_IMPLS[impl]:
+        raise RuntimeError(f"impl={impl!r} runs on compute capability {FLASH_IMPLS[impl]}.x, this GPU is "
+                           f"{capability[0]}.{capability[1]}")
+    for name in candidates:
+        try:
+            attention.activate_flash_attention_impl(name)  # imports its package, then swaps the kernels
+        except ImportError as exc:  # not installed: the next one, or torch's own
+            if impl != "auto":
+                raise RuntimeError(f"impl={impl!r}: its package is not installed ({exc})") from exc
+            continue
+        return active_flash() or name
+    return None
+
+
+def active_flash() -> str | None:
+    """The FlashAttention torch's dispatcher holds in place of its own FlashAttention-2 ("FA3",
+    "FA4"), or None for its own (and on a torch without the registry)."""
+    current = getattr(torch.nn.attention, "current_flash_attention_impl", None)
+    return current() if current is not None else None
 
 
 @functools.lru_cache(maxsize=None)
