@@ -691,8 +691,9 @@ def test_gpu_table_measures_every_row_on_cpu_at_tiny_sizes(tmp_path):
         if row["measure"] == "prefill (DynamicCache)" and "every far key" in row["config"]:
             assert row["pair_rate"] == pytest.approx(row["speed"]), row  # it reads dense attention's pairs
     assert not [line for line in lines if "not run" in line and not line.startswith("| CUDA tests")]
-    # which FlashAttention the cases ran (ops/backend.activate_flash("auto")): on the CPU torch's own
-    assert "- FlashAttention in every flash call, ours and sdpa's: FA2 (torch's own)\n" in text
+    # which FlashAttention the cases ran (ops/backend.activate_flash("auto"), recorded by each case)
+    assert "- FlashAttention in every flash call, ours and sdpa's: none (no flash kernel off CUDA)\n" in text
+    assert {r["flash"] for r in json.loads((tmp_path / "model.json").read_text())["results"].values()} == {"FA2"}
 
 
 def test_gpu_table_decode_diagnostics_that_fail_keep_the_case_figures(monkeypatch):

@@ -1208,7 +1208,8 @@ def render(s: dict, out: Path, tests_xml: Path | None = None, tests_log: Path | 
     if device == "cuda" and torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name(0)
     flashes = sorted({r["flash"] for p in parts.values() for r in p.get("results", {}).values() if r.get("flash")})
-    env["flash"] = ", ".join(f.replace("FA2", "FA2 (torch's own)") for f in flashes) or None
+    env["flash"] = (", ".join(f.replace("FA2", "FA2 (torch's own)") for f in flashes) or None if device == "cuda"
+                    else "none (no flash kernel off CUDA)")
     tests = cuda_tests(tests_xml, tests_log)
     rows = build_rows(s, parts, device)
     text = markdown(s, rows, tests, env, parts)

@@ -30,6 +30,7 @@ callers that can produce such rows correct the log-sum-exp to -inf themselves.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.attention  # its FlashAttention registry (activate_flash)
@@ -81,6 +82,9 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, *, has_bi
             # a newer one activated in its place raises on other GPUs than its own (FLASH_IMPLS)
             and dtype in _HALF and (8, 0) <= capability <= (12, 1)
             and (flash_impl is None or capability[0] in FLASH_IMPLS.get(flash_impl, (capability[0],)))
+            # FA4's Hopper backward asserts it is not asked for deterministic algorithms
+            and not (needs_grad and flash_impl == "FA4" and capability[0] == 9
+                     and torch.are_deterministic_algorithms_enabled())
             and head_dim % 8 == 0 and 0 < head_dim <= 256
             # flash's causal mask is bottom-right aligned; the contract is top-left. Equal for
             # q_len == kv_len; for q_len < kv_len no query sees a key past q_len (the call drops
@@ -100,15 +104,16 @@ def choose_kernel(device_type: str, dtype: torch.dtype, head_dim: int, *, has_bi
 
 
 # The FlashAttention versions torch.nn.attention can put in place of its own FlashAttention-2 (torch
-# >= 2.10 registers them; each needs its package installed), newest first, with the major compute
-# capabilities torch's adapter for each accepts (torch/nn/attention/_fa4.py, _fa3.py: it raises on
-# any other GPU).
-FLASH_IMPLS = {"FA4": (9, 10), "FA3": (9,)}
+# >= 2.10 registers them; each needs its package installed), with the major compute capabilities
+# torch's adapter for each accepts (torch/nn/attention/_fa3.py, _fa4.py: it raises on any other GPU),
+# in the order "auto" tries them: FA3 first where it runs (Hopper, where it is the mature one, and
+# where FA4's backward refuses deterministic algorithms), FA4 on Blackwell.
+FLASH_IMPLS = {"FA3": (9,), "FA4": (9, 10)}
 
 
 def flash_impls_for(capability: tuple[int, int], registered) -> list[str]:
-    """The FlashAttention versions, newest first, that `activate_flash("auto")` tries on a GPU of
-    this compute capability, given the names torch has registered."""
+    """The FlashAttention versions, in order, that `activate_flash("auto")` tries on a GPU of this
+    compute capability, given the names torch has registered."""
     return [name for name, majors in FLASH_IMPLS.items() if name in registered and capability[0] in majors]
 
 
@@ -118,18 +123,25 @@ def activate_flash(impl: str = "auto", device=None) -> str | None:
     swaps the dispatcher's kernels; it is process-wide and torch leaves the choice to the user, so
     nothing here does it unasked). Returns the name now active, None for torch's own.
 
-    impl: "auto" -- the newest of FLASH_IMPLS that torch registers, that this GPU (`device`, else the
-    current one) runs, and whose package is installed (FA4: flash_attn.cute; FA3:
-    flash_attn_interface); torch's own where none is (or without a GPU). "FA3" / "FA4" -- that one
-    (an error says why it cannot be). "FA2" -- torch's own again.
+    impl: "auto" -- one already active stays; else the first of flash_impls_for() for this GPU
+    (`device`, else the current one) whose package is installed (FA3: flash_attn_interface; FA4:
+    flash_attn.cute) and loads (one that does not is skipped with a warning); torch's own where none
+    is, or without a GPU. "FA3" / "FA4" -- that one, or an error that says why not. "FA2" -- torch's
+    own again.
     """
     attention = torch.nn.attention
     if impl == "FA2":
         if active_flash() is not None:
-            attention.restore_flash_attention_impl()
+            restore = getattr(attention, "restore_flash_attention_impl", None)
+            if restore is None:
+                raise RuntimeError(f"impl='FA2': this torch ({torch.__version__}) cannot put its own FlashAttention "
+                                   f"back in place of {active_flash()}")
+            restore()
         return None
     if impl != "auto" and impl not in FLASH_IMPLS:
         raise ValueError(f"impl must be 'auto', 'FA2' or one of {list(FLASH_IMPLS)}, got {impl!r}")
+    if impl == "auto" and active_flash() is not None:
+        return active_flash()  # the user's choice, made through torch
     registered = attention.list_flash_attention_impls() if hasattr(attention, "list_flash_attention_impls") else []
     if impl != "auto" and impl not in registered:
         raise RuntimeError(f"impl={impl!r}: this torch ({torch.__version__}) registers no such FlashAttention "
@@ -139,19 +151,23 @@ def activate_flash(impl: str = "auto", device=None) -> str | None:
             return None
         raise RuntimeError(f"impl={impl!r}: FlashAttention needs a CUDA build of torch and a GPU")
     capability = tuple(torch.cuda.get_device_capability(device))
-    candidates = flash_impls_for(capability, registered) if impl == "auto" else [impl]
     if impl != "auto" and capability[0] not in FLASH_IMPLS[impl]:
         raise RuntimeError(f"impl={impl!r} runs on compute capability {FLASH_IMPLS[impl]}.x, this GPU is "
                            f"{capability[0]}.{capability[1]}")
-    for name in candidates:
+    for name in flash_impls_for(capability, registered) if impl == "auto" else [impl]:
         try:
             attention.activate_flash_attention_impl(name)  # imports its package, then swaps the kernels
-        except ImportError as exc:  # not installed: the next one, or torch's own
+        except Exception as exc:  # noqa: BLE001 - not installed, or installed and broken: said, never hidden
+            now = active_flash() or "torch's own FlashAttention-2"  # (torch restores its own before trying)
             if impl != "auto":
-                raise RuntimeError(f"impl={impl!r}: its package is not installed ({exc})") from exc
+                raise RuntimeError(f"impl={impl!r}: activating it failed ({type(exc).__name__}: {exc}); {now} "
+                                   "is in use") from exc
+            if not isinstance(exc, ImportError):  # installed but does not load: a user would want to know
+                warnings.warn(f"hf_dilated.activate_flash: {name} did not load ({type(exc).__name__}: {exc}); "
+                              f"{now} is in use", RuntimeWarning, stacklevel=2)
             continue
         return active_flash() or name
-    return None
+    return active_flash()
 
 
 def active_flash() -> str | None:
