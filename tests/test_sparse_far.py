@@ -516,11 +516,22 @@ class _ConcatCache:
         self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
 
 
+@pytest.fixture(params=(False, True), ids=("kv_heads_at_once", "kv_head_by_kv_head"))
+def chosen_by_kv_head(request, monkeypatch):
+    """A decode step's chosen keys and values copied for every kv head at once, or one kv head at a
+    time (what the CPU does once they exceed sparse_far_decode._CPU_CHOSEN_BYTES)."""
+    if request.param:
+        from hf_dilated.ops import sparse_far_decode
+
+        monkeypatch.setattr(sparse_far_decode, "_CPU_CHOSEN_BYTES", 1)
+    return request.param
+
+
 @pytest.mark.parametrize("cache_class", (_InPlaceCache, _ConcatCache), ids=("in_place", "concatenating"))
 @pytest.mark.parametrize("layout", ("plain", "left", "offset", "far_offset"))
 @pytest.mark.parametrize("over", ({}, {"far_group": 1, "far_window": None}, {"far_band": None, "far_sinks": 0},
                                   {"far_top_k": 0, "far_sinks": 2}), ids=("grouped", "own_positions", "k_only", "sinks"))
-def test_decode_steps_match_reference_with_kept_summaries(layout, over, cache_class):
+def test_decode_steps_match_reference_with_kept_summaries(layout, over, cache_class, chosen_by_kv_head):
     """Steps against a cache that grows in place, or into a new tensor each step (DynamicCache): each
     equals the reference of the whole sequence, the summaries are kept in `state` and extended (not
     rebuilt) between steps and equal rebuilt ones; a crop and refill with other keys before the last
@@ -583,7 +594,7 @@ def test_decode_steps_match_reference_with_kept_summaries(layout, over, cache_cl
 
 
 @pytest.mark.parametrize("layout", ("plain", "left", "far_offset"))
-def test_decode_steps_with_tied_bounds_match_reference(layout, monkeypatch):
+def test_decode_steps_with_tied_bounds_match_reference(layout, monkeypatch, chosen_by_kv_head):
     """Small-integer queries and keys (exact bounds, many tied at the k-th): a decode step's heads
     whose k-th bound is tied read every block reaching it (plain_slots' tied rows, listed after the
     sinks), the reference's set; with left padding (whole blocks copied) and with a document that

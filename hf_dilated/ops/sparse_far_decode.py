@@ -214,29 +214,59 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
         offsets = torch.arange(size, device=q.device)
         index_of = (listed[..., None] * size + offsets - shift[b]).flatten(1)  # (heads, n * B)
         read = listed_ok.repeat_interleave(size, -1) & (index_of >= first[b]) & (index_of <= last_far)
-        if shift[b] <= 0:  # block c starts at index c * B - shift >= 0: whole blocks of B rows
-            per_kv = listed.unflatten(0, (kv_heads, group)).flatten(1)  # (kv_heads, group * n)
-            keys, values = (_blocks(t[b], per_kv, -shift[b], size, n_blocks).view(n_heads, -1, dim) for t in (k, v))
-        else:  # rows, those before the row's first index clamped (and not read)
-            per_kv = index_of.clamp(first[b], last_far).unflatten(0, (kv_heads, group)).flatten(1)
-            keys, values = (_rows(t[b], per_kv).view(n_heads, -1, dim) for t in (k, v))
+        whole = shift[b] <= 0  # block c starts at index c * B - shift >= 0: whole blocks of B rows
+        # (else rows, those before the row's first index clamped, and not read)
+        per_kv = (listed if whole else index_of.clamp(first[b], last_far)).unflatten(0, (kv_heads, group)).flatten(1)
+
+        def chosen(x, h0, h1):  # x's chosen keys (or values) of kv heads h0 .. h1 - 1: (their heads, n * B, d)
+            if whole:
+                return _blocks(x[b, h0:h1], per_kv[h0:h1], -shift[b], size, n_blocks).view((h1 - h0) * group, -1, dim)
+            return _rows(x[b, h0:h1], per_kv[h0:h1]).view((h1 - h0) * group, -1, dim)
+
+        step = _kv_heads_at_once(q.device, group * width_blocks * size * dim * k.element_size(), kv_heads)
+        spans = [(h0, min(h0 + step, kv_heads)) for h0 in range(0, kv_heads, step)]
         if rotation is not None and size % rotation[1] == 0:
             # whole blocks: each key turned by its offset's angle, the query back by each block's
-            keys = rotate_with(keys.unflatten(1, (width_blocks, size)), *(t.to(keys.dtype) for t in offset_turn))
             cos, sin = block_turns(listed, size, rotation[1], rotation[2], acc_dtype)  # (heads, n, rot / 2)
             q_blocks = rotate_with((q_far[0, :, 0, None, :].to(acc_dtype) * scale).expand(-1, width_blocks, -1), cos,
                                    -sin)  # (heads, n, d)
-            far = (q_blocks[:, :, None, :] @ keys.to(acc_dtype).transpose(-1, -2)).flatten(1)  # (heads, n * B)
+            turn = tuple(t.to(k.dtype) for t in offset_turn)
+            far = torch.cat([
+                (q_blocks[h0 * group:h1 * group, :, None, :] @ rotate_with(
+                    chosen(k, h0, h1).unflatten(1, (width_blocks, size)), *turn).to(acc_dtype).transpose(-1, -2))
+                .flatten(1) for h0, h1 in spans])  # (heads, n * B)
         else:
-            if rotation is not None:  # per head: (heads, 1, n, d) moved by (heads, n)
-                keys = rotate_by(keys[:, None], _rotation_delta(index_of + shift[b], rotation, False),
-                                 rotation[2])[:, 0]
-            far = (q_far[0, :, 0, None, :].to(acc_dtype) * scale @ keys.to(acc_dtype).transpose(-1, -2))[:, 0]
+            q_scaled = q_far[0, :, 0, None, :].to(acc_dtype) * scale
+            parts = []
+            for h0, h1 in spans:
+                keys = chosen(k, h0, h1)
+                if rotation is not None:  # per head: (heads, 1, n, d) moved by (heads, n)
+                    moved = _rotation_delta(index_of[h0 * group:h1 * group] + shift[b], rotation, False)
+                    keys = rotate_by(keys[:, None], moved, rotation[2])[:, 0]
+                parts.append((q_scaled[h0 * group:h1 * group] @ keys.to(acc_dtype).transpose(-1, -2))[:, 0])
+            far = torch.cat(parts)
         probs = torch.softmax(torch.cat([near.view(n_heads, -1), far.masked_fill(~read, float("-inf"))], -1), -1)
         band = near.shape[-1]  # the band always holds the query's own key: no row without a key
-        out[b, :, t] = ((probs[:, :band].view(kv_heads, group, band) @ v[b, :, lo:index + 1].to(acc_dtype)).view(
-            n_heads, dim) + (probs[:, None, band:] @ values.to(acc_dtype))[:, 0])
+        out[b, :, t] = (probs[:, :band].view(kv_heads, group, band) @ v[b, :, lo:index + 1].to(acc_dtype)).view(
+            n_heads, dim)
+        for h0, h1 in spans:
+            heads = slice(h0 * group, h1 * group)
+            out[b, heads, t] += (probs[heads, None, band:] @ chosen(v, h0, h1).to(acc_dtype))[:, 0]
     return out.to(q.dtype)
+
+
+# The bytes of chosen keys (or values) a CPU step copies at once: larger copies are fresh allocations
+# past glibc's largest heap size (32 MiB), mapped and faulted in page by page at every step (31 of a
+# 49 ms step at 128K, 32/8 heads x 128, float32); smaller ones reuse the heap's memory.
+_CPU_CHOSEN_BYTES = 8 << 20
+
+
+def _kv_heads_at_once(device: torch.device, bytes_per_kv_head: int, kv_heads: int) -> int:
+    """How many kv heads' chosen keys a step copies at once: every one on a GPU (a launch per copy is
+    the cost there), on the CPU as many as fit _CPU_CHOSEN_BYTES (one at least)."""
+    if device.type == "cuda":
+        return kv_heads
+    return max(1, min(kv_heads, _CPU_CHOSEN_BYTES // max(1, bytes_per_kv_head)))
 
 
 def _blocks(x, blocks, start: int, size: int, count: int):
