@@ -255,10 +255,12 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
     return out.to(q.dtype)
 
 
-# The bytes of chosen keys (or values) a CPU step copies at once: larger copies are fresh allocations
-# past glibc's largest heap size (32 MiB), mapped and faulted in page by page at every step (31 of a
-# 49 ms step at 128K, 32/8 heads x 128, float32); smaller ones reuse the heap's memory.
-_CPU_CHOSEN_BYTES = 8 << 20
+# The bytes of chosen keys (or values) a CPU step copies at once. Copies of every kv head at once were
+# fresh allocations past glibc's largest heap block (32 MiB), mapped and faulted in page by page at
+# every step (31 of a 49 ms step at 128K, 32/8 heads x 128, float32); copies of 8 MiB were trimmed
+# from the heap between steps often enough to double some steps at 32K; a kv head at a time there
+# (3-5 MiB) is steady.
+_CPU_CHOSEN_BYTES = 2 << 20
 
 
 def _kv_heads_at_once(device: torch.device, bytes_per_kv_head: int, kv_heads: int) -> int:
