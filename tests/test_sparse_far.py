@@ -80,7 +80,7 @@ def test_forward_and_gradients_match_reference(case, setting, chunk):
 
 @pytest.mark.parametrize("setting", SETTINGS[:4], ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
 @pytest.mark.parametrize("case", CASES, ids=[c.layout for c in CASES])
-def test_decode_and_chunked_prefill_match_reference(case, setting):
+def test_decode_and_chunked_prefill_match_reference(case, setting, chosen_by_kv_head):
     """A decode step or a chunk computes the set the prefill computes for its queries."""
     q, k, v, mask, pos, real_query = make_inputs(case, torch.float64)
     q, k, v = q.detach(), k.detach(), v.detach()
@@ -530,7 +530,8 @@ def chosen_by_kv_head(request, monkeypatch):
 @pytest.mark.parametrize("cache_class", (_InPlaceCache, _ConcatCache), ids=("in_place", "concatenating"))
 @pytest.mark.parametrize("layout", ("plain", "left", "offset", "far_offset"))
 @pytest.mark.parametrize("over", ({}, {"far_group": 1, "far_window": None}, {"far_band": None, "far_sinks": 0},
-                                  {"far_top_k": 0, "far_sinks": 2}), ids=("grouped", "own_positions", "k_only", "sinks"))
+                                  {"far_top_k": 0, "far_sinks": 2}, {"far_block_size": 3}),
+                         ids=("grouped", "own_positions", "k_only", "sinks", "blocks_of_3"))  # 3: keys turned one by one
 def test_decode_steps_match_reference_with_kept_summaries(layout, over, cache_class, chosen_by_kv_head):
     """Steps against a cache that grows in place, or into a new tensor each step (DynamicCache): each
     equals the reference of the whole sequence, the summaries are kept in `state` and extended (not

@@ -231,10 +231,9 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
             q_blocks = rotate_with((q_far[0, :, 0, None, :].to(acc_dtype) * scale).expand(-1, width_blocks, -1), cos,
                                    -sin)  # (heads, n, d)
             turn = tuple(t.to(k.dtype) for t in offset_turn)
-            far = torch.cat([
-                (q_blocks[h0 * group:h1 * group, :, None, :] @ rotate_with(
-                    chosen(k, h0, h1).unflatten(1, (width_blocks, size)), *turn).to(acc_dtype).transpose(-1, -2))
-                .flatten(1) for h0, h1 in spans])  # (heads, n * B)
+            parts = [(q_blocks[h0 * group:h1 * group, :, None, :] @ rotate_with(
+                chosen(k, h0, h1).unflatten(1, (width_blocks, size)), *turn).to(acc_dtype).transpose(-1, -2))
+                .flatten(1) for h0, h1 in spans]  # (their heads, n * B)
         else:
             q_scaled = q_far[0, :, 0, None, :].to(acc_dtype) * scale
             parts = []
@@ -244,7 +243,7 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
                     moved = _rotation_delta(index_of[h0 * group:h1 * group] + shift[b], rotation, False)
                     keys = rotate_by(keys[:, None], moved, rotation[2])[:, 0]
                 parts.append((q_scaled[h0 * group:h1 * group] @ keys.to(acc_dtype).transpose(-1, -2))[:, 0])
-            far = torch.cat(parts)
+        far = parts[0] if len(parts) == 1 else torch.cat(parts)  # (heads, n * B); one span: no copy (a GPU's)
         probs = torch.softmax(torch.cat([near.view(n_heads, -1), far.masked_fill(~read, float("-inf"))], -1), -1)
         band = near.shape[-1]  # the band always holds the query's own key: no row without a key
         out[b, :, t] = (probs[:, :band].view(kv_heads, group, band) @ v[b, :, lo:index + 1].to(acc_dtype)).view(
