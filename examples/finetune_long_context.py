@@ -635,7 +635,15 @@ def finish(run: Run, end_step: int):
         if accelerator.is_main_process:
             save_final(model, run.tokenizer, args, accelerator)
         accelerator.wait_for_everyone()
-    accelerator.end_training()
+    if accelerator.num_processes == 1:
+        accelerator.end_training()
+        return
+    # Every rank meets once more, and the process groups stay up: the script then ends its process
+    # without tearing them down (exit below). accelerate's end_training() destroyed the default group,
+    # DDP's reducer kept the last reference to a gloo subgroup, and at the interpreter's exit it
+    # destroyed that with the GIL held while the group's worker thread waited for the GIL: a rank
+    # hung for good (seen on 2026-11-28 in a test run beside another; pytorch/pytorch#56297).
+    accelerator.wait_for_everyone()
 
 
 def unsharded_copy(run: Run):
@@ -715,5 +723,17 @@ def main(argv=None, dataset=None) -> int:
     return 0
 
 
+def exit_process(code: int):
+    """Ends the process with `code`. With process groups up (every rank past finish()'s last meeting,
+    all it writes written), without the interpreter's teardown, which can hang a rank in a gloo
+    group's destructor (finish()); sequence_parallel_demo.py ends so too. Ending the process
+    releases the groups."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

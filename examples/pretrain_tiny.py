@@ -148,4 +148,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    finetune_long_context.exit_process(main())  # (several processes: no teardown of their groups)

@@ -101,10 +101,24 @@ def test_two_steps_single_process(single_run):
     assert {"embed_tokens", "norm"} <= set(adapter["modules_to_save"])
 
 
-def test_sequence_parallel_two_processes_matches_single_process(checkpoint, single_run):
+def test_sequence_parallel_two_processes_matches_single_process(checkpoint, single_run, tmp_path, monkeypatch):
+    """Two processes under sequence parallelism train as one does, and each rank leaves without the
+    interpreter's teardown of its process groups (there DDP's reducer once destroyed a gloo group
+    with the GIL held, and the rank hung in its destructor): a sitecustomize on the ranks' path marks
+    every interpreter that runs its atexit handlers, and no rank of the script may."""
     out = checkpoint / "sp2"
+    marks = tmp_path / "teardowns"
+    marks.mkdir()
+    (tmp_path / "sitecustomize.py").write_text(
+        "import atexit, os, sys\n"
+        f"atexit.register(lambda: open(os.path.join({str(marks)!r}, str(os.getpid())), 'w')"
+        ".write(sys.argv[0]))\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(tmp_path), os.environ.get("PYTHONPATH")))))
     run(["accelerate", "launch", "--config_file", EXAMPLES / "accelerate_configs/cpu_2proc.yaml",
          "--main_process_port", free_port(), *finetune_cmd(checkpoint, out, "--sp-size", 2, "--no-final-model", python=())])
+    torn_down = [Path(p.read_text()).name for p in marks.iterdir()]  # each interpreter's program
+    assert "accelerate" in torn_down  # the launcher's own exit: the marks work
+    assert "finetune_long_context.py" not in torn_down, torn_down
     single, sp = read_log(single_run / "log.jsonl"), read_log(out / "log.jsonl")
     assert [r["step"] for r in sp] == [1, 2]
     for a, b in zip(single, sp):  # step 2's loss also checks step 1's gradients
