@@ -634,12 +634,11 @@ def finish(run: Run, end_step: int):
             model = unsharded_copy(run)  # collective: every rank sends its shards to the main process
         if accelerator.is_main_process:
             save_final(model, run.tokenizer, args, accelerator)
-        accelerator.wait_for_everyone()
     if accelerator.num_processes == 1:
         accelerator.end_training()
         return
-    # Every rank meets once more, and the process groups stay up: the script then ends its process
-    # without tearing them down (exit below). accelerate's end_training() destroyed the default group,
+    # Every rank meets once more (the others wait for the main process's final model), and the
+    # process groups stay up: the script then ends its process without tearing them down (exit_process). accelerate's end_training() destroyed the default group,
     # DDP's reducer kept the last reference to a gloo subgroup, and at the interpreter's exit it
     # destroyed that with the GIL held while the group's worker thread waited for the GIL: a rank
     # hung for good (seen on 2026-11-28 in a test run beside another; pytorch/pytorch#56297).

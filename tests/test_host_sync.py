@@ -411,12 +411,16 @@ def test_block_sparse_flex_prefill_steady_state_has_no_sync(block_size, monkeypa
     assert_no_syncs(fwd, "block_sparse FlexAttention prefill")
 
 
-def test_sparse_far_decode_step_reads_back_a_constant_number_of_times():
+def test_sparse_far_decode_step_reads_back_a_constant_number_of_times(monkeypatch):
+    """The same reads back at every cache length, and whether the CPU copies the chosen keys of
+    every kv head at once or one kv head at a time (sparse_far_decode._CPU_CHOSEN_BYTES)."""
+    from hf_dilated.ops import sparse_far_decode as decode_module
     from hf_dilated.ops.far_selection import FarSelection
     from hf_dilated.ops.sparse_far_decode import SummaryState, sparse_far_decode
 
     counts = []
-    for n in (600, 2400):
+    for n, chosen_bytes in ((600, 1 << 30), (2400, 1 << 30), (2400, 1)):
+        monkeypatch.setattr(decode_module, "_CPU_CHOSEN_BYTES", chosen_bytes)
         q, k, v = _qkv(n=n, q_len=1, grad=False)
         state = SummaryState()
         step = lambda: sparse_far_decode(q, k, v, local_window=128, far_band=64, selection=FarSelection(2, 16, 1),
@@ -424,7 +428,7 @@ def test_sparse_far_decode_step_reads_back_a_constant_number_of_times():
         step()
         fwd, _ = count_syncs(step)
         counts.append(fwd.total)
-    assert counts[0] == counts[1] > 0, counts
+    assert counts[0] == counts[1] == counts[2] > 0, counts
 
 
 def test_kept_static_step_reads_nothing_back():
