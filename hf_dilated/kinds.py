@@ -10,7 +10,9 @@ no default). `rope_frequencies` (the inv_freq of the RoPE that rotated q and k) 
 settings with far keys at grouped positions (config.far_keys): the kind rotates q and k on to
 them itself (docs/contract.md 4.1), so every entry point passes the same settings and one tensor.
 `state` is a dict the caller keeps per layer across calls, or None: what a kind keeps between
-decode steps (sparse far keys' block summaries, ops/sparse_far_decode.py) lives there.
+decode steps (sparse far keys' block summaries, ops/sparse_far_decode.py) lives there. The kinds with
+far keys also take `rope_offset` (batch, kv_len), where the model rotated q and k elsewhere than at
+their kernel positions (integrations/model_inputs.rope_offsets).
 The ring kinds take this rank's shards under a sequence-parallel `group`; with no
 group (or a group of one) each equals its single-process counterpart, so that fallback is written
 once, in hf_dilated.distributed. The ring layout reaches `run` resolved (an entry point resolves
@@ -88,9 +90,9 @@ def _dense(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropou
 
 
 def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-             sliding_window=None, rope_frequencies=None, state=None):
+             sliding_window=None, rope_frequencies=None, state=None, rope_offset=None):
     from .ops.dilated import dilated_attention
-    from .ops.rope import far_projections
+    from .ops.rope import far_projections, rotate_by
     from .ops.token_layout import token_layout
 
     q_far = k_far = None
@@ -103,7 +105,14 @@ def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, drop
         rows = regular_rows(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
         if rows is not None and max(rows[0]) <= k.shape[2] - q.shape[2]:  # no padded query
             kept = None
-            if state is not None:
+            if far is not None and rope_offset is not None:
+                # q and k turned back to their kernel positions (one offset a row: the band's scores
+                # stay), which the step moves on from; the GPU's steps, on the cache's own buffer or
+                # its whole tensor, are not for these copies
+                q, k = rotate_by(q, -rope_offset[:, -q.shape[2]:], far[2]), rotate_by(k, -rope_offset, far[2])
+                if state is not None:
+                    kept = state.get("far_summaries") or state.setdefault("far_summaries", SummaryState())
+            elif state is not None:
                 from .ops import sparse_far_concatenated, sparse_far_reserved
 
                 step = dict(local_window=s["local_window"], far_band=s["far_band"], selection=selection,
@@ -122,7 +131,7 @@ def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, drop
                                      first=rows[0], shift=rows[1], rotation=far, state=kept)
     if far is not None:
         positions = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids).positions
-        q_far, k_far = far_projections(q, k, positions, *far)
+        q_far, k_far = far_projections(q, k, positions, *far, offset=rope_offset)
     return dilated_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"],
                              is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                              attention_mask=attention_mask, position_ids=position_ids,
@@ -169,14 +178,15 @@ def _ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout
 
 
 def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-                  sliding_window=None, rope_frequencies=None, state=None):
+                  sliding_window=None, rope_frequencies=None, state=None, rope_offset=None):
     from .distributed import dilated_ring_attention
     from .ops.rope import far_projections
 
     far = _far_keys(s, rope_frequencies)
     # A rank cannot tell its tokens' positions from its shard of a padding mask: the ring kernel
-    # finds them and asks for the far projections at them.
-    far_at = None if far is None else (lambda positions: far_projections(q, k, positions, *far))
+    # finds them and asks for the far projections at them. (rope_offset: without a group, the whole
+    # row's, as for dilated; a rank's shard gets none: docs/contract.md 4.1.)
+    far_at = None if far is None else (lambda positions: far_projections(q, k, positions, *far, offset=rope_offset))
     return dilated_ring_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"], group=group,
                                   layout=layout, scale=scale, attention_mask=attention_mask,
                                   position_ids=position_ids, dropout_p=dropout_p, sliding_window=sliding_window,

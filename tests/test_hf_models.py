@@ -418,3 +418,44 @@ def test_unsupported_attention_features_raise_instead_of_being_ignored():
             fn(Attn(), q, k, v, None, softcap=30.0)
         with pytest.raises(ValueError, match="is_causal: .*causal attention only"):
             fn(Attn(), q, k, v, None, is_causal=False)
+
+
+def _default_conversion_with_selection(checkpoints, preset, name):
+    """The preset's base (original context 32) given the default conversion to 256 tokens, with 2
+    far blocks a query (of 16 keys) so that the selection decides what a query reads past the
+    band, and its query and key projections scaled up so that the blocks' bounds differ widely."""
+    model = load(checkpoints[preset][0], "sdpa")
+    hf_dilated.patch(model, name, context_length=256, far_top_k=2)
+    with torch.no_grad():
+        for layer in model.base_model.layers:
+            attention = getattr(layer, "self_attn", None) or layer.attention
+            for projection in ("q_proj", "k_proj", "query_key_value"):
+                if hasattr(attention, projection):
+                    getattr(attention, projection).weight.mul_(4)
+    return model
+
+
+@pytest.mark.parametrize("name", ("dilated", "dilated_ring"))
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_selected_far_blocks_do_not_depend_on_padding_or_rope_positions(checkpoints, preset, name):
+    """A left-padded row with transformers' default position_ids (its indices: RoPE rotated its
+    tokens `pad` positions further than their mask ranks) equals the row alone, past the original
+    context where far blocks are selected by their bounds (docs/contract.md 3, 4.1: far keys at the
+    grouped positions of the kernels' positions). The scores are relative, the bounds are not: the
+    blocks chosen followed the RoPE offset (0.05 off in logits), in a forward and in decode steps."""
+    model = _default_conversion_with_selection(checkpoints, preset, name)
+    n, pad, new = 150, 13, 4
+    row = tokens(1, n + new, seed=40)
+    ids = torch.cat([torch.zeros(1, pad, dtype=torch.long), row], 1)
+    mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(row)], 1)
+    with torch.no_grad():
+        alone = model(row).logits[0]
+        padded = model(ids, attention_mask=mask).logits[0, pad:]
+        torch.testing.assert_close(padded, alone, atol=1e-4, rtol=1e-4)
+        # decode steps of the padded row, default position_ids (the cache's indices), one token a step
+        out = model(ids[:, :pad + n], attention_mask=mask[:, :pad + n], use_cache=True)
+        cache = out.past_key_values
+        for t in range(new):
+            step = model(ids[:, pad + n + t:pad + n + t + 1], attention_mask=mask[:, :pad + n + t + 1],
+                         past_key_values=cache)
+            torch.testing.assert_close(step.logits[0, -1], alone[n + t], atol=1e-4, rtol=1e-4, msg=f"step {t}")

@@ -299,7 +299,7 @@ def test_model_forward_reads_back_at_most_once_more_than_sdpa(name, sdpa_model_c
 
 def _masked_decode_syncs(layers, monkeypatch, masked=True, grad_mode=torch.no_grad):
     """Syncs of one decode step of a Llama of `layers` layers (default conversion, a left-padded
-    batch: an attention mask, as generate() passes) with ReservedCache, on the GPU's path (the
+    batch: an attention mask and position_ids, as generate() passes them) with ReservedCache, on the GPU's path (the
     sparse far keys' step replayed as a graph: GRAPHED_ON widened, here called), in grad_mode()."""
     from conftest import tiny_default_llama
     from hf_dilated import ReservedCache
@@ -311,12 +311,18 @@ def _masked_decode_syncs(layers, monkeypatch, masked=True, grad_mode=torch.no_gr
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     cache = ReservedCache(config=config)
+
+    def positions(mask):  # generate()'s position_ids: the mask ranks (a padded slot's are not read)
+        return (mask.cumsum(-1) - 1).clamp(min=0) if masked else None
+
     with grad_mode():
-        model(input_ids=ids, attention_mask=mask if masked else None, past_key_values=cache)
+        model(input_ids=ids, attention_mask=mask if masked else None, position_ids=positions(mask),
+              past_key_values=cache)
         for _ in range(2):  # the second step is counted (the first makes each layer's step)
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            step_positions = None if not masked else positions(mask)[:, -1:]
             counter, _ = count_syncs(lambda: model(input_ids=ids[:, -1:], attention_mask=mask if masked else None,
-                                                   past_key_values=cache))
+                                                   position_ids=step_positions, past_key_values=cache))
     return counter
 
 

@@ -137,8 +137,11 @@ def _document_starts(mask_function, batch, n, device):
 _INPUTS = PlanCache(size=8)
 
 
-def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_parallel=False, cu_seq_lens=None):
-    """(key, value, attention_mask, position_ids) for a kernel from what transformers passes."""
+def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_parallel=False, cu_seq_lens=None,
+                  rope=False):
+    """(key, value, attention_mask, position_ids, rope_offset) for a kernel from what transformers
+    passes. rope_offset (rope=True: the kernel moves q and k on from their RoPE positions, far keys
+    at grouped positions): rope_offsets', else None."""
     batch, q_len = query.shape[0], query.shape[2]
     if is_static_slots(attention_mask):  # an eager step on a static cache: its written slots, as a 2-D mask
         real, seen = read_static_slots(attention_mask)
@@ -158,19 +161,48 @@ def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_p
             key, value = key[:, :, :seen], value[:, :, :seen]
     if sequence_parallel:  # local shards: the distributed kernels derive the global layout
         if attention_mask is not None and attention_mask.dtype == torch.bool:
-            return key, value, attention_mask, None
-        return key, value, None, position_ids
+            return key, value, attention_mask, None, None
+        return key, value, None, position_ids, None
     kv_len = key.shape[2]
-    cache_key = (batch, q_len, kv_len, str(key.device), cu_seq_lens is not None)
+    cache_key = (batch, q_len, kv_len, str(key.device), cu_seq_lens is not None, rope)
     cached = _INPUTS.get(cache_key, attention_mask, position_ids)
     if cached is None:
         mask, positions = from_model_inputs(attention_mask, position_ids, batch=batch, q_len=q_len, kv_len=kv_len,
                                             device=key.device, cu_seq_lens=cu_seq_lens)
-        if mask is not None and bool(mask.all()):
-            mask = None  # an all-ones mask says "one document per row": so does no mask, more cheaply
-        cached = (mask, positions)
+        offset = rope_offsets(position_ids, mask, positions, batch=batch, q_len=q_len, kv_len=kv_len,
+                              device=key.device) if rope else None
+        if mask is not None:  # one read back for both facts
+            facts = [mask.all()] + ([] if offset is None else [(offset != 0).any()])
+            facts = torch.stack(facts).tolist()
+            if facts[0]:
+                mask = None  # an all-ones mask says "one document per row": so does no mask, more cheaply
+            if offset is not None and not facts[1]:
+                offset = None  # the model rotated at the kernels' positions (generate()'s position_ids)
+        cached = (mask, positions, offset)
         _INPUTS.put(cache_key, attention_mask, position_ids, cached)
     return key, value, *cached
+
+
+def rope_offsets(position_ids, mask, positions, *, batch: int, q_len: int, kv_len: int, device):
+    """(batch, kv_len) int64: how far the positions the model rotated each key at (its RoPE's
+    `position_ids`) are from the kernels' positions of it (from_model_inputs' mask and positions),
+    or None where they are known to be the same. The far keys' grouped positions are of the
+    kernels' positions (docs/contract.md 4.1): a left-padded row with transformers' default
+    position_ids (its indices, not its mask ranks) was rotated `padding` positions further, which
+    changes which far blocks bound highest (4.2), not the scores. In a call against a cache, only
+    the queries' RoPE positions are known: the keys are taken to be offset as the last query is
+    (one offset per row, what a left-padded cache decoded with either convention holds). Without a
+    mask, the kernels' positions are the given position_ids in a call over the whole row, and a
+    call against a cache takes its keys at their indices and position_ids as those indices (what
+    transformers passes): None."""
+    if position_ids is None or mask is None or mask.dtype != torch.bool:
+        return None
+    rope_positions = position_ids.to(device=device, dtype=torch.long).expand(batch, q_len)
+    ranks = positions if positions is not None else mask_ranks(mask)
+    offset = (rope_positions - ranks[:, kv_len - q_len:]).masked_fill(~mask[:, kv_len - q_len:], 0)
+    if q_len == kv_len:
+        return offset
+    return offset[:, -1:].expand(batch, kv_len)
 
 
 def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int, device,

@@ -174,9 +174,11 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
         raise ValueError(f"attn_implementation={name!r}: cu_seq_lens_q and cu_seq_lens_k differ; only causal "
                          "self-attention over packed sequences is supported")
     cache_keys = key  # a static cache's own tensor (static_keep follows its writes)
-    key, value, mask, positions = kernel_inputs(
+    settings = settings_for(module, kind)
+    rope_frequencies = rope_frequencies_for(module, settings, query.device)
+    key, value, mask, positions, rope_offset = kernel_inputs(
         query, key, value, attention_mask, kwargs.get("position_ids"), sequence_parallel=group is not None,
-        cu_seq_lens=kwargs.get("cu_seq_lens_q"))
+        cu_seq_lens=kwargs.get("cu_seq_lens_q"), rope=rope_frequencies is not None)
     # The model's sliding window (Mistral, Qwen2 layers): every kernel keeps it (docs/contract.md 3.3).
     window = kwargs.get("sliding_window")
     device_type = query.device.type
@@ -185,12 +187,11 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
         # in float32 while v comes out of a projection in bfloat16), the output in it too.
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    settings = settings_for(module, kind)
-    rope_frequencies = rope_frequencies_for(module, settings, query.device)
     with torch.autocast(device_type, enabled=False):
         out = kind.run(query, key, value, settings, is_causal=True, attention_mask=mask, position_ids=positions,
                        scale=scaling, dropout_p=dropout_p, group=group, layout=layout, sliding_window=window,
-                       rope_frequencies=rope_frequencies, state=_layer_state(module))
+                       rope_frequencies=rope_frequencies, state=_layer_state(module),
+                       **({} if rope_offset is None else {"rope_offset": rope_offset}))
         if group is None and mask is not None:
             out = padded_last_query_as_sdpa(out, query, key, value, mask, scaling, window)
         if kind.static_keep is not None and group is None and is_static_slots(attention_mask):

@@ -115,12 +115,17 @@ def grouped_far_positions(positions: torch.Tensor, q_len: int, window: int, grou
 
 
 def far_projections(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, window: int, group: int,
-                    inv_freq: torch.Tensor):
+                    inv_freq: torch.Tensor, offset: torch.Tensor | None = None):
     """(q_far, k_far) of a local band (docs/contract.md 4.1): query (batch, heads, q_len, d) and key
     (batch, kv_heads, kv_len, d), already rotated at their positions `positions` (batch, kv_len;
-    the kernels' rule, ops/token_layout.py), moved on to Self-Extend's grouped positions for the
-    neighbour window `window` (config.far_keys)."""
+    the kernels' rule, ops/token_layout.py) + `offset` (batch, kv_len; None: 0: where the model's
+    RoPE positions are not the kernels', a left-padded row's default position_ids), moved on to
+    Self-Extend's grouped positions of `positions` for the neighbour window `window`
+    (config.far_keys)."""
     query_delta, key_delta = grouped_far_positions(positions, query.shape[2], window, group)
+    if offset is not None:
+        offset = offset.to(key_delta.device, torch.long).expand_as(key_delta)
+        query_delta, key_delta = query_delta - offset[:, offset.shape[1] - query.shape[2]:], key_delta - offset
     return rotate_by(query, query_delta, inv_freq), rotate_by(key, key_delta, inv_freq)
 
 
