@@ -3,8 +3,8 @@
 long-context fine-tuning (`lora_config`)."""
 from __future__ import annotations
 
-from .config import DEFAULT_ATTN_IMPLEMENTATION
-from .integrations.transformers import FAMILY_DEFAULTS
+from .config import DEFAULT_ATTN_IMPLEMENTATION, DilatedConfig
+from .integrations.transformers import FAMILY_DEFAULTS, record_choice
 from .kinds import check_transformers_name
 from .patches import family_for
 
@@ -32,6 +32,7 @@ def patch(model, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION, *, cont
     if "rope_parameters" in updates or "max_position_embeddings" in updates:
         _rebuild_rotary_embeddings(model)
     model.set_attn_implementation(attn_implementation)
+    record_choice(config, attn_implementation)  # (transformers skips the load-time hook for the same name)
     return model
 
 
@@ -59,6 +60,9 @@ def patch_family(model_type: str, attn_implementation: str = DEFAULT_ATTN_IMPLEM
     reads; nothing of transformers is wrapped here."""
     check_transformers_name(attn_implementation)
     family_for(model_type)  # a ValueError listing the supported families
+    # The fields are checked now, as for a model of 4,096 tokens (each later load checks them against
+    # its own model again): a misspelt or invalid one failed every later load of the family instead.
+    DilatedConfig.default(4096, **dilated_fields)
     FAMILY_DEFAULTS[model_type] = (attn_implementation, dict(dilated_fields))
 
 

@@ -44,10 +44,22 @@ def convert_config(config, context_length=None, rope=None, attn_implementation=N
     """The top-level config fields that configure `config` for hf_dilated at `context_length`, for
     `attn_implementation` (what an unset RoPE and band default to: `with_defaults`), shared by the
     families (a family adds what its own layers need)."""
+    check_conversion_arguments(config, context_length, rope)
     rope, dilated_fields = with_defaults(config, context_length, attn_implementation, rope, dilated_fields)
     updates = rope_updates(config, context_length, rope) if context_length is not None else {}
     updates[CONFIG_KEY] = dilated_entry(config, context_length, **dilated_fields)
     return updates
+
+
+def check_conversion_arguments(config, context_length, rope) -> None:
+    """A ValueError naming `context_length` or `rope` when a conversion cannot take them: a RoPE
+    scaling is a choice for a new context, so `rope` needs `context_length` (it was ignored)."""
+    if context_length is not None:
+        check_context_length(config, context_length)
+    if rope is not None and rope not in ROPE_CHOICES:
+        raise ValueError(f"rope must be one of {ROPE_CHOICES} or None, got {rope!r}")
+    if rope is not None and context_length is None:
+        raise ValueError(f"rope={rope!r} scales the RoPE for a new context: pass context_length (--context) with it")
 
 
 def check_context_length(config, context_length) -> int:

@@ -22,8 +22,8 @@ EXTRA_TRAINABLE_MODULES = ["embed_tokens", "input_layernorm", "post_attention_la
 def convert_config(config, context_length=None, rope=None, attn_implementation=None, **dilated_fields) -> dict:
     """context.convert_config, with a sliding window removed when the context grows (it would hide
     the added context)."""
-    extending = context_length is not None and context_length > original_length(config)
     updates = context.convert_config(config, context_length, rope, attn_implementation, **dilated_fields)
+    extending = context_length is not None and context_length > original_length(config)
     if extending:
         updates.update(_without_window(config, context_length))
     return updates

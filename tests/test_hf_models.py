@@ -261,6 +261,24 @@ def test_patch_in_place_equals_the_converted_checkpoint(checkpoints, preset):
         torch.testing.assert_close(model(ids).logits, converted(ids).logits)
 
 
+@pytest.mark.parametrize("loaded_as", ("sdpa", "dilated"))
+def test_patch_declares_the_context_and_records_the_name_whatever_the_model_was_loaded_as(checkpoints, loaded_as,
+                                                                                         tmp_path):
+    """README's Quick start: load under "dilated", then patch to "dilated" with a context. transformers'
+    set_attn_implementation skips its hook when the name does not change: the model declared its
+    original 32 tokens (generate() then refused longer prompts) and saved no name (reloaded as sdpa)."""
+    model = load(checkpoints["tiny-llama"][0], loaded_as)
+    hf_dilated.patch(model, "dilated", context_length=128)
+    assert model.config.max_position_embeddings == 128
+    assert model.config.hf_dilated["attn_implementation"] == "dilated"
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert reloaded.config._attn_implementation == "dilated"
+    assert reloaded.config.max_position_embeddings == 128
+    with torch.no_grad():
+        assert _greedy(model, tokens(1, 40), new=3).shape[1] == 43
+
+
 def test_patch_family_makes_later_loads_use_ours(checkpoints):
     base, _ = checkpoints["tiny-llama"]
     from transformers import PreTrainedModel

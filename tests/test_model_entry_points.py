@@ -163,6 +163,33 @@ def test_unsupported_families_and_objects_are_refused_with_the_supported_list():
         hf_dilated.patch(torch.nn.Linear(4, 4))
 
 
+@pytest.mark.parametrize("name", ("dilated", "block_sparse"))
+def test_patch_names_a_bad_rope_or_context_length_and_changes_nothing(saved, name):
+    """A RoPE scaling without a context was ignored (even an unknown one), and a context of the wrong
+    type raised an error that named neither context_length nor the call (a comparison of str and int)."""
+    model = AutoModelForCausalLM.from_pretrained(saved["llama"])
+    before = model.config.to_dict()
+    for kwargs, error, match in ((dict(rope="yarn"), ValueError, "rope='yarn' .* pass context_length"),
+                                 (dict(rope="bogus"), ValueError, "rope must be one of"),
+                                 (dict(context_length=128, rope="bogus"), ValueError, "rope must be one of"),
+                                 (dict(context_length="128"), TypeError, r"context_length \(--context\) must be"),
+                                 (dict(context_length=128.0), TypeError, r"context_length \(--context\) must be")):
+        with pytest.raises(error, match=match):
+            hf_dilated.patch(model, name, **kwargs)
+        assert model.config.to_dict() == before, kwargs
+
+
+def test_patch_family_refuses_fields_it_cannot_take_at_once(saved):
+    """A misspelt or invalid field was stored, and every later load of the family failed on it,
+    naming not the call that set it."""
+    with pytest.raises(TypeError, match="segment_lenghts"):
+        hf_dilated.patch_family("llama", "dilated", segment_lenghts=[32])
+    with pytest.raises(ValueError, match="mode must be one of"):
+        hf_dilated.patch_family("llama", "dilated", mode="bogus")
+    model = AutoModelForCausalLM.from_pretrained(saved["llama"])  # the family is not patched
+    assert model.config._attn_implementation == "sdpa"
+
+
 def test_a_hand_written_entry_without_pattern_gets_the_documented_default():
     """One default per field: the block-sparse window of an entry that names no pattern is the one
     DilatedConfig.default gives (dense within the first segment), not a 1-block window."""

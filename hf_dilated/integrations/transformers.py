@@ -298,16 +298,10 @@ def _hook_attention_choice() -> None:
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
         if attn_implementation is None:
             attn_implementation = _default_choice(self.config)
-        entry = getattr(self.config, CONFIG_KEY, None)
         if attn_implementation in NAMES:
             check_model_supported(self.config, attn_implementation)
         chosen = current(self, attn_implementation, *args, **kwargs)
-        if isinstance(entry, dict) and isinstance(chosen, str):
-            if chosen in NAMES:
-                entry[RECORDED_NAME] = chosen
-            else:
-                entry.pop(RECORDED_NAME, None)
-            declare_context(self.config, chosen)
+        record_choice(self.config, chosen)
         return chosen
 
     _check_and_adjust_attn_implementation._hf_dilated = True
@@ -328,6 +322,20 @@ def _hook_attention_choice() -> None:
             self.config.max_position_embeddings = declared
 
     PreTrainedModel.save_pretrained = save_pretrained
+
+
+def record_choice(config, chosen) -> None:
+    """What choosing attention `chosen` for a model of `config` with an `hf_dilated` entry records:
+    the name in the entry (kept through save_pretrained, read at load), and the context it declares
+    (declare_context). The load-time hook runs it; so does `patch`, for transformers' own
+    set_attn_implementation skips the hook when the name does not change."""
+    entry = getattr(config, CONFIG_KEY, None)
+    if isinstance(entry, dict) and isinstance(chosen, str):
+        if chosen in NAMES:
+            entry[RECORDED_NAME] = chosen
+        else:
+            entry.pop(RECORDED_NAME, None)
+        declare_context(config, chosen)
 
 
 def _grouped_far_context(config) -> tuple[int, int] | None:
