@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 
 from .config import (BAND_NAMES, CONFIG_KEY, DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_SCALED_ROPE, DILATED_MODES,
-                     FAR_WINDOW_DIVISOR, DilatedConfig, far_keys, field_help)
+                     FAR_WINDOW_DIVISOR, RECORDED_NAME, DilatedConfig, far_keys, field_help)
 from .integrations.transformers import converted_context, supported_context
 from .kinds import TRANSFORMERS_NAMES as NAMES, check_transformers_name
 from .patches import family_for
@@ -157,7 +157,7 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
         warnings.warn(f"context_length: no --context given: kept the earlier conversion's context of {context_length} "
                       f"tokens for --rope {rope}", ConversionWarning, stacklevel=2)
     if attn_implementation is None:
-        earlier = raw.get("attn_implementation")
+        earlier = recorded_name(raw)
         attn_implementation = earlier if before and earlier in NAMES else DEFAULT_ATTN_IMPLEMENTATION
         if attn_implementation != DEFAULT_ATTN_IMPLEMENTATION:
             warnings.warn(f"attn: kept the earlier conversion's attn_implementation {earlier!r} (pass "
@@ -390,6 +390,14 @@ def info_main(args) -> int:
     return 0
 
 
+def recorded_name(raw: dict) -> str | None:
+    """The attention a config.json (as a dict) loads with when the caller names none: its
+    `attn_implementation`, else the name recorded in its `hf_dilated` entry (save_pretrained drops
+    the first and keeps the second: integrations/transformers.py)."""
+    entry = raw.get(CONFIG_KEY)
+    return raw.get("attn_implementation") or (entry.get(RECORDED_NAME) if isinstance(entry, dict) else None)
+
+
 def describe(directory) -> str:
     """A short human-readable account of what a checkpoint is configured to do."""
     from transformers import AutoConfig
@@ -418,7 +426,7 @@ def describe(directory) -> str:
     lines = [
         f"checkpoint:           {directory}",
         f"model_type:           {config.model_type}",
-        f"attn_implementation:  {raw.get('attn_implementation', '(not set: transformers default, sdpa)')}",
+        f"attn_implementation:  {recorded_name(raw) or '(not set: transformers default, sdpa)'}",
         f"context:              {context}",
         f"rope:                 {rope.get('rope_type', 'default')}"
         + (f" (factor {rope['factor']:g})" if "factor" in rope else ""),

@@ -484,6 +484,21 @@ def test_reconverting_keeps_the_rope_and_attention_it_had(source, tmp_path):
     assert config["hf_dilated"]["target_length"] == 128
 
 
+def test_a_saved_model_keeps_its_attention_through_info_and_reconversion(source, tmp_path):
+    """save_pretrained drops config.json's attn_implementation and keeps the name in the hf_dilated
+    entry, which from_pretrained reads: `info` said "not set" and a reconversion switched to the
+    default name without a word."""
+    converted = convert_checkpoint(source, tmp_path / "a", context_length=64, attn_implementation="dilated_ring")
+    model = AutoModelForCausalLM.from_pretrained(converted)
+    model.save_pretrained(tmp_path / "saved")
+    assert "attn_implementation" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "saved").config._attn_implementation == "dilated_ring"
+    assert "attn_implementation:  dilated_ring" in describe(tmp_path / "saved")
+    with pytest.warns(UserWarning, match="kept the earlier conversion's attn_implementation 'dilated_ring'"):
+        again = convert_checkpoint(tmp_path / "saved", tmp_path / "b", context_length=128)
+    assert json.loads((again / "config.json").read_text())["attn_implementation"] == "dilated_ring"
+
+
 def test_bad_context_lengths_are_clear_errors(source, tmp_path, capsys):
     for value, match in ((16, "shorter than the checkpoint's original context of 32 tokens"),
                          (10**12, "above the limit of 16,777,216 tokens"),
