@@ -240,6 +240,22 @@ def test_expected_presets_exist_and_bad_presets_are_rejected():
             validate_preset({**good, **change}, "edited")
 
 
+def test_a_preset_with_a_longer_context_than_its_levels_is_refused(tmp_path):
+    """--preset with a --context beyond the preset's levels wrote the longer context (and its RoPE)
+    with levels that never read a key further back than their last segment, without a word."""
+    preset = "tiny-llama-passkey"  # levels [256, 512, 1024] of its own
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(build_model_config(preset)).save_pretrained(tmp_path / "src")
+    with pytest.raises(ValueError, match=rf"context_length \(--context\): the preset '{preset}''s levels end at 1024"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "long", preset=preset, context_length=2048)
+    assert not (tmp_path / "long").exists()
+    shorter = convert_checkpoint(tmp_path / "src", tmp_path / "short", preset=preset, context_length=512)
+    assert json.loads((shorter / "config.json").read_text())["hf_dilated"]["segment_lengths"] == [256, 512, 1024]
+    chosen = convert_checkpoint(tmp_path / "src", tmp_path / "chosen", preset=preset, context_length=2048,
+                                segment_lengths=[256, 512, 1024, 2048], dilation_rates=[1, 2, 4, 8])
+    assert json.loads((chosen / "config.json").read_text())["hf_dilated"]["target_length"] == 2048
+
+
 # --- issue 15: nothing lost, nothing silent ---------------------------------------------------
 
 def _copy_of(source, where):
