@@ -88,7 +88,10 @@ def with_defaults(config, context_length: int | None, attn_implementation: str |
     if (context_length is None or rope is not None or converted_before(config)
             or params.get("rope_type", "default") != "default" or context_length <= original_length(config)):
         return rope, fields
-    rope, band = default_conversion(original_length(config), context_length, attn_implementation)
+    # a band is defined for mode "union" alone (docs/contract.md 4.1): another mode gets what the
+    # names without a band get (it failed on the band it was given)
+    banded = attn_implementation if fields.get("mode", "union") == "union" else None
+    rope, band = default_conversion(original_length(config), context_length, banded)
     if band and {"local_window", "far_group", "far_window"} & set(fields):  # the caller chose the band
         return rope, fields
     return rope, {**band, **fields}

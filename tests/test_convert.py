@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import hf_dilated  # noqa: F401  (registers the names)
+import hf_dilated
 from hf_dilated.cli import main as cli
 from hf_dilated.convert import convert_checkpoint, describe
 from hf_dilated.config import DilatedConfig
@@ -92,6 +92,21 @@ def test_default_conversion_for_the_other_names_is_yarn_without_a_band(source, t
     cfg = DilatedConfig.from_dict(config["hf_dilated"])
     assert (cfg.local_window, cfg.far_group) == (None, 1)
     assert AutoModelForCausalLM.from_pretrained(dst).config._attn_implementation == attn
+
+
+@pytest.mark.parametrize("mode", ("longnet", "head_groups"))
+def test_default_conversion_for_another_mode_is_yarn_without_a_band(source, tmp_path, mode):
+    """A band is defined for mode "union" alone: `--mode longnet --context N` failed on the default
+    band (an error about local_window, which the user never set)."""
+    dst = convert_checkpoint(source, tmp_path / "long", context_length=128, mode=mode,
+                             segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4])
+    config = json.loads((dst / "config.json").read_text())
+    assert config["rope_parameters"]["rope_type"] == "yarn"
+    cfg = DilatedConfig.from_dict(config["hf_dilated"])
+    assert (cfg.mode, cfg.local_window, cfg.far_group) == (mode, None, 1)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    hf_dilated.patch(model, "dilated", context_length=128, mode=mode)
+    assert model.config.hf_dilated["mode"] == mode and model.config.rope_parameters["rope_type"] == "yarn"
 
 
 def test_copy_flag_copies_weights(source, tmp_path):
