@@ -25,6 +25,7 @@ itself checks none of it.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -163,6 +164,12 @@ def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
                   sliding_window=None, rope_frequencies=None, state=None):
     from .ops.block_sparse import block_sparse_attention
 
+    pattern = s["pattern"]
+    if (pattern.get("type") if isinstance(pattern, dict) else getattr(pattern, "type", None)) == "adaptive" \
+            and q.shape[2] < k.shape[2]:
+        warnings.warn("block_sparse: pattern 'adaptive' pools every query of a query block, later ones included "
+                      "(docs/contract.md 5): a call against a cache (generation) pools the queries it has, so it may "
+                      "choose other blocks than a forward over the whole sequence", UserWarning, stacklevel=2)
     return block_sparse_attention(q, k, v, s["pattern"], block_size=s["block_size"], is_causal=is_causal,
                                   scale=scale, attention_mask=attention_mask, position_ids=position_ids,
                                   sliding_window=sliding_window)
