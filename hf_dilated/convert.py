@@ -146,9 +146,11 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
         check_source(p, config, preset)
         attn_implementation = p["attn_implementation"] if attn_implementation is None else attn_implementation
         levels = p.get("hf_dilated", {}).get("segment_lengths")
+        if context_length is not None:
+            check_context_length(config, context_length)
         if (context_length is not None and levels and max(levels) < context_length
                 and "segment_lengths" not in dilated_fields):
-            raise ValueError(f"context_length (--context): the preset {preset!r}'s levels end at {max(levels)} tokens, "
+            raise ValueError(f"context_length (--context): the levels of preset {preset!r} end at {max(levels)} tokens, "
                              f"so no key further back than that is read at {context_length}: pass --segment-lengths "
                              "and --dilation-rates for it, or leave out --preset")
         context_length = p["context_length"] if context_length is None else context_length

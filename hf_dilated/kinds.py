@@ -11,8 +11,8 @@ settings with far keys at grouped positions (config.far_keys): the kind rotates 
 them itself (docs/contract.md 4.1), so every entry point passes the same settings and one tensor.
 `state` is a dict the caller keeps per layer across calls, or None: what a kind keeps between
 decode steps (sparse far keys' block summaries, ops/sparse_far_decode.py) lives there. The kinds with
-far keys also take `rope_offset` (batch, kv_len), where the model rotated q and k elsewhere than at
-their kernel positions (integrations/model_inputs.rope_offsets).
+far keys also take `rope_offset`, where the model rotated q and k elsewhere than at their kernel
+positions: (per key (batch, kv_len), per row [ints]) (integrations/model_inputs.rope_offsets).
 The ring kinds take this rank's shards under a sequence-parallel `group`; with no
 group (or a group of one) each equals its single-process counterpart, so that fallback is written
 once, in hf_dilated.distributed. The ring layout reaches `run` resolved (an entry point resolves
@@ -93,7 +93,7 @@ def _dense(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropou
 def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
              sliding_window=None, rope_frequencies=None, state=None, rope_offset=None):
     from .ops.dilated import dilated_attention
-    from .ops.rope import far_projections, rotate_by
+    from .ops.rope import far_projections
     from .ops.token_layout import token_layout
 
     q_far = k_far = None
@@ -106,11 +106,8 @@ def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, drop
         rows = regular_rows(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
         if rows is not None and max(rows[0]) <= k.shape[2] - q.shape[2]:  # no padded query
             kept = None
-            if far is not None and rope_offset is not None:
-                # q and k turned back to their kernel positions (one offset a row: the band's scores
-                # stay), which the step moves on from; the GPU's steps, on the cache's own buffer or
-                # its whole tensor, are not for these copies
-                q, k = rotate_by(q, -rope_offset[:, -q.shape[2]:], far[2]), rotate_by(k, -rope_offset, far[2])
+            moved = None if far is None or rope_offset is None else rope_offset[1]  # one offset a regular row
+            if moved is not None:  # (the GPU's steps take the kernels' positions as the model's)
                 if state is not None:
                     kept = state.get("far_summaries") or state.setdefault("far_summaries", SummaryState())
             elif state is not None:
@@ -129,10 +126,10 @@ def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, drop
                 kept = state.get("far_summaries") or state.setdefault("far_summaries", SummaryState())
             return sparse_far_decode(q, k, v, local_window=s["local_window"], far_band=s["far_band"],
                                      selection=selection, scale=q.shape[-1] ** -0.5 if scale is None else scale,
-                                     first=rows[0], shift=rows[1], rotation=far, state=kept)
+                                     first=rows[0], shift=rows[1], rotation=far, state=kept, rope_shift=moved)
     if far is not None:
         positions = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids).positions
-        q_far, k_far = far_projections(q, k, positions, *far, offset=rope_offset)
+        q_far, k_far = far_projections(q, k, positions, *far, offset=None if rope_offset is None else rope_offset[0])
     return dilated_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"],
                              is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                              attention_mask=attention_mask, position_ids=position_ids,
@@ -193,7 +190,8 @@ def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
     # A rank cannot tell its tokens' positions from its shard of a padding mask: the ring kernel
     # finds them and asks for the far projections at them. (rope_offset: without a group, the whole
     # row's, as for dilated; a rank's shard gets none: docs/contract.md 4.1.)
-    far_at = None if far is None else (lambda positions: far_projections(q, k, positions, *far, offset=rope_offset))
+    offset = None if rope_offset is None else rope_offset[0]
+    far_at = None if far is None else (lambda positions: far_projections(q, k, positions, *far, offset=offset))
     return dilated_ring_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"], group=group,
                                   layout=layout, scale=scale, attention_mask=attention_mask,
                                   position_ids=position_ids, dropout_p=dropout_p, sliding_window=sliding_window,

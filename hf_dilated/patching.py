@@ -3,7 +3,7 @@
 long-context fine-tuning (`lora_config`)."""
 from __future__ import annotations
 
-from .config import DEFAULT_ATTN_IMPLEMENTATION, DilatedConfig
+from .config import DEFAULT_ATTN_IMPLEMENTATION, DilatedConfig, default_band
 from .integrations.transformers import FAMILY_DEFAULTS, record_choice
 from .kinds import check_transformers_name
 from .patches import family_for
@@ -60,9 +60,13 @@ def patch_family(model_type: str, attn_implementation: str = DEFAULT_ATTN_IMPLEM
     reads; nothing of transformers is wrapped here."""
     check_transformers_name(attn_implementation)
     family_for(model_type)  # a ValueError listing the supported families
-    # The fields are checked now, as for a model of 4,096 tokens (each later load checks them against
-    # its own model again): a misspelt or invalid one failed every later load of the family instead.
-    DilatedConfig.default(4096, **dilated_fields)
+    # The fields are checked now, as for a model of 4,096 tokens with or without the default band (each
+    # load lays them over its checkpoint's entry and checks them again): a misspelt or invalid one
+    # failed every later load of the family instead.
+    try:
+        DilatedConfig.default(4096, **dilated_fields)
+    except ValueError:
+        DilatedConfig.default(4096, **{**default_band(4096, 8192), **dilated_fields})
     FAMILY_DEFAULTS[model_type] = (attn_implementation, dict(dilated_fields))
 
 

@@ -477,3 +477,17 @@ def test_selected_far_blocks_do_not_depend_on_padding_or_rope_positions(checkpoi
             step = model(ids[:, pad + n + t:pad + n + t + 1], attention_mask=mask[:, :pad + n + t + 1],
                          past_key_values=cache)
             torch.testing.assert_close(step.logits[0, -1], alone[n + t], atol=1e-4, rtol=1e-4, msg=f"step {t}")
+    # A hole of 7 in the row: its default position_ids jump there, its mask ranks do not, so the keys
+    # before and after it were rotated at different offsets from their ranks; the cache's steps
+    # equal one forward over the same inputs (they took the last query's offset for every key).
+    hole = torch.cat([row[:, :60], torch.zeros(1, 7, dtype=torch.long), row[:, 60:]], 1)
+    hole_mask = torch.ones_like(hole)
+    hole_mask[:, 60:67] = 0
+    with torch.no_grad():
+        whole = model(hole, attention_mask=hole_mask).logits[0]
+        prompt = hole.shape[1] - new
+        cache = model(hole[:, :prompt], attention_mask=hole_mask[:, :prompt], use_cache=True).past_key_values
+        for t in range(new):
+            at = prompt + t
+            step = model(hole[:, at:at + 1], attention_mask=hole_mask[:, :at + 1], past_key_values=cache)
+            torch.testing.assert_close(step.logits[0, -1], whole[at], atol=1e-4, rtol=1e-4, msg=f"hole, step {t}")

@@ -297,7 +297,7 @@ def test_model_forward_reads_back_at_most_once_more_than_sdpa(name, sdpa_model_c
 # (like `adaptive` block-sparse); what must hold is that those reads do not grow with the context.
 
 
-def _masked_decode_syncs(layers, monkeypatch, masked=True, grad_mode=torch.no_grad):
+def _masked_decode_syncs(layers, monkeypatch, masked=True, grad_mode=torch.no_grad, rank_positions=True):
     """Syncs of one decode step of a Llama of `layers` layers (default conversion, a left-padded
     batch: an attention mask and position_ids, as generate() passes them) with ReservedCache, on the GPU's path (the
     sparse far keys' step replayed as a graph: GRAPHED_ON widened, here called), in grad_mode()."""
@@ -313,14 +313,14 @@ def _masked_decode_syncs(layers, monkeypatch, masked=True, grad_mode=torch.no_gr
     cache = ReservedCache(config=config)
 
     def positions(mask):  # generate()'s position_ids: the mask ranks (a padded slot's are not read)
-        return (mask.cumsum(-1) - 1).clamp(min=0) if masked else None
+        return (mask.cumsum(-1) - 1).clamp(min=0) if masked and rank_positions else None
 
     with grad_mode():
         model(input_ids=ids, attention_mask=mask if masked else None, position_ids=positions(mask),
               past_key_values=cache)
         for _ in range(2):  # the second step is counted (the first makes each layer's step)
             mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-            step_positions = None if not masked else positions(mask)[:, -1:]
+            step_positions = None if not masked or not rank_positions else positions(mask)[:, -1:]
             counter, _ = count_syncs(lambda: model(input_ids=ids[:, -1:], attention_mask=mask if masked else None,
                                                    position_ids=step_positions, past_key_values=cache))
     return counter
@@ -361,11 +361,16 @@ def test_compiled_step_on_a_dynamic_cache_reads_nothing_back(monkeypatch):
     assert counter.total == 0, dict(counter.sites)
 
 
-def test_masked_decode_step_reads_back_once_a_step_not_once_a_layer(monkeypatch):
+@pytest.mark.parametrize("rank_positions", (True, False), ids=("generate_positions", "default_positions"))
+def test_masked_decode_step_reads_back_once_a_step_not_once_a_layer(monkeypatch, rank_positions):
     """A decode step with an attention mask reads the mask's layout back in its first layer only:
     the layers after it reuse it (by the mask's identity); the count does not grow with the layers
-    (it was 4 reads a layer: the regular rows twice, their two lists, the padded last query)."""
-    two, four = _masked_decode_syncs(2, monkeypatch), _masked_decode_syncs(4, monkeypatch)
+    (it was 4 reads a layer: the regular rows twice, their two lists, the padded last query).
+    Under transformers' default position_ids too (a loop that passes none: the padded row's keys
+    were rotated further than their mask ranks), where a first form turned the whole cache back
+    every step and checked its summaries in every layer."""
+    two = _masked_decode_syncs(2, monkeypatch, rank_positions=rank_positions)
+    four = _masked_decode_syncs(4, monkeypatch, rank_positions=rank_positions)
     assert two.total == four.total <= 5, (dict(two.sites), dict(four.sites))
 
 

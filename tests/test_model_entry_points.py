@@ -188,6 +188,15 @@ def test_patch_family_refuses_fields_it_cannot_take_at_once(saved):
         hf_dilated.patch_family("llama", "dilated", mode="bogus")
     model = AutoModelForCausalLM.from_pretrained(saved["llama"])  # the family is not patched
     assert model.config._attn_implementation == "sdpa"
+    # A field of the band, valid over an entry that has one (a converted checkpoint's), is taken.
+    hf_dilated.patch(model, "dilated", context_length=256)
+    model.save_pretrained(saved["llama"].parent / "converted")
+    hf_dilated.patch_family("llama", "dilated", far_top_k=4)
+    try:
+        reloaded = AutoModelForCausalLM.from_pretrained(saved["llama"].parent / "converted")
+        assert reloaded.config.hf_dilated["far_top_k"] == 4
+    finally:
+        hf_dilated.unpatch_family("llama")
 
 
 def test_a_hand_written_entry_without_pattern_gets_the_documented_default():

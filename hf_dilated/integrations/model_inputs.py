@@ -171,38 +171,43 @@ def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_p
                                             device=key.device, cu_seq_lens=cu_seq_lens)
         offset = rope_offsets(position_ids, mask, positions, batch=batch, q_len=q_len, kv_len=kv_len,
                               device=key.device) if rope else None
-        if mask is not None:  # one read back for both facts
-            facts = [mask.all()] + ([] if offset is None else [(offset != 0).any()])
-            facts = torch.stack(facts).tolist()
+        if mask is not None:  # one read back for every fact
+            facts = [mask.all()[None].long()]
+            if offset is not None:
+                facts += [offset.ne(0).any()[None].long(), offset[:, -1]]
+            facts = torch.cat(facts).tolist()
             if facts[0]:
                 mask = None  # an all-ones mask says "one document per row": so does no mask, more cheaply
-            if offset is not None and not facts[1]:
-                offset = None  # the model rotated at the kernels' positions (generate()'s position_ids)
+            if offset is not None:  # (per key; per row, its last key's: a regular row's every real key's)
+                offset = (offset, facts[2:]) if facts[1] else None  # None: generate()'s position_ids
         cached = (mask, positions, offset)
         _INPUTS.put(cache_key, attention_mask, position_ids, cached)
     return key, value, *cached
 
 
 def rope_offsets(position_ids, mask, positions, *, batch: int, q_len: int, kv_len: int, device):
-    """(batch, kv_len) int64: how far the positions the model rotated each key at (its RoPE's
-    `position_ids`) are from the kernels' positions of it (from_model_inputs' mask and positions),
-    or None where they are known to be the same. The far keys' grouped positions are of the
-    kernels' positions (docs/contract.md 4.1): a left-padded row with transformers' default
+    """(batch, kv_len) int64: how far the position the model rotated each key at (its RoPE's
+    `position_ids`) is from the key's kernel position (from_model_inputs' mask and positions), 0 at
+    padded slots; None where they are known to be the same. The far keys' grouped positions are of
+    the kernels' positions (docs/contract.md 4.1): a left-padded row under transformers' default
     position_ids (its indices, not its mask ranks) was rotated `padding` positions further, which
-    changes which far blocks bound highest (4.2), not the scores. In a call against a cache, only
-    the queries' RoPE positions are known: the keys are taken to be offset as the last query is
-    (one offset per row, what a left-padded cache decoded with either convention holds). Without a
-    mask, the kernels' positions are the given position_ids in a call over the whole row, and a
-    call against a cache takes its keys at their indices and position_ids as those indices (what
-    transformers passes): None."""
+    changes which far blocks bound highest (4.2), not the scores. In a call against a cache only
+    the queries' position_ids are known: where the last query's is its index (transformers'
+    default), every key's is taken to be its index; else every key is taken to be offset as the
+    last query is (generate()'s mask ranks: 0). Without a mask, the kernels' positions are the
+    given position_ids in a call over the whole row, and a call against a cache takes its keys at
+    their indices and position_ids as those indices (what transformers passes): None."""
     if position_ids is None or mask is None or mask.dtype != torch.bool:
         return None
     rope_positions = position_ids.to(device=device, dtype=torch.long).expand(batch, q_len)
-    ranks = positions if positions is not None else mask_ranks(mask)
-    offset = (rope_positions - ranks[:, kv_len - q_len:]).masked_fill(~mask[:, kv_len - q_len:], 0)
+    ranks = (positions if positions is not None else mask_ranks(mask)).expand(batch, kv_len)
+    real = mask.expand(batch, kv_len)
     if q_len == kv_len:
-        return offset
-    return offset[:, -1:].expand(batch, kv_len)
+        return (rope_positions - ranks).masked_fill(~real, 0)
+    last = rope_positions[:, -1:]
+    index = torch.arange(kv_len, device=device)
+    offset = torch.where(last == kv_len - 1, index - ranks, last - ranks[:, -1:])
+    return offset.masked_fill(~real, 0)
 
 
 def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int, device,

@@ -78,22 +78,23 @@ def _rotation_delta(positions, rotation, query: bool):
     return positions // group - positions
 
 
-def _far_keys(k, b, lo, hi, shift, rotation):
-    """k_far of row b's indices lo..hi-1: (kv_heads, n, head_dim)."""
+def _far_keys(k, b, lo, hi, shift, rotation, moved: int = 0):
+    """k_far of row b's indices lo..hi-1: (kv_heads, n, head_dim), the keys rotated at their
+    positions + `moved` (rope_shift)."""
     keys = k[b:b + 1, :, lo:hi]
     if rotation is None:
         return keys[0]
     positions = torch.arange(lo + shift, hi + shift, device=k.device)[None]
-    return rotate_by(keys, _rotation_delta(positions, rotation, False), rotation[2])[0]
+    return rotate_by(keys, _rotation_delta(positions, rotation, False) - moved, rotation[2])[0]
 
 
-def _block_keys(k, b, c0, c1, first, shift, size, rotation, dtype):
+def _block_keys(k, b, c0, c1, first, shift, size, rotation, dtype, moved: int = 0):
     """Keys of row b's blocks c0 .. c1 - 1 as (kv_heads, c1 - c0, B, d), far keys (rotated) when
     `rotation` is given; the first block, which may start before the document, padded with its
     first key."""
     lo, hi = max(first, c0 * size - shift), c1 * size - shift
     # unrotated keys (the checksums) straight from the cache: _far_keys is the rotation, counted by a test
-    keys = _far_keys(k, b, lo, hi, shift, rotation) if rotation is not None else k[b, :, lo:hi]
+    keys = _far_keys(k, b, lo, hi, shift, rotation, moved) if rotation is not None else k[b, :, lo:hi]
     keys = keys.to(dtype)
     lead = lo - (c0 * size - shift)
     if lead:
@@ -107,12 +108,13 @@ def _checksums(blocks):
     return blocks.sum(2)
 
 
-def _summaries(state: SummaryState, k, first, shift, needed: list[int], size: int, rotation, dtype, q_len: int):
+def _summaries(state: SummaryState, k, first, shift, needed: list[int], size: int, rotation, dtype, q_len: int,
+               moved: list[int]):
     """(mn, mx) (batch, kv_heads, blocks, head_dim) holding at least blocks 0 .. needed[b] - 1 of
     each row b, every one of them complete."""
     batch, kv_heads, kv_len, dim = k.shape
     key = (batch, kv_heads, dim, k.dtype, tuple(first), tuple(shift), size, dtype,
-           None if rotation is None else (rotation[0], rotation[1], rotation[2].data_ptr()))
+           None if rotation is None else (rotation[0], rotation[1], rotation[2].data_ptr(), tuple(moved)))
     place = (k.storage_offset(), k.stride())  # where the keys sit in their buffer
     buffer = k if k._base is None else k._base
     try:
@@ -147,7 +149,7 @@ def _summaries(state: SummaryState, k, first, shift, needed: list[int], size: in
     for b in range(batch):
         if needed[b] > state.counts[b]:
             c0, c1 = state.counts[b], needed[b]
-            blocks = _block_keys(k, b, c0, c1, first[b], shift[b], size, rotation, dtype)  # (kv_heads, n, B, d)
+            blocks = _block_keys(k, b, c0, c1, first[b], shift[b], size, rotation, dtype, moved[b])  # (kv_heads, n, B, d)
             state.mn[b, :, c0:c1], state.mx[b, :, c0:c1] = blocks.amin(2), blocks.amax(2)
             checks = _checksums(_block_keys(k, b, c0, c1, first[b], shift[b], size, None, dtype))
             state.checks[b] = checks if c0 == 0 else torch.cat([state.checks[b], checks], 1)
@@ -158,10 +160,15 @@ def _summaries(state: SummaryState, k, first, shift, needed: list[int], size: in
 
 
 def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
-                      first: list[int], shift: list[int], rotation=None, state: SummaryState | None = None):
+                      first: list[int], shift: list[int], rotation=None, state: SummaryState | None = None,
+                      rope_shift: list[int] | None = None):
     """q (batch, heads, q_len, d) the last q_len tokens of k, v (batch, kv_heads, kv_len, d), rows
     regular (first, shift: regular_rows); `rotation` (window, group, inv_freq) moves q and k to the
-    far keys' grouped positions (None: far keys score q . k). Returns the output shaped like q."""
+    far keys' grouped positions (None: far keys score q . k); `rope_shift[b]`: how much further than
+    its positions row b's q and k were rotated (None: 0). The bounds are taken at the grouped
+    positions themselves (they are not relative); the scores, relative, as the keys were rotated.
+    Returns the output shaped like q."""
+    moved = [0] * q.shape[0] if rope_shift is None else rope_shift
     batch, n_heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = n_heads // kv_heads
@@ -182,7 +189,7 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
     summaries = None
     state = SummaryState() if state is None else state
     if max(needed):
-        summaries = _summaries(state, k, first, shift, needed, size, rotation, bound_dtype(k.dtype), q_len)
+        summaries = _summaries(state, k, first, shift, needed, size, rotation, bound_dtype(k.dtype), q_len, moved)
         operands = _kept(state, "bounds", summaries, group, lambda: bound_operands(*summaries, group))
     if rotation is not None and size % rotation[1] == 0:  # whole blocks: one angle per block and offset
         offset_turn = _kept(state, "turns", (rotation[2],), (size, rotation[1], q.device),
@@ -201,7 +208,9 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
         n_blocks = (p - width) // size + 1
         q_far = qb if rotation is None else rotate_with(  # the query's move, a Python int here
             qb, *turn_by(_rotation_delta(p, rotation, True), rotation[2], qb.dtype, qb.device))
-        slots, tied = plain_slots(q_far[0], operands[0][b, :, :n_blocks], p, width, selection,
+        q_bound = q_far if rotation is None or not moved[b] else rotate_with(  # at its grouped position itself
+            qb, *turn_by(_rotation_delta(p, rotation, True) - moved[b], rotation[2], qb.dtype, qb.device))
+        slots, tied = plain_slots(q_bound[0], operands[0][b, :, :n_blocks], p, width, selection,
                                   first_position=first[b] + shift[b])
         listed = slots[:, 0]  # (heads, sinks + k) each head's blocks; -1: none
         if tied.numel():  # a head whose k-th bound is tied reads every block reaching it (usually none)
