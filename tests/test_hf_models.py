@@ -464,19 +464,24 @@ def test_selected_far_blocks_do_not_depend_on_padding_or_rope_positions(checkpoi
     model = _default_conversion_with_selection(checkpoints, preset, name)
     n, pad, new = 150, 13, 4
     row = tokens(1, n + new, seed=40)
-    ids = torch.cat([torch.zeros(1, pad, dtype=torch.long), row], 1)
-    mask = torch.cat([torch.zeros(1, pad, dtype=torch.long), torch.ones_like(row)], 1)
+    longer = torch.cat([tokens(1, pad, seed=41), row], 1)  # a second row, unpadded, beside it
+    ids = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), row], 1), longer])
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
     with torch.no_grad():
-        alone = model(row).logits[0]
-        padded = model(ids, attention_mask=mask).logits[0, pad:]
-        torch.testing.assert_close(padded, alone, atol=1e-4, rtol=1e-4)
-        # decode steps of the padded row, default position_ids (the cache's indices), one token a step
+        alone = [model(row).logits[0], model(longer).logits[0, pad:]]
+        padded = model(ids, attention_mask=mask).logits[:, pad:]
+        for i in range(2):
+            torch.testing.assert_close(padded[i], alone[i], atol=1e-4, rtol=1e-4, msg=f"row {i}")
+        # decode steps of the batch, default position_ids (the cache's indices), one token a step
         out = model(ids[:, :pad + n], attention_mask=mask[:, :pad + n], use_cache=True)
         cache = out.past_key_values
         for t in range(new):
             step = model(ids[:, pad + n + t:pad + n + t + 1], attention_mask=mask[:, :pad + n + t + 1],
                          past_key_values=cache)
-            torch.testing.assert_close(step.logits[0, -1], alone[n + t], atol=1e-4, rtol=1e-4, msg=f"step {t}")
+            for i in range(2):
+                torch.testing.assert_close(step.logits[i, -1], alone[i][n + t], atol=1e-4, rtol=1e-4,
+                                           msg=f"row {i}, step {t}")
     # A hole of 7 in the row: its default position_ids jump there, its mask ranks do not, so the keys
     # before and after it were rotated at different offsets from their ranks; the cache's steps
     # equal one forward over the same inputs (they took the last query's offset for every key).

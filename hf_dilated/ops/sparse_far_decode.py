@@ -109,10 +109,12 @@ def _checksums(blocks):
 
 
 def _summaries(state: SummaryState, k, first, shift, needed: list[int], size: int, rotation, dtype, q_len: int,
-               moved: list[int]):
+               moved: list[int] | None = None):
     """(mn, mx) (batch, kv_heads, blocks, head_dim) holding at least blocks 0 .. needed[b] - 1 of
-    each row b, every one of them complete."""
+    each row b, every one of them complete; row b's keys were rotated `moved[b]` (None: 0) further
+    than their positions (sparse_far_decode's rope_shift)."""
     batch, kv_heads, kv_len, dim = k.shape
+    moved = [0] * batch if moved is None else moved
     key = (batch, kv_heads, dim, k.dtype, tuple(first), tuple(shift), size, dtype,
            None if rotation is None else (rotation[0], rotation[1], rotation[2].data_ptr(), tuple(moved)))
     place = (k.storage_offset(), k.stride())  # where the keys sit in their buffer
@@ -168,7 +170,7 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
     its positions row b's q and k were rotated (None: 0). The bounds are taken at the grouped
     positions themselves (they are not relative); the scores, relative, as the keys were rotated.
     Returns the output shaped like q."""
-    moved = [0] * q.shape[0] if rope_shift is None else rope_shift
+    further = [0] * q.shape[0] if rope_shift is None else rope_shift  # per row
     batch, n_heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = n_heads // kv_heads
@@ -189,7 +191,7 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
     summaries = None
     state = SummaryState() if state is None else state
     if max(needed):
-        summaries = _summaries(state, k, first, shift, needed, size, rotation, bound_dtype(k.dtype), q_len, moved)
+        summaries = _summaries(state, k, first, shift, needed, size, rotation, bound_dtype(k.dtype), q_len, further)
         operands = _kept(state, "bounds", summaries, group, lambda: bound_operands(*summaries, group))
     if rotation is not None and size % rotation[1] == 0:  # whole blocks: one angle per block and offset
         offset_turn = _kept(state, "turns", (rotation[2],), (size, rotation[1], q.device),
@@ -208,8 +210,8 @@ def sparse_far_decode(q, k, v, *, local_window: int, far_band: int | None, selec
         n_blocks = (p - width) // size + 1
         q_far = qb if rotation is None else rotate_with(  # the query's move, a Python int here
             qb, *turn_by(_rotation_delta(p, rotation, True), rotation[2], qb.dtype, qb.device))
-        q_bound = q_far if rotation is None or not moved[b] else rotate_with(  # at its grouped position itself
-            qb, *turn_by(_rotation_delta(p, rotation, True) - moved[b], rotation[2], qb.dtype, qb.device))
+        q_bound = q_far if rotation is None or not further[b] else rotate_with(  # at its grouped position itself
+            qb, *turn_by(_rotation_delta(p, rotation, True) - further[b], rotation[2], qb.dtype, qb.device))
         slots, tied = plain_slots(q_bound[0], operands[0][b, :, :n_blocks], p, width, selection,
                                   first_position=first[b] + shift[b])
         listed = slots[:, 0]  # (heads, sinks + k) each head's blocks; -1: none
