@@ -161,15 +161,18 @@ def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
                   sliding_window=None, rope_frequencies=None, state=None):
     from .ops.block_sparse import block_sparse_attention
 
-    pattern = s["pattern"]
+    _warn_adaptive_against_a_cache(s["pattern"], q, k)
+    return block_sparse_attention(q, k, v, s["pattern"], block_size=s["block_size"], is_causal=is_causal,
+                                  scale=scale, attention_mask=attention_mask, position_ids=position_ids,
+                                  sliding_window=sliding_window)
+
+
+def _warn_adaptive_against_a_cache(pattern, q, k) -> None:
     if (pattern.get("type") if isinstance(pattern, dict) else getattr(pattern, "type", None)) == "adaptive" \
             and q.shape[2] < k.shape[2]:
         warnings.warn("block_sparse: pattern 'adaptive' pools every query of a query block, later ones included "
                       "(docs/contract.md 5): a call against a cache (generation) pools the queries it has, so it may "
-                      "choose other blocks than a forward over the whole sequence", UserWarning, stacklevel=2)
-    return block_sparse_attention(q, k, v, s["pattern"], block_size=s["block_size"], is_causal=is_causal,
-                                  scale=scale, attention_mask=attention_mask, position_ids=position_ids,
-                                  sliding_window=sliding_window)
+                      "choose other blocks than a forward over the whole sequence", UserWarning, stacklevel=3)
 
 
 def _ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
@@ -203,6 +206,7 @@ def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, s
                        sliding_window=None, rope_frequencies=None, state=None):
     from .distributed import block_sparse_ring_attention
 
+    _warn_adaptive_against_a_cache(s["pattern"], q, k)
     return block_sparse_ring_attention(q, k, v, s["pattern"], block_size=s["block_size"], group=group,
                                        layout=layout, scale=scale, attention_mask=attention_mask,
                                        position_ids=position_ids, sliding_window=sliding_window)

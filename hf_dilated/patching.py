@@ -89,9 +89,7 @@ def lora_config(model_or_model_type, *, r: int = 8, lora_alpha: int = 16, lora_d
     if not isinstance(model_type, str):
         model_type = getattr(getattr(model_or_model_type, "config", None), "model_type", None)
     family = family_for(model_type)
-    return LoraConfig(
-        r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, task_type="CAUSAL_LM",
-        target_modules=list(family.LORA_TARGET_MODULES),
-        modules_to_save=list(family.EXTRA_TRAINABLE_MODULES) if long_context else None,
-        **kwargs,
-    )
+    # the family's targets and extra trained modules unless the caller names others (peft's own fields)
+    kwargs.setdefault("target_modules", list(family.LORA_TARGET_MODULES))
+    kwargs.setdefault("modules_to_save", list(family.EXTRA_TRAINABLE_MODULES) if long_context else None)
+    return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, task_type="CAUSAL_LM", **kwargs)

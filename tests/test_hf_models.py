@@ -328,6 +328,18 @@ def test_lora_trains_a_step_and_its_adapter_reloads(checkpoints, preset, tmp_pat
         torch.testing.assert_close(reloaded(ids).logits, trained)
 
 
+def test_lora_config_takes_peft_fields_in_place_of_the_family_defaults():
+    """A peft user extending the targets or the saved modules got "got multiple values for keyword
+    argument 'target_modules'"."""
+    config = hf_dilated.lora_config("llama", target_modules=["q_proj", "v_proj", "gate_proj"],
+                                    modules_to_save=["lm_head"], bias="lora_only")
+    assert set(config.target_modules) == {"q_proj", "v_proj", "gate_proj"}
+    assert list(config.modules_to_save) == ["lm_head"] and config.bias == "lora_only"
+    default = hf_dilated.lora_config("llama")
+    assert set(default.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj"} and "norm" in default.modules_to_save
+    assert hf_dilated.lora_config("llama", long_context=False).modules_to_save is None
+
+
 def _windowed_configs():
     from transformers import MistralConfig, Qwen2Config
 

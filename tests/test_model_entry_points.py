@@ -227,14 +227,15 @@ def test_a_checkpoint_with_scaled_rope_is_unchanged_on_every_input_it_supports(t
             torch.testing.assert_close(model(x).logits, want, atol=1e-4, rtol=1e-4)
 
 
-def test_adaptive_block_sparse_says_that_generation_pools_fewer_queries(saved):
+@pytest.mark.parametrize("name", ("block_sparse", "block_sparse_ring"))
+def test_adaptive_block_sparse_says_that_generation_pools_fewer_queries(saved, name):
     """`adaptive` pools each query block's queries, later ones included (SPEC): a decode step has its
     own query alone and chose other blocks than the whole sequence's forward (0.2 off in logits),
     without a word."""
     import warnings
 
     model = AutoModelForCausalLM.from_pretrained(saved["llama"])
-    hf_dilated.patch(model, "block_sparse", pattern={"type": "adaptive", "top_k": 1, "window": 1}, block_size=8)
+    hf_dilated.patch(model, name, pattern={"type": "adaptive", "top_k": 1, "window": 1}, block_size=8)
     prompt = ids(1, 40)
     with torch.no_grad():
         with warnings.catch_warnings():
