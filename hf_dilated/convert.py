@@ -35,7 +35,7 @@ from pathlib import Path
 from .config import (BAND_NAMES, CONFIG_KEY, DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_SCALED_ROPE, DILATED_MODES,
                      FAR_WINDOW_DIVISOR, RECORDED_NAME, DilatedConfig, far_keys, field_help)
 from .integrations.transformers import converted_context, supported_context
-from .kinds import TRANSFORMERS_NAMES as NAMES, check_transformers_name
+from .kinds import TRANSFORMERS_NAMES as NAMES, check_transformers_name, warn_unread_settings
 from .patches import family_for
 from .patches.context import (MAX_CONTEXT_LENGTH, ROPE_CHOICES, ConversionWarning, check_context_length,
                               converted_before)
@@ -139,6 +139,7 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
     config = AutoConfig.from_pretrained(src)  # normalised view (rope_parameters etc.)
     family = family_for(config.model_type)
     before = converted_before(config)
+    given = dict(dilated_fields)  # the caller's (a preset's configure every name)
     if preset is not None:
         from .model_configs import check_source, load_preset
 
@@ -173,6 +174,7 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
     check_transformers_name(attn_implementation)
 
     updates = family.convert_config(config, context_length, rope, attn_implementation, **dilated_fields)
+    warn_unread_settings(attn_implementation, given)
     longest = max(updates[CONFIG_KEY]["segment_lengths"])
     if longest > 2 * MAX_CONTEXT_LENGTH:  # the default levels stay below it for any allowed --context
         raise ValueError(f"segment_lengths (--segment-lengths): a level of {longest:,} tokens is above the limit of "

@@ -303,6 +303,25 @@ KINDS = {
 TRANSFORMERS_NAMES = tuple(name for name, kind in KINDS.items() if kind.families)
 
 
+def unread_settings(name: str, fields) -> list[str]:
+    """The hf_dilated fields among `fields` that attention `name` does not read (a conversion stores
+    them for the names that do; ring_layout is read by the sequence-parallel ones)."""
+    kind = KINDS[name]
+    read = set(kind.settings) | ({"ring_layout"} if kind.sequence_parallel else set())
+    return sorted(set(fields) - read - {"original_length", "target_length"})
+
+
+def warn_unread_settings(name: str, fields, stacklevel: int = 3) -> None:
+    """A ConversionWarning naming the fields a caller gave that `name` does not read."""
+    from .patches.context import ConversionWarning
+
+    unread = unread_settings(name, fields)
+    if unread:
+        warnings.warn(f"{', '.join(unread)}: attn_implementation {name!r} does not read "
+                      f"{'it' if len(unread) == 1 else 'them'} (stored in the hf_dilated entry, for the names that do)",
+                      ConversionWarning, stacklevel=stacklevel)
+
+
 def check_transformers_name(attn_implementation) -> None:
     """A ValueError unless `attn_implementation` is one of TRANSFORMERS_NAMES."""
     if attn_implementation not in TRANSFORMERS_NAMES:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .config import DEFAULT_ATTN_IMPLEMENTATION, DilatedConfig, default_band
 from .integrations.transformers import FAMILY_DEFAULTS, record_choice
-from .kinds import check_transformers_name
+from .kinds import check_transformers_name, warn_unread_settings
 from .patches import family_for
 
 
@@ -26,6 +26,7 @@ def patch(model, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION, *, cont
                         f"{type(model).__name__}")
     family = family_for(getattr(config, "model_type", None))
     updates = family.convert_config(config, context_length, rope, attn_implementation, **dilated_fields)
+    warn_unread_settings(attn_implementation, dilated_fields)
     for name, value in updates.items():
         setattr(config, name, value)
     family.prepare_model(model)

@@ -109,6 +109,24 @@ def test_default_conversion_for_another_mode_is_yarn_without_a_band(source, tmp_
     assert model.config.hf_dilated["mode"] == mode and model.config.rope_parameters["rope_type"] == "yarn"
 
 
+def test_fields_the_chosen_name_does_not_read_are_named(source, tmp_path):
+    """A field of another attention (a band for block_sparse, levels for ring) was stored without a
+    word; a preset's fields, which configure every name, are not the caller's and say nothing."""
+    with pytest.warns(UserWarning, match="local_window: attn_implementation 'block_sparse' does not read it"):
+        convert_checkpoint(source, tmp_path / "a", context_length=128, attn_implementation="block_sparse",
+                           local_window=16)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    with pytest.warns(UserWarning, match="dilation_rates, segment_lengths: attn_implementation 'ring' does not"):
+        hf_dilated.patch(model, "ring", segment_lengths=[32, 64], dilation_rates=[1, 2])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_checkpoint(source, tmp_path / "b", preset="tiny-llama", attn_implementation="dilated")
+        hf_dilated.patch(AutoModelForCausalLM.from_pretrained(source), "dilated_ring", ring_layout="zigzag",
+                         segment_lengths=[32, 64], dilation_rates=[1, 2])
+
+
 def test_copy_flag_copies_weights(source, tmp_path):
     dst = convert_checkpoint(source, tmp_path / "long", context_length=128, copy=True)
     assert not os.path.samefile(dst / "model.safetensors", source / "model.safetensors")
