@@ -692,6 +692,9 @@ def test_a_default_conversion_under_dilated_declares_its_converted_context_in_me
     assert model.config.max_position_embeddings == 128
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert saved["max_position_embeddings"] == 32 and saved["hf_dilated"]["target_length"] == 128
+    model.config.save_pretrained(tmp_path / "config_alone")  # (it wrote 128)
+    assert model.config.max_position_embeddings == 128
+    assert json.loads((tmp_path / "config_alone" / "config.json").read_text())["max_position_embeddings"] == 32
     model.set_attn_implementation("sdpa")
     assert model.config.max_position_embeddings == 32
     model.set_attn_implementation("dilated")

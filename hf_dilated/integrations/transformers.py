@@ -287,9 +287,9 @@ def _hook_attention_choice() -> None:
       corrupt config.json fails at load, not at the first forward);
     - the context the model declares (`max_position_embeddings`) is the one it reads under the
       chosen attention (`declare_context`).
-    And wraps `PreTrainedModel.save_pretrained`, so that config.json declares what the RoPE alone
-    supports, whatever the attention in memory."""
-    from transformers import PreTrainedModel
+    And wraps `PretrainedConfig.save_pretrained` (which a model's save_pretrained calls), so that
+    config.json declares what the RoPE alone supports, whatever the attention in memory."""
+    from transformers import PretrainedConfig, PreTrainedModel
 
     current = PreTrainedModel._check_and_adjust_attn_implementation
     if getattr(current, "_hf_dilated", False):
@@ -307,21 +307,23 @@ def _hook_attention_choice() -> None:
     _check_and_adjust_attn_implementation._hf_dilated = True
     PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
 
-    save = PreTrainedModel.save_pretrained
+    # The config's own save_pretrained (a model's writes its config through it): a config saved
+    # alone (model.config.save_pretrained) declared the converted context as well.
+    save = PretrainedConfig.save_pretrained
 
     @functools.wraps(save)
     def save_pretrained(self, *args, **kwargs):
-        far = _grouped_far_context(self.config)
-        if far is None or self.config.max_position_embeddings == far[0]:
+        far = _grouped_far_context(self)
+        if far is None or self.max_position_embeddings == far[0]:
             return save(self, *args, **kwargs)
-        declared = self.config.max_position_embeddings
-        self.config.max_position_embeddings = far[0]  # what engines that ignore the entry may read
+        declared = self.max_position_embeddings
+        self.max_position_embeddings = far[0]  # what engines that ignore the entry may read
         try:
             return save(self, *args, **kwargs)
         finally:
-            self.config.max_position_embeddings = declared
+            self.max_position_embeddings = declared
 
-    PreTrainedModel.save_pretrained = save_pretrained
+    PretrainedConfig.save_pretrained = save_pretrained
 
 
 def record_choice(config, chosen) -> None:
