@@ -121,6 +121,8 @@ def test_errors_name_the_argument(tiny, tmp_path, capsys):
     _, _, path = tiny
     short = tmp_path / "short.txt"
     short.write_text("x = 1\n")
+    long = tmp_path / "long.txt"
+    long.write_text("x = 1\n" * 60)
     cases = [
         (["--model", tmp_path / "nothing"], "--model: no checkpoint at"),
         (["--model", f"{path}@nope"], "--attn: unknown attention 'nope'"),
@@ -129,6 +131,16 @@ def test_errors_name_the_argument(tiny, tmp_path, capsys):
         (["--model", path, "--text", short, "--lengths", 200], "--text: " + str(short) + " has 7 tokens, fewer than --ppl-length 200"),
         (["--model", path, "--lengths", 50], f"--lengths: a passkey sample needs at least {min_length()} tokens"),
         (["--model", path, "--depths", 2], "--depths must lie in [0, 1]"),
+        # 0 was taken for the default, a negative value raised a traceback, a stride past the window too
+        (["--model", path, "--ppl-length", 0], "--ppl-length must be >= 1, got 0"),
+        (["--model", path, "--window-stride", 0], "--window-stride must be >= 1, got 0"),
+        (["--model", path, "--bucket", -64], "--bucket must be >= 1, got -64"),
+        (["--model", path, "--max-docs", 0], "--max-docs must be >= 1, got 0"),
+        (["--model", path, "--text", long, "--samples", 0, "--bucket", 16, "--window-stride", 100],
+         "--window-stride (100) must not exceed --window (16)"),
+        # no position past --bucket to cut: "stack expects a non-empty TensorList"
+        (["--model", path, "--text", long, "--samples", 0, "--lengths", 128, "--bucket", 256],
+         "--ppl-length (128, else the longest --lengths) must exceed --bucket (256"),
     ]
     for argv, message in cases:
         code, out = cli(argv + ["--no-progress"], capsys)

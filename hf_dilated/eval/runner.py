@@ -142,6 +142,11 @@ def validate(args) -> None:
     for name in ("batch_size", "cost_repeats"):
         if getattr(args, name) < 1:
             raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    # (None: the default; 0 is not one, it was taken for the default)
+    for name in ("ppl_length", "bucket", "window", "window_stride", "max_docs"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.samples < 0:
         raise EvalError(f"--samples must be >= 0, got {args.samples}")
     for n in args.lengths:
@@ -170,12 +175,18 @@ def evaluate(args, runs: list[Run], progress) -> dict:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result = {"settings": {}, "rows": []}
-    ppl_length = args.ppl_length or max(args.lengths)
-    bucket = args.bucket or original_context(runs[0].path)
-    window = args.window or bucket
-    stride = args.window_stride or max(1, window // 4)
+    ppl_length = max(args.lengths) if args.ppl_length is None else args.ppl_length
+    bucket = original_context(runs[0].path) if args.bucket is None else args.bucket
+    window = bucket if args.window is None else args.window
+    stride = max(1, window // 4) if args.window_stride is None else args.window_stride
     if window > bucket:
         raise EvalError(f"--window ({window}) must not exceed --bucket ({bucket}): the far buckets start at --bucket")
+    if stride > window:
+        raise EvalError(f"--window-stride ({stride}) must not exceed --window ({window})")
+    if args.text and args.cut_rows != "none" and ppl_length <= bucket:
+        raise EvalError(f"--ppl-length ({ppl_length}, else the longest --lengths) must exceed --bucket ({bucket}, "
+                        "else the model's original context) for the cut rows (--cut-rows): they read the positions "
+                        "past it")
     files = find_documents(args.text) if args.text else []
     if args.max_docs is not None:
         files = files[:args.max_docs]
