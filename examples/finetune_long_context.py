@@ -139,6 +139,31 @@ def parse_args(argv=None):
         raise SystemExit("--copy-rows replaces half the passkey rows of a text+passkey mixture: give --data passkey and text files")
     if args.passkey_ratio != 1 and not ("passkey" in args.data and len(args.data) > 1):
         raise SystemExit("--passkey-ratio mixes text and passkey rows: give --data passkey and text files")
+    for name, ok, rule in (("keep_checkpoints", args.keep_checkpoints >= 1, ">= 1"),  # (0 deleted every one saved)
+                           ("save_every", args.save_every >= 0, ">= 0"),
+                           ("warmup_steps", args.warmup_steps >= 0, ">= 0"),
+                           ("lr", args.lr > 0, "> 0"),
+                           ("min_lr_ratio", 0 <= args.min_lr_ratio <= 1, "in [0, 1]"),
+                           ("lora_alpha", args.lora_alpha >= 1, ">= 1"),
+                           ("lora_dropout", 0 <= args.lora_dropout < 1, "in [0, 1)"),
+                           ("weight_decay", args.weight_decay >= 0, ">= 0"),
+                           ("max_grad_norm", args.max_grad_norm > 0, "> 0")):
+        if not ok:
+            raise SystemExit(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
+    if args.full_finetune:  # LoRA's options: given with it, they were ignored
+        parser = build_parser()
+        given = [f"--{name.replace('_', '-')}" for name in ("lora_rank", "lora_alpha", "lora_dropout",
+                                                             "no_train_embeddings_norms")
+                 if getattr(args, name) != parser.get_default(name)]
+        if given:
+            raise SystemExit(f"{', '.join(given)} configure LoRA, which --full-finetune does not use")
+    if "passkey" in args.data:
+        from hf_dilated.eval.passkey import min_length
+
+        least = max(min_length(), args.passkey_min_doc_len or 0)
+        if args.seq_len < least:
+            raise SystemExit(f"--seq-len {args.seq_len} is shorter than a passkey row ({least} tokens at least, "
+                             "--passkey-min-doc-len)")
     if args.timeout <= 0:
         raise SystemExit(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:

@@ -247,6 +247,24 @@ def test_loss_mean_over_tokens_or_rows(checkpoint, loss_mean):
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
 
 
+def test_bad_training_options_are_named_before_anything_runs():
+    """--keep-checkpoints 0 deleted every checkpoint --save-every had saved; LoRA's options under
+    --full-finetune were ignored; a --seq-len too short for passkey rows raised a traceback from the
+    dataset; other out-of-range values trained on."""
+    from finetune_long_context import parse_args
+
+    base = ["--model", "m", "--output-dir", "o", "--seq-len", "256", "--max-steps", "1"]
+    for extra, match in ((["--keep-checkpoints", "0"], "--keep-checkpoints must be >= 1, got 0"),
+                         (["--lora-dropout", "7"], r"--lora-dropout must be in \[0, 1\), got 7"),
+                         (["--lr", "-1"], "--lr must be > 0"),
+                         (["--min-lr-ratio", "2"], r"--min-lr-ratio must be in \[0, 1\]"),
+                         (["--full-finetune", "--lora-rank", "64"], "--lora-rank configure LoRA, which --full-finetune"),
+                         (["--seq-len", "64"], "--seq-len 64 is shorter than a passkey row")):
+        with pytest.raises(SystemExit, match=match):
+            parse_args([*base, *extra])
+    assert parse_args([*base, "--full-finetune", "--keep-checkpoints", "1"]).full_finetune
+
+
 def test_passkey_ratio_without_a_mixture_is_refused():
     from finetune_long_context import parse_args
 
