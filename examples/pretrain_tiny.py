@@ -116,6 +116,12 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args, rest = p.parse_known_args(argv)  # everything else goes to the training loop
     out = Path(args.output_dir)
+    if args.export and rest:  # (they were dropped without a word)
+        p.error(f"--export copies a model and trains nothing: {' '.join(rest)} not taken")
+    if args.export and Path(args.export).resolve() == out.resolve():
+        p.error("--output-dir: --export copies MODEL_DIR elsewhere, not onto itself")
+    if args.init and not (Path(args.init) / "config.json").is_file():
+        p.error(f"--init: no checkpoint (config.json) at {args.init}")
     if args.export:
         import json
 

@@ -205,6 +205,23 @@ def test_eval_writes_table_json_and_plots(checkpoint, single_run, tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_pretrain_tiny_names_what_it_cannot_take(tmp_path, capsys):
+    """--export dropped every training option (a misspelt one too) without a word; --export onto
+    itself raised SameFileError; a missing --init raised FileNotFoundError from copytree."""
+    import pretrain_tiny
+
+    for argv, match in (([ "--export", "m", "--output-dir", str(tmp_path / "e"), "--bogus-flag", "3"],
+                         "--export copies a model and trains nothing: --bogus-flag 3 not taken"),
+                        (["--export", str(tmp_path / "m"), "--output-dir", str(tmp_path / "m")],
+                         "--output-dir: --export copies MODEL_DIR elsewhere"),
+                        (["--output-dir", str(tmp_path / "p"), "--init", str(tmp_path / "none")],
+                         "--init: no checkpoint")):
+        with pytest.raises(SystemExit) as stop:
+            pretrain_tiny.main(argv)
+        assert stop.value.code == 2 and match in capsys.readouterr().err
+    assert not (tmp_path / "e").exists() and not (tmp_path / "p").exists()
+
+
 def test_text_and_passkey_mixture_trains(checkpoint, tmp_path):
     """pretrain_tiny's data: local text files and generated passkey rows, alternating."""
     text = tmp_path / "doc.txt"
