@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -436,7 +437,23 @@ def test_cli_bench_refuses_unknown_settings(capsys):
     assert main(["bench", "kernels", "--variants", "union,not_a_variant"]) == 2
     assert "not_a_variant" in capsys.readouterr().err
     assert main(["bench", "decode", "--threads", "0"]) == 2
-    assert "--threads must be positive" in capsys.readouterr().err
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err
+    # values that gave empty reports, an error naming other options, or a default in their place
+    (tmp := Path(tempfile.mkdtemp()) / "a_file").write_text("")
+    for argv, message in ((["window", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+                          (["window", "--heads", "0"], "--heads must be >= 1, got 0"),
+                          (["window", "--kv-heads", "3"], "--kv-heads (3) must divide --heads (8)"),
+                          (["window", "--kv-heads", "0"], "--kv-heads must be >= 1, got 0"),
+                          (["kernels", "--lengths", ""], "--lengths: an empty list"),
+                          (["kernels", "--variants", ""], "--variants: an empty list"),
+                          (["kernels", "--no-flex", "--variants", "flex,union"], "--no-flex: --variants names flex"),
+                          (["decode", "--gen-layers", "0"], "--gen-layers must be >= 1, got 0"),
+                          (["distributed", "--fsdp-processes", "0"], "--fsdp-processes must be >= 1, got 0"),
+                          (["window", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
+                          (["window", "--out", str(tmp)], "--out: " + str(tmp) + " is (or lies under) a file"),
+                          (["window", "--out", str(tmp / "sub")], "is (or lies under) a file")):
+        assert main(["bench", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
     assert main(["bench", "decode", "--gen-fill", "random"]) == 2  # the static cache is in the default caches
     assert "--gen-caches" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:

@@ -227,6 +227,7 @@ def resolve_settings(args) -> dict:
     given = {k: v for k, v in vars(args).items() if k in DEFAULTS or k in PROFILES["full"]}
     profile = "smoke" if getattr(args, "smoke", False) else "quick" if getattr(args, "quick", False) else "full"
     s = {**DEFAULTS, **PROFILES[profile], **given, "profile": profile}
+    _check_given(given, s)
     s["device"] = s["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
     s["kv_heads"] = s["kv_heads"] or s["heads"]
     s["block_pattern"] = s["block_pattern"] or {"type": "global_local", "global_blocks": 1, "window": 5}
@@ -234,6 +235,8 @@ def resolve_settings(args) -> dict:
     unknown = sorted(set(named) - set(KERNEL_VARIANTS))
     if unknown:
         raise ValueError(f"--variants: unknown {unknown}; choose among {', '.join(KERNEL_VARIANTS)}")
+    if given.get("flex") is False and "flex" in named:
+        raise ValueError("--no-flex: --variants names flex")
     s["skipped_variants"] = [] if named or s["flex"] else list(FLEX)
     s["flex"] = s["flex"] or "flex" in named
     s["skip_reason"] = FLEX_SKIP_REASON
@@ -264,6 +267,39 @@ def resolve_settings(args) -> dict:
     if s["window"] <= 0:
         raise ValueError(f"--window must be positive, got {s['window']}")
     return s
+
+
+# Options that must be at least 1 (0 or less gave empty reports, an error naming others, or a
+# default in its place), and those that may be 0.
+_AT_LEAST_ONE = ("repeats", "batch", "heads", "kv_heads", "head_dim", "block_size", "gen_new", "gen_layers",
+                 "gen_intermediate", "gen_vocab", "fsdp_processes", "fsdp_sp", "fsdp_length", "threads",
+                 "distributed_length", "original")
+_AT_LEAST_ZERO = ("warmup",)
+_LISTS = ("lengths", "contexts", "processes", "e2e_lengths", "dtypes", "variants", "distributed_kernels")
+
+
+def _check_given(given: dict, s: dict) -> None:
+    """A ValueError naming the option given with a value no benchmark can use."""
+    def option(name):
+        return "--" + name.replace("_", "-")
+
+    for name, value in given.items():
+        if value is None:
+            continue
+        if name in _AT_LEAST_ONE and value < 1 or name in _AT_LEAST_ZERO and value < 0:
+            raise ValueError(f"{option(name)} must be >= {1 if name in _AT_LEAST_ONE else 0}, got {value}")
+        if name in _LISTS and not value:
+            raise ValueError(f"{option(name)}: an empty list")
+        if name in _LISTS and name not in ("dtypes", "variants", "distributed_kernels") and min(value) < 1:
+            raise ValueError(f"{option(name)} must be positive, got {value}")
+        if name == "case_timeout" and value <= 0:
+            raise ValueError(f"--case-timeout must be > 0 seconds, got {value}")
+    heads, kv_heads = s["heads"], s["kv_heads"] or s["heads"]
+    if heads % kv_heads:
+        raise ValueError(f"--kv-heads ({kv_heads}) must divide --heads ({heads})")
+    out = Path(s["out"])
+    if out.exists() and not out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
+        raise ValueError(f"--out: {out} is (or lies under) a file, not a directory")
 
 
 def _sections():
