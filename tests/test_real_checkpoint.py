@@ -63,6 +63,13 @@ def test_export_refuses_an_existing_destination_and_a_missing_file(exported, tmp
     with pytest.raises(GGUFError, match="file"):
         export_gguf(tmp_path / "absent.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    # A file that is not GGUF, and a destination under a file: tracebacks before (the second after
+    # the model had been read)
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    with pytest.raises(GGUFError, match="file: .*notes.txt is not a GGUF file"):
+        export_gguf(tmp_path / "notes.txt", tmp_path / "out")
+    with pytest.raises(GGUFError, match="dst: .* lies under .*notes.txt, which is a file"):
+        export_gguf(default_gguf_file(), tmp_path / "notes.txt" / "sub")
 
 
 def test_default_conversion_keeps_the_model_and_every_name_equals_sdpa_inside_L(exported, text_ids, tmp_path):
