@@ -169,6 +169,17 @@ def test_add_arguments_and_main_are_what_the_cli_uses(tiny, tmp_path, capsys):
     # the dilated levels of this preset cover the first 32 tokens densely: bucket 0 agrees with sdpa
     assert dilated["loss_by_bucket"][0] == pytest.approx(sdpa["loss_by_bucket"][0], abs=1e-4)
     assert "| t | sdpa |" in (tmp_path / "out" / "eval.md").read_text()
+    # Another run into the same folder, without --text: the first run's loss plot went with its report
+    # (it stayed beside the new one); the user's own file stays, and nothing is left aside.
+    (tmp_path / "out" / "mine.txt").write_text("kept\n")
+    args = parser.parse_args(["--model", f"t={path}@sdpa", "--lengths", str(min_length()), "--samples", "1",
+                              "--depths", "0", "--no-cost", "--no-progress", "--output-dir", str(tmp_path / "out")])
+    assert package.main(args) == 0
+    left = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert "loss_by_position.png" not in left and "mine.txt" in left and "eval.json" in left
+    assert not [name for name in left if name.startswith(".")]
+    args.output_dir = str(doc / "sub")  # under a file: an error before anything is evaluated
+    assert package.main(args) == 2 and "--output-dir: " in capsys.readouterr().err
 
 
 def test_plots_are_skipped_with_a_note_without_matplotlib(monkeypatch, tmp_path):

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -376,8 +379,11 @@ def main(args) -> int:
     try:
         validate(args)
         runs = parse_runs(args.model, args.attn)
-        if args.output_dir and Path(args.output_dir).is_file():
-            raise EvalError(f"--output-dir: {args.output_dir} is a file")
+        if args.output_dir:  # (under a file: found after the whole evaluation, a traceback)
+            out = Path(args.output_dir)
+            file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+            if file is not None:
+                raise EvalError(f"--output-dir: {args.output_dir} is or lies under a file ({file})")
         if args.no_progress:
             progress = _NoProgress()
         else:
@@ -396,11 +402,26 @@ def main(args) -> int:
     if args.output_dir:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "eval.md").write_text(table + "\n")
-        (out / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
-        for note in [f"wrote {out / 'eval.md'}, {out / 'eval.json'}"] + plots(result, out):
+        # Written aside, then moved in together, and an earlier run's outputs this one does not make
+        # removed: a plot of another run stayed beside the new report.
+        staging = Path(tempfile.mkdtemp(prefix=".eval-", dir=out))
+        try:
+            (staging / "eval.md").write_text(table + "\n")
+            (staging / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
+            notes = plots(result, staging)
+            for name in OUTPUTS:
+                if (staging / name).exists():
+                    os.replace(staging / name, out / name)
+                elif (out / name).exists():
+                    (out / name).unlink()
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        for note in [f"wrote {out / 'eval.md'}, {out / 'eval.json'}"] + notes:
             print(note)
     return 0
+
+
+OUTPUTS = ("eval.md", "eval.json", "loss_by_position.png", "passkey.png")  # what main writes to --output-dir
 
 
 def cli(argv=None) -> int:
