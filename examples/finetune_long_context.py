@@ -157,13 +157,6 @@ def parse_args(argv=None):
                  if getattr(args, name) != parser.get_default(name)]
         if given:
             raise SystemExit(f"{', '.join(given)} configure LoRA, which --full-finetune does not use")
-    if "passkey" in args.data:
-        from hf_dilated.eval.passkey import min_length
-
-        least = max(min_length(), args.passkey_min_doc_len or 0)
-        if args.seq_len < least:
-            raise SystemExit(f"--seq-len {args.seq_len} is shorter than a passkey row ({least} tokens at least, "
-                             "--passkey-min-doc-len)")
     if args.timeout <= 0:
         raise SystemExit(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
@@ -177,6 +170,13 @@ def parse_args(argv=None):
     if args.attn in ("sdpa", "dilated", "block_sparse") and args.sp_size > 1:
         raise SystemExit(f"--attn {args.attn} computes on one process; with --sp-size > 1 use dilated_ring, ring "
                          "or block_sparse_ring")
+    if "passkey" in args.data:
+        from hf_dilated.eval.passkey import min_length
+
+        least = max(min_length(), args.passkey_min_doc_len or 0)
+        if args.seq_len < least:
+            raise SystemExit(f"--seq-len {args.seq_len} is shorter than a passkey row ({least} tokens at least, "
+                             "--passkey-min-doc-len)")
     return args
 
 

@@ -125,7 +125,13 @@ def test_errors_name_the_argument(tiny, tmp_path, capsys):
     long.write_text("x = 1\n" * 60)
     cases = [
         (["--model", tmp_path / "nothing"], "--model: no checkpoint at"),
-        (["--model", f"{path}@nope"], "--attn: unknown attention 'nope'"),
+        (["--model", f"{path}@nope"], "--model: unknown attention 'nope'"),
+        (["--model", f"{path}@sdpa", "--attn", "dilated"], "--attn: every --model entry names its attentions"),
+        # options of a part that does not run, and nothing to run
+        (["--model", path, "--bucket", 16], "--bucket: --text measures nothing here"),
+        (["--model", path, "--samples", 0, "--depths", 0.5, "--text", long], "--depths: --samples measures nothing"),
+        (["--model", path, "--no-cost", "--cost-repeats", 7], "--cost-repeats: the cost (--no-cost) measures nothing"),
+        (["--model", path, "--samples", 0, "--no-cost"], "nothing to measure"),
         (["--model", path, "--attn", "nope"], "--attn: unknown attention 'nope'"),
         (["--model", path, "--text", tmp_path / "missing.txt"], "--text: no such file or directory"),
         (["--model", path, "--text", short, "--lengths", 200], "--text: " + str(short) + " has 7 tokens, fewer than --ppl-length 200"),

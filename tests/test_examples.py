@@ -643,7 +643,7 @@ def test_fsdp_on_one_process_asks_for_a_launcher(checkpoint, tmp_path):
 def test_fsdp_options_are_checked():
     import finetune_long_context
 
-    base = ["--model", "m", "--output-dir", "o", "--seq-len", "8", "--max-steps", "1"]
+    base = ["--model", "m", "--output-dir", "o", "--seq-len", "256", "--max-steps", "1"]
     with pytest.raises(SystemExit, match="--fsdp-shard says how --fsdp shards"):
         finetune_long_context.parse_args([*base, "--fsdp-shard", "dp"])
     with pytest.raises(SystemExit, match="fp16 is not supported"):

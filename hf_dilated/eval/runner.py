@@ -74,23 +74,25 @@ def known_attentions() -> tuple[str, ...]:
     return BUILTIN_ATTENTIONS + tuple(NAMES)
 
 
-def check_attn(name: str) -> str:
+def check_attn(name: str, option: str = "--attn") -> str:
     known = known_attentions()
     if name not in known:
-        raise EvalError(f"--attn: unknown attention {name!r}; choose from {', '.join(known)}")
+        raise EvalError(f"{option}: unknown attention {name!r}; choose from {', '.join(known)}")
     return name
 
 
 def parse_runs(entries: list[str], default_attns: list[str] | None) -> list[Run]:
     runs = []
     for entry in entries:
-        label, _, rest = entry.rpartition("=") if "=" in entry else ("", "", entry)
+        # LABEL=PATH splits at the first "=" (a path may hold more), a bare path that exists is taken whole
+        label, _, rest = ("", "", entry) if "=" not in entry or Path(entry.partition("@")[0]).exists() \
+            else entry.partition("=")
         path_text, _, attn_text = rest.partition("@")
         path = Path(path_text)
         if not (path / "config.json").is_file():
             raise EvalError(f"--model: no checkpoint at {path} (no config.json)")
         if attn_text:
-            attns = [check_attn(a) for a in attn_text.split(",") if a]
+            attns = [check_attn(a, option="--model") for a in attn_text.split(",") if a]
         elif default_attns:
             attns = [check_attn(a) for a in default_attns]
         else:
@@ -99,6 +101,8 @@ def parse_runs(entries: list[str], default_attns: list[str] | None) -> list[Run]
         if not label:
             label = path.name if path.name not in ("model", "") else f"{path.parent.name}/{path.name}"
         runs.append(Run(label, path, attns))
+    if default_attns and all("@" in e for e in entries):
+        raise EvalError("--attn: every --model entry names its attentions after @, so --attn is not used")
     labels = [r.label for r in runs]
     if len(set(labels)) != len(labels):
         raise EvalError(f"--model: two checkpoints share a label ({labels}); name them LABEL=PATH")
@@ -152,6 +156,19 @@ def validate(args) -> None:
             raise EvalError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.samples < 0:
         raise EvalError(f"--samples must be >= 0, got {args.samples}")
+    # Options of a part that does not run (they were taken without a word)
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    unused = {"--text": ("ppl_length", "bucket", "window", "window_stride", "max_docs", "cut_rows"),
+              "--samples": ("depths", "seed"), "the cost (--no-cost)": ("cost_repeats",)}
+    off = {"--text": not args.text, "--samples": args.samples == 0, "the cost (--no-cost)": args.no_cost}
+    for part, names in unused.items():
+        given = [f"--{n.replace('_', '-')}" for n in names if off[part] and getattr(args, n) != defaults.get_default(n)]
+        if given:
+            raise EvalError(f"{', '.join(given)}: {part} measures nothing here, so {'it is' if len(given) == 1 else 'they are'} "
+                            "not used")
+    if not args.text and args.samples == 0 and args.no_cost:
+        raise EvalError("--samples 0 and --no-cost without --text: nothing to measure")
     for n in args.lengths:
         if n < 2:
             raise EvalError(f"--lengths must be >= 2 tokens, got {n}")
