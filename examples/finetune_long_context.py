@@ -150,8 +150,17 @@ def parse_args(argv=None):
                            ("max_grad_norm", args.max_grad_norm > 0, "> 0")):
         if not ok:
             raise SystemExit(f"--{name.replace('_', '-')} must be {rule}, got {getattr(args, name)}")
+    parser = build_parser()
+    # Options of a kind of data that is not read (they were ignored)
+    passkey, text = "passkey" in args.data, any(d != "passkey" for d in args.data)
+    for names, used, kind in ((("num_rows", "passkey_min_doc_len", "passkey_max_doc_len", "passkey_recalls",
+                                "passkey_keys", "passkey_learn_all"), passkey, "passkey rows (--data passkey)"),
+                              (("text_field", "max_rows"), text, "text files (--data FILE ...)")):
+        given = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) != parser.get_default(n)]
+        if given and not used:
+            raise SystemExit(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} {kind}, which --data does "
+                             "not read")
     if args.full_finetune:  # LoRA's options: given with it, they were ignored
-        parser = build_parser()
         given = [f"--{name.replace('_', '-')}" for name in ("lora_rank", "lora_alpha", "lora_dropout",
                                                              "no_train_embeddings_norms")
                  if getattr(args, name) != parser.get_default(name)]

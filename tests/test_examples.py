@@ -276,7 +276,10 @@ def test_bad_training_options_are_named_before_anything_runs():
                          (["--lr", "-1"], "--lr must be > 0"),
                          (["--min-lr-ratio", "2"], r"--min-lr-ratio must be in \[0, 1\]"),
                          (["--full-finetune", "--lora-rank", "64"], "--lora-rank configure LoRA, which --full-finetune"),
-                         (["--seq-len", "64"], "--seq-len 64 is shorter than a passkey row")):
+                         (["--seq-len", "64"], "--seq-len 64 is shorter than a passkey row"),
+                         (["--data", "doc.txt", "--passkey-recalls", "2"],
+                          r"--passkey-recalls shapes passkey rows \(--data passkey\), which --data does not read"),
+                         (["--max-rows", "5"], r"--max-rows shapes text files \(--data FILE \.\.\.\), which --data")):
         with pytest.raises(SystemExit, match=match):
             parse_args([*base, *extra])
     assert parse_args([*base, "--full-finetune", "--keep-checkpoints", "1"]).full_finetune
