@@ -942,6 +942,15 @@ def test_gpu_table_compiles_ahead_the_cases_whose_first_call_compiles(tmp_path):
         gpu_table.warm_plan(["kernels"], s, "cpu")
 
 
+def _command_line(pid: int) -> str:
+    """Process `pid`'s command line, its arguments joined by spaces ("" once it has ended)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _children(pid: int) -> list[int]:
     """The pids of the processes whose parent is `pid` (Linux /proc)."""
     found = []
@@ -981,7 +990,9 @@ def test_gpu_table_warm_stops_its_cases_when_terminated(tmp_path):
         cases = []
         while not cases and time.time() < deadline and parent.poll() is None:
             time.sleep(0.2)
-            cases = _children(parent.pid)
+            # its cases by their command line: another child (a compile worker pool) may start before
+            # warm's handler is in place, and a SIGTERM then killed it outright (a CI run, 2026-11-28)
+            cases = [pid for pid in _children(parent.pid) if "warm-case" in _command_line(pid)]
         assert cases, "no case started"
         parent.send_signal(signal.SIGTERM)
         parent.wait(timeout=30)
