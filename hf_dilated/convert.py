@@ -146,19 +146,17 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
         p = load_preset(preset)
         check_source(p, config, preset)
         attn_implementation = p["attn_implementation"] if attn_implementation is None else attn_implementation
-        levels = p.get("hf_dilated", {}).get("segment_lengths")
-        if context_length is not None:
-            check_context_length(config, context_length)
-        if (context_length is not None and levels and max(levels) < context_length
-                and "segment_lengths" not in dilated_fields):
-            raise ValueError(f"context_length (--context): the levels of preset {preset!r} end at {max(levels)} tokens, "
-                             f"so no key further back than that is read at {context_length}: pass --segment-lengths "
-                             "and --dilation-rates for it, or leave out --preset")
+        levels = None if context_length is None or "segment_lengths" in given else p.get("hf_dilated", {}).get(
+            "segment_lengths")  # the preset's levels, for a context of the caller's
         context_length = p["context_length"] if context_length is None else context_length
         rope = p["rope"] if rope is None else rope
         dilated_fields = {**p.get("hf_dilated", {}), **dilated_fields}
     if context_length is not None:
         check_context_length(config, context_length)
+        if preset is not None and levels and max(levels) < context_length:
+            raise ValueError(f"context_length (--context): the levels of preset {preset!r} end at {max(levels)} tokens, "
+                             f"so no key further back than that is read at {context_length}: pass --segment-lengths "
+                             "and --dilation-rates for it, or leave out --preset")
     elif rope is not None:
         if not before:
             raise ValueError("rope: --rope needs --context (the context length to scale RoPE for)")

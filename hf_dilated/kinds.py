@@ -3,16 +3,16 @@ the transformers `attn_implementation` names (integrations/transformers.py). Add
 adding a row here.
 
 Each row's `run(q, k, v, settings, *, is_causal, attention_mask, position_ids, scale, dropout_p,
-group, layout, sliding_window, rope_frequencies, state)` takes the kernels' inputs (the layout of
+group, layout, sliding_window, rope_frequencies, state, rope_offset)` takes the kernels' inputs (the layout of
 docs/contract.md 1; positions and padding by the kernels' rule of ops/token_layout.py; the window
 of docs/contract.md 3.3) and the settings named in `settings` (name -> default; config.REQUIRED:
 no default). `rope_frequencies` (the inv_freq of the RoPE that rotated q and k) is needed only by
 settings with far keys at grouped positions (config.far_keys): the kind rotates q and k on to
 them itself (docs/contract.md 4.1), so every entry point passes the same settings and one tensor.
 `state` is a dict the caller keeps per layer across calls, or None: what a kind keeps between
-decode steps (sparse far keys' block summaries, ops/sparse_far_decode.py) lives there. The kinds with
-far keys also take `rope_offset`, where the model rotated q and k elsewhere than at their kernel
-positions: (per key (batch, kv_len), per row [ints]) (integrations/model_inputs.rope_offsets).
+decode steps (sparse far keys' block summaries, ops/sparse_far_decode.py) lives there.
+`rope_offset` (ops/rope.RopeOffset, or None) says where the model rotated q and k further than at
+their kernel positions; the kinds with far keys move them from there.
 The ring kinds take this rank's shards under a sequence-parallel `group`; with no
 group (or a group of one) each equals its single-process counterpart, so that fallback is written
 once, in hf_dilated.distributed. The ring layout reaches `run` resolved (an entry point resolves
@@ -83,7 +83,7 @@ def _far_keys(s, rope_frequencies):
 
 
 def _dense(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-           sliding_window=None, rope_frequencies=None, state=None):
+           sliding_window=None, rope_frequencies=None, state=None, rope_offset=None):
     from .ops.dense import dense_attention
 
     return dense_attention(q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p,
@@ -106,8 +106,7 @@ def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, drop
         rows = regular_rows(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
         if rows is not None and max(rows[0]) <= k.shape[2] - q.shape[2]:  # no padded query
             kept = None
-            moved = None if far is None or rope_offset is None else rope_offset[1]  # one offset a regular row
-            if moved is not None:  # (the GPU's steps take the kernels' positions as the model's)
+            if rope_offset is not None:  # (the GPU's steps take the kernels' positions as the model's)
                 if state is not None:
                     kept = state.get("far_summaries") or state.setdefault("far_summaries", SummaryState())
             elif state is not None:
@@ -126,10 +125,12 @@ def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, drop
                 kept = state.get("far_summaries") or state.setdefault("far_summaries", SummaryState())
             return sparse_far_decode(q, k, v, local_window=s["local_window"], far_band=s["far_band"],
                                      selection=selection, scale=q.shape[-1] ** -0.5 if scale is None else scale,
-                                     first=rows[0], shift=rows[1], rotation=far, state=kept, rope_shift=moved)
+                                     first=rows[0], shift=rows[1], rotation=far, state=kept,
+                                     rope_shift=None if rope_offset is None else rope_offset.per_row)
     if far is not None:
         positions = token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids).positions
-        q_far, k_far = far_projections(q, k, positions, *far, offset=None if rope_offset is None else rope_offset[0])
+        q_far, k_far = far_projections(q, k, positions, *far,
+                                       offset=None if rope_offset is None else rope_offset.per_key)
     return dilated_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"],
                              is_causal=is_causal, scale=scale, dropout_p=dropout_p,
                              attention_mask=attention_mask, position_ids=position_ids,
@@ -158,7 +159,7 @@ def _far_selection(s):
 
 
 def _block_sparse(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-                  sliding_window=None, rope_frequencies=None, state=None):
+                  sliding_window=None, rope_frequencies=None, state=None, rope_offset=None):
     from .ops.block_sparse import block_sparse_attention
 
     _warn_adaptive_against_a_cache(s["pattern"], q, k)
@@ -176,7 +177,7 @@ def _warn_adaptive_against_a_cache(pattern, q, k) -> None:
 
 
 def _ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-          sliding_window=None, rope_frequencies=None, state=None):
+          sliding_window=None, rope_frequencies=None, state=None, rope_offset=None):
     from .distributed import ring_attention
 
     return ring_attention(q, k, v, group=group, layout=layout, scale=scale,
@@ -193,7 +194,7 @@ def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
     # A rank cannot tell its tokens' positions from its shard of a padding mask: the ring kernel
     # finds them and asks for the far projections at them. (rope_offset: without a group, the whole
     # row's, as for dilated; a rank's shard gets none: docs/contract.md 4.1.)
-    offset = None if rope_offset is None else rope_offset[0]
+    offset = None if rope_offset is None else rope_offset.per_key
     far_at = None if far is None else (lambda positions: far_projections(q, k, positions, *far, offset=offset))
     return dilated_ring_attention(q, k, v, s["segment_lengths"], s["dilation_rates"], mode=s["mode"], group=group,
                                   layout=layout, scale=scale, attention_mask=attention_mask,
@@ -203,7 +204,7 @@ def _dilated_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale,
 
 
 def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, dropout_p, group, layout,
-                       sliding_window=None, rope_frequencies=None, state=None):
+                       sliding_window=None, rope_frequencies=None, state=None, rope_offset=None):
     from .distributed import block_sparse_ring_attention
 
     _warn_adaptive_against_a_cache(s["pattern"], q, k)

@@ -56,10 +56,15 @@ def check_conversion_arguments(config, context_length, rope) -> None:
     scaling is a choice for a new context, so `rope` needs `context_length` (it was ignored)."""
     if context_length is not None:
         check_context_length(config, context_length)
-    if rope is not None and rope not in ROPE_CHOICES:
-        raise ValueError(f"rope must be one of {ROPE_CHOICES} or None, got {rope!r}")
+    check_rope(rope)
     if rope is not None and context_length is None:
         raise ValueError(f"rope={rope!r} scales the RoPE for a new context: pass context_length (--context) with it")
+
+
+def check_rope(rope) -> None:
+    """A ValueError unless `rope` is one of ROPE_CHOICES or None."""
+    if rope is not None and rope not in ROPE_CHOICES:
+        raise ValueError(f"rope must be one of {ROPE_CHOICES} or None, got {rope!r}")
 
 
 def check_context_length(config, context_length) -> int:
@@ -108,8 +113,7 @@ def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
     `context_length` must lie between the original context and MAX_CONTEXT_LENGTH. Choices that
     keep something other than asked for are told with a ConversionWarning.
     """
-    if rope is not None and rope not in ROPE_CHOICES:
-        raise ValueError(f"rope must be one of {ROPE_CHOICES} or None, got {rope!r}")
+    check_rope(rope)
     check_context_length(config, context_length)
     params = dict(getattr(config, "rope_parameters", None) or {})
     if not params or "rope_theta" not in params:

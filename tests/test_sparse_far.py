@@ -502,6 +502,46 @@ class _InPlaceCache:
         self.filled = n
 
 
+@pytest.mark.parametrize("over", ({}, {"far_block_size": 3}), ids=("grouped", "blocks_of_3"))  # 3: keys turned one by one
+def test_keys_rotated_further_than_their_positions_match_reference(over):
+    """The model may rotate q and k further than their kernel positions (transformers' default
+    position_ids of a left-padded row are its indices, not its mask ranks). Told how much
+    (RopeOffset), a prefill and decode steps equal the reference of q and k rotated at their
+    positions: the far blocks' bounds are taken at the grouped positions themselves (they are not
+    relative; taken as rotated, they chose other blocks)."""
+    from hf_dilated.kinds import KINDS
+    from hf_dilated.ops.rope import RopeOffset, rotate_by
+
+    s = _decode_settings(**over)
+    g = torch.Generator().manual_seed(11)
+    batch, heads, kv_heads, n, dim = 2, 4, 2, 70, 8
+    q, k, v = (torch.randn(batch, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    mask = torch.ones(batch, n, dtype=torch.long)
+    mask[1, :9] = 0
+    ref = _decode_reference(q, k, v, s, inv_freq, mask)
+    further = torch.tensor([[5], [9]]) * mask  # row 0 by explicit positions, row 1 by its padding
+    q_model, k_model = rotate_by(q, further, inv_freq), rotate_by(k, further, inv_freq)
+    kw = dict(is_causal=True, position_ids=None, scale=None, dropout_p=0.0, group=None, layout=None,
+              rope_frequencies=inv_freq)
+    real = mask.bool()[:, None, :, None]
+
+    def off(out, expected):
+        return (out - expected).masked_fill(~real[:, :, -out.shape[2]:], 0).abs().max().item()
+
+    unaware = KINDS["dilated"].run(q_model, k_model, v, s, attention_mask=mask, **kw)
+    assert off(unaware, ref) > 1e-3  # taken as rotated at their positions, other blocks are chosen
+    out = KINDS["dilated"].run(q_model, k_model, v, s, attention_mask=mask, rope_offset=RopeOffset(further, [5, 9]),
+                               **kw)
+    assert off(out, ref) < TOL
+    state = {}
+    for t in range(40, n):
+        out = KINDS["dilated"].run(q_model[:, :, t:t + 1], k_model[:, :, :t + 1], v[:, :, :t + 1], s,
+                                   attention_mask=mask[:, :t + 1], state=state,
+                                   rope_offset=RopeOffset(further[:, :t + 1], [5, 9]), **kw)
+        assert off(out, ref[:, :, t:t + 1]) < TOL, t
+
+
 class _ConcatCache:
     """A cache that concatenates each step's keys into a new tensor, as transformers' DynamicCache does."""
 

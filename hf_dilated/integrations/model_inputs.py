@@ -31,6 +31,7 @@ import torch
 
 from ..config import DECODE_MAX_QUERIES
 from ..ops.plan_cache import PlanCache
+from ..ops.rope import RopeOffset
 from ..ops.token_layout import mask_ranks
 
 
@@ -140,8 +141,8 @@ _INPUTS = PlanCache(size=8)
 def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_parallel=False, cu_seq_lens=None,
                   rope=False):
     """(key, value, attention_mask, position_ids, rope_offset) for a kernel from what transformers
-    passes. rope_offset (rope=True: the kernel moves q and k on from their RoPE positions, far keys
-    at grouped positions): rope_offsets', else None."""
+    passes. rope_offset, a RopeOffset of rope_offsets' or None: asked for with rope=True (the kernel
+    moves q and k on from where the model rotated them: far keys at grouped positions)."""
     batch, q_len = query.shape[0], query.shape[2]
     if is_static_slots(attention_mask):  # an eager step on a static cache: its written slots, as a 2-D mask
         real, seen = read_static_slots(attention_mask)
@@ -178,8 +179,8 @@ def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_p
             facts = torch.cat(facts).tolist()
             if facts[0]:
                 mask = None  # an all-ones mask says "one document per row": so does no mask, more cheaply
-            if offset is not None:  # (per key; per row, its last key's: a regular row's every real key's)
-                offset = (offset, facts[2:]) if facts[1] else None  # None: generate()'s position_ids
+            if offset is not None:
+                offset = RopeOffset(offset, facts[2:]) if facts[1] else None  # None: generate()'s position_ids
         cached = (mask, positions, offset)
         _INPUTS.put(cache_key, attention_mask, position_ids, cached)
     return key, value, *cached

@@ -190,8 +190,7 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
     with torch.autocast(device_type, enabled=False):
         out = kind.run(query, key, value, settings, is_causal=True, attention_mask=mask, position_ids=positions,
                        scale=scaling, dropout_p=dropout_p, group=group, layout=layout, sliding_window=window,
-                       rope_frequencies=rope_frequencies, state=_layer_state(module),
-                       **({} if rope_offset is None else {"rope_offset": rope_offset}))
+                       rope_frequencies=rope_frequencies, state=_layer_state(module), rope_offset=rope_offset)
         if group is None and mask is not None:
             out = padded_last_query_as_sdpa(out, query, key, value, mask, scaling, window)
         if kind.static_keep is not None and group is None and is_static_slots(attention_mask):

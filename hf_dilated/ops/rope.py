@@ -7,9 +7,21 @@ The angles are computed in float64: at a million tokens float32 angles would be 
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .token_layout import mask_ranks
+
+
+class RopeOffset(NamedTuple):
+    """How much further than their kernel positions the model rotated q and k (its RoPE ran at its
+    own position_ids: a left-padded row's default ones are its indices, not its mask ranks).
+    per_key (batch, kv_len) int64, 0 at padded slots; per_row: one int a row, its last key's (a
+    regular row's every real key's: the decode steps')."""
+
+    per_key: torch.Tensor
+    per_row: list[int]
 
 
 def rotate_by(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
