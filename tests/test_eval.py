@@ -181,6 +181,8 @@ def test_add_arguments_and_main_are_what_the_cli_uses(tiny, tmp_path, capsys):
     args = parser.parse_args(["--model", f"t={path}@sdpa", "--lengths", str(min_length()), "--samples", "1",
                               "--depths", "0", "--no-cost", "--no-progress", "--output-dir", str(tmp_path / "out")])
     assert package.main(args) == 0
+    printed = capsys.readouterr().out  # where the plots are, not where they were written first
+    assert f"wrote {tmp_path / 'out' / 'passkey.png'}" in printed and ".eval-" not in printed
     left = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert "loss_by_position.png" not in left and "mine.txt" in left and "eval.json" in left
     assert not [name for name in left if name.startswith(".")]

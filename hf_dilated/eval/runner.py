@@ -328,8 +328,9 @@ def markdown(result: dict) -> str:
     return "\n".join(out)
 
 
-def plots(result: dict, out: Path) -> list[str]:
-    """Writes the PNGs; returns notes (e.g. matplotlib missing)."""
+def plots(result: dict, out: Path, shown: Path | None = None) -> list[str]:
+    """Writes the PNGs into `out`; returns notes (what was written, as in `shown` (default: out),
+    where it will be; or matplotlib missing)."""
     try:
         import matplotlib
     except ImportError:
@@ -369,7 +370,7 @@ def plots(result: dict, out: Path) -> list[str]:
         ax.set_ylabel("keys right (%), mean over depths")
         ax.set_title("Passkey retrieval")
         written.append(_save(plt, fig, ax, out / "passkey.png"))
-    return [f"wrote {out / w}" for w in written]
+    return [f"wrote {(shown or out) / w}" for w in written]
 
 
 def _save(plt, fig, ax, path) -> str:
@@ -425,7 +426,7 @@ def main(args) -> int:
         try:
             (staging / "eval.md").write_text(table + "\n")
             (staging / "eval.json").write_text(json.dumps(result, indent=1) + "\n")
-            notes = plots(result, staging)
+            notes = plots(result, staging, shown=out)
             for name in OUTPUTS:
                 if (staging / name).exists():
                     os.replace(staging / name, out / name)
