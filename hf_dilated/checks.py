@@ -1,7 +1,10 @@
-"""The one integer check (docs/contract.md 9), in a module that imports nothing, so that the
-configuration (config.py) and the block patterns it validates (ops/block_patterns.py) share it
-without importing each other in a cycle."""
+"""The checks several entry points share, in a module that imports nothing of the package: the one
+integer check (docs/contract.md 9), which the configuration (config.py) and the block patterns it
+validates (ops/block_patterns.py) share without importing each other in a cycle, and where an
+output folder cannot be made."""
 from __future__ import annotations
+
+from pathlib import Path
 
 
 def check_int(name: str, value, *, minimum: int = 1, optional: bool = False) -> None:
@@ -14,3 +17,10 @@ def check_int(name: str, value, *, minimum: int = 1, optional: bool = False) -> 
         raise TypeError(f"{name} must be {rule}, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def file_in_the_way(path) -> Path | None:
+    """The file that `path` is, or lies under (a folder cannot be made there), else None: checked
+    before the work whose results go there (found after it, it was a traceback)."""
+    path = Path(path)
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)

@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .checks import file_in_the_way
+
 
 class GGUFError(Exception):
     """Bad input: the message names the argument."""
@@ -52,9 +54,9 @@ def export_gguf(gguf_file, dst, *, dtype=None) -> Path:
         raise GGUFError(f"file: {gguf_file} is not a file")
     if dst.exists():
         raise GGUFError(f"dst: {dst} exists; choose a new directory")
-    under = next((p for p in dst.parents if p.exists()), None)  # the deepest existing folder above it
-    if under is not None and not under.is_dir():  # (found only after the model was read, a traceback)
-        raise GGUFError(f"dst: {dst} lies under {under}, which is a file")
+    file = file_in_the_way(dst)
+    if file:
+        raise GGUFError(f"dst: {dst} lies under {file}, which is a file")
     with open(gguf_file, "rb") as f:  # (transformers' error, a traceback, named no argument)
         if f.read(4) != b"GGUF":
             raise GGUFError(f"file: {gguf_file} is not a GGUF file (it does not start with the bytes GGUF)")

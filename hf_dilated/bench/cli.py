@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..checks import file_in_the_way
+
 FLEX = ("flex", "flex_union")
 FLEX_SKIP_REASON = "FlexAttention compiles for ~30 s per shape on CPU; --flex (or naming it in --variants) includes it"
 # Values the options take unless given, per profile. "quick" stays within a few minutes on 2 CPU
@@ -297,9 +299,8 @@ def _check_given(given: dict, s: dict) -> None:
     heads, kv_heads = s["heads"], s["kv_heads"] or s["heads"]
     if heads % kv_heads:
         raise ValueError(f"--kv-heads ({kv_heads}) must divide --heads ({heads})")
-    out = Path(s["out"])
-    if out.exists() and not out.is_dir() or any(p.exists() and not p.is_dir() for p in out.parents):
-        raise ValueError(f"--out: {out} is (or lies under) a file, not a directory")
+    if file_in_the_way(s["out"]):
+        raise ValueError(f"--out: {s['out']} is (or lies under) a file, not a directory")
 
 
 def _sections():

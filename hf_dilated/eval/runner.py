@@ -21,6 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from ..checks import file_in_the_way
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
 BUILTIN_ATTENTIONS = ("sdpa", "eager")
@@ -397,11 +398,9 @@ def main(args) -> int:
     try:
         validate(args)
         runs = parse_runs(args.model, args.attn)
-        if args.output_dir:  # (under a file: found after the whole evaluation, a traceback)
-            out = Path(args.output_dir)
-            file = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-            if file is not None:
-                raise EvalError(f"--output-dir: {args.output_dir} is or lies under a file ({file})")
+        file = args.output_dir and file_in_the_way(args.output_dir)
+        if file:
+            raise EvalError(f"--output-dir: {args.output_dir} is or lies under a file ({file})")
         if args.no_progress:
             progress = _NoProgress()
         else:
