@@ -310,15 +310,16 @@ def local_band_key_sets(q, k, segment_lengths, dilation_rates, local_window, *, 
     far = union & ~near
     if far_top_k is not None:
         far = far & _far_selected(far, q if q_far is None else q_far, k if k_far is None else k_far, tp,
-                                  far_top_k, far_block_size, far_sinks)
+                                  far_top_k, far_block_size, far_sinks, sliding_window)
     return near, far
 
 
-def _far_selected(far, q_far, k_far, tp: TokenPositions, top_k, block_size, sinks):
+def _far_selected(far, q_far, k_far, tp: TokenPositions, top_k, block_size, sinks, sliding_window=None):
     """bool (batch, heads, q_len, kv_len): the far keys docs/contract.md 4.2 reads, by its words: a
     block is (document, position // block_size) of real keys; its summary the elementwise min/max
-    of their k_far; a query reads its far keys in sink blocks (number < sinks) and in the top_k
-    candidate blocks (holding one of its far keys, not a sink) by the bound."""
+    of their k_far (with a sliding window W, of those the query's window shows: index > i - W); a
+    query reads its far keys in sink blocks (number < sinks) and in the top_k candidate blocks
+    (holding one of its far keys, not a sink) by the bound."""
     batch, q_heads, q_len, _ = q_far.shape
     kv_len = k_far.shape[2]
     group = q_heads // k_far.shape[1]
@@ -330,8 +331,11 @@ def _far_selected(far, q_far, k_far, tp: TokenPositions, top_k, block_size, sink
                 blocks.setdefault((int(tp.doc[b, j]), int(tp.positions[b, j]) // block_size), []).append(j)
         for h in range(q_heads):
             keys = k_far[b, h // group].detach().to(torch.float64)
-            summary = {blk: (keys[js].amin(0), keys[js].amax(0)) for blk, js in blocks.items()}
+            whole = {blk: (keys[js].amin(0), keys[js].amax(0)) for blk, js in blocks.items()}
             for i in range(q_len):
+                shown_from = 0 if sliding_window is None else kv_len - q_len + i - sliding_window + 1
+                summary = {blk: whole[blk] if js[0] >= shown_from else (keys[shown].amin(0), keys[shown].amax(0))
+                           for blk, js in blocks.items() if (shown := [j for j in js if j >= shown_from])}
                 qf = q_far[b, h, i].detach().to(torch.float64)
                 scored = []
                 for blk, js in blocks.items():
@@ -339,6 +343,8 @@ def _far_selected(far, q_far, k_far, tp: TokenPositions, top_k, block_size, sink
                         continue
                     if blk[1] < sinks:
                         out[b, h, i, js] = True
+                        continue
+                    if blk not in summary:  # every key hidden by the window: no far key of the query
                         continue
                     mn, mx = summary[blk]
                     scored.append((float(torch.maximum(qf * mn, qf * mx).sum()), js))

@@ -109,7 +109,9 @@ def test_sparse_far_keys_three_and_four_ranks():
     runs = [(4, [four]), (2, [[TWO_RANK_CASES[1]], [TWO_RANK_CASES[9]]])]
     check(launch(run_cases, 4, runs, join_s=300.0), runs)
     three = [sparse_case(82, SETTINGS[1], seq_len=60, packed=True, padding=True),
-             sparse_case(83, SETTINGS[3], seq_len=66, layout="contiguous", holes=True)]
+             sparse_case(83, SETTINGS[3], seq_len=66, layout="contiguous", holes=True),
+             # windows whose edge blocks straddle ranks (their shown keys come from another rank's shard)
+             sparse_case(85, SETTINGS[1], seq_len=66, sliding_window=30, padding=True)]
     runs = [(3, [three])]
     check(launch(run_cases, 3, runs, join_s=300.0), runs)
 

@@ -2294,3 +2294,55 @@ def test_decode_copies_of_blocks_and_rows_agree_on_every_device_form():
     for form in (decode._rows_at_once, decode._per_kv_head):
         assert torch.equal(form(cache, rows), expect_rows), form.__name__
     assert torch.equal(decode._rows(cache, rows), expect_rows)
+
+
+@pytest.mark.parametrize("window", (26, 27, 29))
+def test_keys_the_window_hides_change_nothing(window):
+    """Under a sliding window the block a query's window starts in is bounded by the keys the window
+    shows (docs/contract.md 4.2): keys the window hides change no output, as under sdpa. (Those of
+    that block used to enter its summary, so the same sequence chose other blocks against a
+    sliding-window cache, which drops them.) The window starts inside a block of 4."""
+    case = replace(BASE, layout="plain", seed=32, kv_len=60)
+    q, k, v, mask, pos, _ = make_inputs(case, torch.float64)
+    q_far, k_far = (t.detach() for t in far_inputs(q, k, 33))
+    q, k, v = q.detach(), k.detach(), v.detach()
+    kernel, _ = sparse((8, 1, 4, 1))
+    hidden = k.shape[2] - window  # the last query's window shows keys hidden .. 59
+
+    def last_query(k_far):
+        return dilated_attention(q[:, :, -1:], k, v, [64], [1], local_window=WINDOW, q_far=q_far[:, :, -1:],
+                                 k_far=k_far, sliding_window=window, **kernel)
+
+    other = k_far.clone()
+    other[:, :, :hidden] = torch.randn(other[:, :, :hidden].shape, generator=torch.Generator().manual_seed(34),
+                                       dtype=torch.float64) * 10
+    assert (last_query(other) - last_query(k_far)).abs().max().item() < TOL
+
+
+def test_model_with_a_sliding_window_cache_decodes_as_its_forward(tmp_path):
+    """A Mistral whose sliding window reaches past its local band, with sparse far keys, saved and
+    loaded as safetensors: generate() against transformers' sliding-window cache (which keeps only
+    the window's keys) gives the logits of a forward over the whole sequence (0.069 apart before the
+    window's edge block was bounded by the keys it shows)."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    config = MistralConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=37, max_position_embeddings=64, sliding_window=20)
+    config.hf_dilated = dict(ENTRY, segment_lengths=[64], target_length=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger attention weights: peaked scores, so that a changed choice shows
+        for name, p in model.named_parameters():
+            if "self_attn" in name:
+                p.mul_(4.0)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="dilated", dtype=torch.float64).eval()
+    assert ours.config.sliding_window == 20
+    prompt = torch.randint(3, 99, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = ours.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                            return_dict_in_generate=True)
+        assert "Sliding" in type(out.past_key_values.layers[0]).__name__  # the cache that drops hidden keys
+        whole = ours(out.sequences).logits
+    steps = torch.stack([whole[:, 30 + t - 1] for t in range(12)], 1)
+    assert (torch.stack(out.logits, 1) - steps).abs().max().item() < 1e-6  # (generate's logits: float32)

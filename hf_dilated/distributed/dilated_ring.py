@@ -325,17 +325,52 @@ def far_choice(pattern: "DilatedPattern", q_far, k_far, group) -> FarChoice:
         dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
         dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
         sink = ((blocks.number >= 0) & (blocks.number < sel.sinks))[:, None, None, :]
+        edges = None if pattern.window is None else _window_edges(pattern, k_far.detach(), group)
         bits = torch.empty(batch, heads, n_local, -(-blocks.count // 8), dtype=torch.uint8, device=q_far.device)
         for s in range(0, n_local, _CHOICE_ROWS):
             e = min(n_local, s + _CHOICE_ROWS)
             candidate = far_candidates(blocks, tokens, tokens.local_index[s:e], pattern.band, pattern.far_band,
                                        sel.sinks, pattern.window)
             bound = selection_rule.bounds(q_far[:, :, s:e].detach(), low, high)
+            if edges is not None:
+                bound = selection_rule.with_window_edges(bound, q_far[:, :, s:e].detach(), edges[0][:, s:e],
+                                                         edges[1][:, :, s:e], edges[2][:, :, s:e])
             chosen = selection_rule.select(bound, candidate[:, None].expand(-1, heads, -1, -1), sel.top_k)
             bits[:, :, s:e] = _pack_bits(chosen | sink)
     row = torch.full((tokens.real.shape[1],), -1, dtype=torch.long, device=q_far.device)
     row[tokens.local_index] = torch.arange(n_local, device=q_far.device)
     return FarChoice(bits, blocks.id.clamp(min=0), row)
+
+
+def _window_edges(pattern: "DilatedPattern", k_far, group):
+    """Under a sliding window, per local query the block its window starts in (batch, n_local; -1
+    none) and its summary of the keys of that block the window shows ((batch, kv_heads, n_local, d)
+    min and max; far_selection.with_window_edges). Those keys may lie on any rank: each rank's k_far
+    shard is broadcast in turn (this rank holds one other shard at a time), and every rank takes
+    from it the keys of its own queries' edge blocks."""
+    tokens, size = pattern.tokens, pattern.selection.block_size
+    batch, kv_heads, n_local, dim = k_far.shape
+    query_index = tokens.local_index
+    shown_from = query_index - (pattern.window - 1)
+    edge = selection_rule.window_edges(pattern.blocks, tokens.real, shown_from)
+    slots = pattern.slots.gather(1, edge.clamp(min=0)[..., None].expand(-1, -1, size))  # global key indices
+    shown = (slots >= shown_from[None, :, None]) & (edge >= 0)[..., None]
+    dtype = selection_rule.bound_dtype(k_far.dtype)
+    low = torch.full((batch, kv_heads, n_local, dim), float("inf"), dtype=dtype, device=k_far.device)
+    high = torch.full_like(low, float("-inf"))
+    world = dist.get_world_size(group)
+    for r in range(world):
+        shard = k_far.contiguous() if r == tokens.rank else torch.empty_like(k_far.contiguous())
+        dist.broadcast(shard, src=dist.get_global_rank(group, r), group=group)
+        row = torch.full((tokens.real.shape[1],), -1, dtype=torch.long, device=k_far.device)
+        row[tokens.rank_index(r)] = torch.arange(n_local, device=k_far.device)
+        rows = row[slots.clamp(min=0)]
+        for s in range(0, n_local, _CHOICE_ROWS):  # (batch, kv_heads, rows, block_size, d) keys at a time
+            e = min(n_local, s + _CHOICE_ROWS)
+            mn, mx = selection_rule.shown_summaries(shard, rows[:, s:e], shown[:, s:e] & (rows[:, s:e] >= 0))
+            low[:, :, s:e] = torch.minimum(low[:, :, s:e], mn)
+            high[:, :, s:e] = torch.maximum(high[:, :, s:e], mx)
+    return edge, low, high
 
 
 def with_far_choice(plan: RingPlan, q_far, k_far, group) -> RingPlan:
@@ -393,7 +428,7 @@ class DilatedPattern(RingPattern):
         # The band every query has at least (far_band is at most band). The masks' superset bounds
         # (select, needed_keys) keep `band`, the widest.
         self._narrowest = self.band if self.far_band is None else min(self.band, self.far_band)
-        self.blocks = None
+        self.blocks = self.slots = None
         if self.selection is not None:
             # The candidate rule needs the blocks holding a far key of each (head, query). Where the
             # levels hold every earlier key that is arithmetic on each block's document, last index
@@ -407,6 +442,8 @@ class DilatedPattern(RingPattern):
                     f"segment_lengths={list(self.segment_lengths)}, dilation_rates={list(self.dilation_rates)}. "
                     "Use 'dilated' for other levels")
             self.blocks = far_blocks(self.tokens, self.selection.block_size)
+            if self.window is not None:  # the blocks' keys by position, for the windows' edges (_window_edges)
+                self.slots = selection_rule.slot_table(self.blocks, self.tokens.positions, self.selection.block_size)
 
     def needed_keys(self, query_index):
         need = dilated_needed_keys(self.tokens, self.levels, query_index, self.kv_heads, self._cells)

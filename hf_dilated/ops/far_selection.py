@@ -5,8 +5,9 @@ document (block c holds positions c * B .. c * B + B - 1). A query reads the far
 `sinks` blocks of its document always (the attention sinks a pretrained model leans on) and of the
 `top_k` other blocks whose bound on its best far score is highest. The bound is Quest's (Tang et
 al., 2024): with mn, mx the elementwise min and max of a block's far keys (k_far, over all its real
-tokens), max_j q . k_j <= sum_d max(q_d mn_d, q_d mx_d) = relu(q) . mx + min(q, 0) . mn, two
-matrix products per query and block. Ties at the k-th bound all count (the set is "every candidate
+tokens; under a sliding window, the block a query's window starts in over the keys it shows),
+max_j q . k_j <= sum_d max(q_d mn_d, q_d mx_d) = relu(q) . mx + min(q, 0) . mn, two matrix
+products per query and block. Ties at the k-th bound all count (the set is "every candidate
 whose bound is at least the k-th largest"), so the set does not depend on a sort's order.
 
 The selection is per query (and head), from its own far query and summaries of keys before its
@@ -144,6 +145,57 @@ def summaries(k_far: torch.Tensor, blocks: Blocks) -> tuple[torch.Tensor, torch.
     mn.scatter_reduce_(2, index, src, "amin")
     mx.scatter_reduce_(2, index, src, "amax")
     return mn[:, :, :n], mx[:, :, :n]
+
+
+def slot_table(blocks: Blocks, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(batch, n_blocks, block_size) int64: the index of the key at each position of each block (slot
+    position % block_size: positions rise within a document, 3.1, so a block holds each at most once), -1 none."""
+    batch, kv_len = blocks.id.shape
+    size = blocks.count * block_size
+    slot = torch.where(blocks.id >= 0, blocks.id * block_size + positions % block_size, size)  # padding: a spare
+    table = torch.full((batch, size + 1), -1, dtype=torch.long, device=blocks.id.device)
+    table.scatter_(1, slot, torch.arange(kv_len, device=blocks.id.device).expand(batch, kv_len))
+    return table[:, :size].view(batch, blocks.count, block_size)
+
+
+def window_edges(blocks: Blocks, real: torch.Tensor, first_shown: torch.Tensor) -> torch.Tensor:
+    """(batch, queries) int64: under a sliding window (docs/contract.md 3.3), the block each query's
+    window starts in, that of the first real key at an index >= first_shown (queries,), the first
+    index the window shows (i - W + 1; at most 0: it hides nothing). -1: no such key."""
+    batch, kv_len = real.shape
+    index = torch.arange(kv_len, device=real.device)
+    after = torch.where(real, index, kv_len).flip(1).cummin(1).values.flip(1)  # the first real index >= j
+    after = torch.cat([after, after.new_full((batch, 1), kv_len)], 1)
+    at = after.gather(1, first_shown.clamp(0, kv_len)[None].expand(batch, -1))
+    return torch.cat([blocks.id, blocks.id.new_full((batch, 1), -1)], 1).gather(1, at)
+
+
+def shown_summaries(k_far: torch.Tensor, slots: torch.Tensor, shown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mn, mx), each (batch, kv_heads, queries, head_dim) in bound_dtype: per query, the elementwise
+    min and max of k_far (batch, kv_heads, n, d) at the key rows `slots` (batch, queries, S) where
+    `shown` (+inf / -inf where none is)."""
+    batch, kv_heads, _, dim = k_far.shape
+    queries, width = slots.shape[1:]
+    rows = slots.clamp(min=0).reshape(batch, 1, queries * width, 1).expand(batch, kv_heads, -1, dim)
+    keys = k_far.to(bound_dtype(k_far.dtype)).gather(2, rows).view(batch, kv_heads, queries, width, dim)
+    hidden = ~shown[:, None, :, :, None]
+    return keys.masked_fill(hidden, float("inf")).amin(3), keys.masked_fill(hidden, float("-inf")).amax(3)
+
+
+def with_window_edges(bound: torch.Tensor, q_far: torch.Tensor, edge: torch.Tensor, mn: torch.Tensor,
+                      mx: torch.Tensor) -> torch.Tensor:
+    """`bound` (batch, q_heads, queries, n_blocks) with each query's bound of its window's edge block
+    (edge (batch, queries), -1 none) taken from that query's own summary of the keys its window shows
+    (mn, mx: shown_summaries), not the whole block's (docs/contract.md 4.2)."""
+    batch, n_heads, queries, dim = q_far.shape
+    group = n_heads // mn.shape[1]
+    q = q_far.to(mn.dtype).unflatten(1, (mn.shape[1], group))  # (batch, kv_heads, group, queries, d)
+    own = (q.clamp(min=0) * mx[:, :, None].nan_to_num(neginf=0.0)
+           + q.clamp(max=0) * mn[:, :, None].nan_to_num(posinf=0.0)).sum(-1).flatten(1, 2)
+    own = torch.where(torch.isinf(mx[..., 0]).repeat_interleave(group, 1), float("-inf"), own)
+    at = edge.clamp(min=0)[:, None, :, None].expand(batch, n_heads, queries, 1)
+    own = torch.where((edge >= 0)[:, None, :], own.to(bound.dtype), bound.gather(3, at)[..., 0])
+    return bound.scatter(3, at, own[..., None])
 
 
 def bound_operands(mn: torch.Tensor, mx: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

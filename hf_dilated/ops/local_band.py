@@ -53,6 +53,7 @@ class _Plan:
     far_band: int | None = None  # the band of queries at positions >= window (4.2); None: window
     selection: FarSelection | None = None  # sparse far keys (4.2); None: every far key
     blocks: far_selection.Blocks | None = None  # the far blocks, with a selection
+    slots: torch.Tensor | None = None  # with a selection and a sliding window: far_selection.slot_table
     # Whether each call has any visible pair, found by the first forward on this plan (a read back
     # to the host); every later layer and the backward skip the empty calls without one.
     nonempty: list | None = None
@@ -121,11 +122,13 @@ def _plan(layout, q_len, seg, dil, window, is_causal, sliding_window, far_band=N
         calls.append(_Call(slice(s, e), slice(near_lo, stop), False))
         if far_stop > far_lo:
             calls.append(_Call(slice(s, e), slice(far_lo, far_stop), True))
-    blocks = None
+    blocks = slots = None
     if selection is not None:
         blocks = far_selection.blocks_of(layout.positions, layout.real, layout.doc, selection.block_size)
+        if sliding_window is not None:
+            slots = far_selection.slot_table(blocks, layout.positions, selection.block_size)
     return _Plan(layout, seg, dil, window, is_causal, sliding_window, first, calls, far_band=far_band,
-                 selection=selection, blocks=blocks)
+                 selection=selection, blocks=blocks, slots=slots)
 
 
 def _visible(plan: _Plan, call: _Call, n_heads: int) -> torch.Tensor:
@@ -176,11 +179,11 @@ def _inputs(plan: _Plan, call: _Call, q, k, v, q_far, k_far, summaries):
     if not call.far or summaries is None:
         ks = (k_far if call.far else k)[:, :, call.keys]
         return qs, ks, v[:, :, call.keys], visible, None
-    read = _selected(plan, call, visible.expand(-1, q.shape[1], -1, -1), qs, summaries)
+    read = _selected(plan, call, visible.expand(-1, q.shape[1], -1, -1), qs, summaries, k_far)
     return (qs, *_gather_keys(read, call, k_far, v))
 
 
-def _selected(plan: _Plan, call: _Call, visible, q_far_chunk, summaries):
+def _selected(plan: _Plan, call: _Call, visible, q_far_chunk, summaries, k_far):
     """The far pairs a chunk reads (4.2): its far keys in sink blocks or in selected blocks."""
     sel, blocks = plan.selection, plan.blocks
     ids = blocks.id[:, call.keys]  # (batch, keys), -1: padding (never visible)
@@ -193,7 +196,16 @@ def _selected(plan: _Plan, call: _Call, visible, q_far_chunk, summaries):
     candidate = torch.zeros((*cand_keys.shape[:3], n + 1), dtype=torch.uint8, device=visible.device)
     candidate.scatter_reduce_(3, index, cand_keys.to(torch.uint8), "amax")
     candidate = candidate[..., :n].bool()
-    chosen = far_selection.select(far_selection.bounds(q_far_chunk, *summaries), candidate, sel.top_k)
+    bound = far_selection.bounds(q_far_chunk, *summaries)
+    if plan.sliding_window is not None:  # the block a query's window starts in: bounded by the keys it shows
+        i = torch.arange(plan.first + call.queries.start, plan.first + call.queries.stop, device=visible.device)
+        shown_from = i - (plan.sliding_window - 1)
+        edge = far_selection.window_edges(blocks, plan.layout.real, shown_from)
+        slots = plan.slots.gather(1, edge.clamp(min=0)[..., None].expand(-1, -1, sel.block_size))
+        shown = (slots >= shown_from[None, :, None]) & (edge >= 0)[..., None]
+        bound = far_selection.with_window_edges(bound, q_far_chunk, edge,
+                                                *far_selection.shown_summaries(k_far, slots, shown))
+    chosen = far_selection.select(bound, candidate, sel.top_k)
     chosen = torch.cat([chosen, chosen.new_zeros((*chosen.shape[:3], 1))], -1)  # padding keys: column n
     per_key = torch.stack([chosen[b].index_select(-1, index[b, 0, 0]) for b in range(chosen.shape[0])])
     return visible & (per_key | sink_key[:, None, None, :])
