@@ -451,7 +451,18 @@ def test_cli_bench_refuses_unknown_settings(capsys):
                           (["distributed", "--fsdp-processes", "0"], "--fsdp-processes must be >= 1, got 0"),
                           (["window", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
                           (["window", "--out", str(tmp)], "--out: " + str(tmp) + " is (or lies under) a file"),
-                          (["window", "--out", str(tmp / "sub")], "is (or lies under) a file")):
+                          (["window", "--out", str(tmp / "sub")], "is (or lies under) a file"),
+                          # the length search's options where it does not run, or cannot
+                          (["kernels", "--no-search", "--search-max", "9000", "--budget-gib", "1"],
+                           "--budget-gib, --search-max: the length search does not run (--no-search)"),
+                          (["kernels", "--quick", "--search-start", "512"],
+                           "--search-start: the length search does not run (off with --quick)"),
+                          (["kernels", "--search-start", "8192", "--search-max", "4096"],
+                           "--search-start (8192) must be at most --search-max (4096)"),
+                          (["kernels", "--search-timeout", "0"], "--search-timeout must be > 0 seconds, got 0"),
+                          (["kernels", "--budget-gib", "-1"], "--budget-gib must be > 0, got -1"),
+                          (["kernels", "--bisect-steps", "-1"], "--bisect-steps must be >= 0, got -1"),
+                          (["kernels", "--search-start", "0"], "--search-start must be >= 1, got 0")):
         assert main(["bench", *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv
     assert main(["bench", "decode", "--gen-fill", "random"]) == 2  # the static cache is in the default caches

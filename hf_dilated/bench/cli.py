@@ -264,6 +264,13 @@ def resolve_settings(args) -> dict:
         raise ValueError(f"--gen-caches: unknown {bad}; choose among dynamic, static, reserved")
     if s["gen_fill"] == "random" and "static" in s["gen_caches"]:
         raise ValueError("--gen-caches: --gen-fill random fills dynamic and reserved caches only; drop static")
+    unread = [name for name in _SEARCH_OPTIONS if given.get(name) is not None]
+    if unread and not s["search"]:
+        raise ValueError(f"{', '.join('--' + n.replace('_', '-') for n in unread)}: the length search does not run "
+                         f"({'--no-search' if given.get('search') is False else f'off with --{profile}'}); "
+                         "add --search or drop them")
+    if s["search_start"] > s["search_max"]:
+        raise ValueError(f"--search-start ({s['search_start']}) must be at most --search-max ({s['search_max']})")
     if s.get("window") is None:
         s["window"] = max(1, min(s["lengths"]) // 4)
     if s["window"] <= 0:
@@ -275,8 +282,9 @@ def resolve_settings(args) -> dict:
 # default in its place), and those that may be 0.
 _AT_LEAST_ONE = ("repeats", "batch", "heads", "kv_heads", "head_dim", "block_size", "gen_new", "gen_layers",
                  "gen_intermediate", "gen_vocab", "fsdp_processes", "fsdp_sp", "fsdp_length", "threads",
-                 "distributed_length", "original")
-_AT_LEAST_ZERO = ("warmup",)
+                 "distributed_length", "original", "search_start", "search_max")
+_AT_LEAST_ZERO = ("warmup", "bisect_steps")
+_SEARCH_OPTIONS = ("budget_gib", "search_start", "search_max", "search_timeout", "bisect_steps")  # --search's
 _LISTS = ("lengths", "contexts", "processes", "e2e_lengths", "dtypes", "variants", "distributed_kernels")
 
 
@@ -294,8 +302,8 @@ def _check_given(given: dict, s: dict) -> None:
             raise ValueError(f"{option(name)}: an empty list")
         if name in _LISTS and name not in ("dtypes", "variants", "distributed_kernels") and min(value) < 1:
             raise ValueError(f"{option(name)} must be positive, got {value}")
-        if name == "case_timeout" and value <= 0:
-            raise ValueError(f"--case-timeout must be > 0 seconds, got {value}")
+        if name in ("case_timeout", "search_timeout", "budget_gib") and value <= 0:
+            raise ValueError(f"{option(name)} must be > 0{' seconds' if 'timeout' in name else ''}, got {value}")
     heads, kv_heads = s["heads"], s["kv_heads"] or s["heads"]
     if heads % kv_heads:
         raise ValueError(f"--kv-heads ({kv_heads}) must divide --heads ({heads})")
