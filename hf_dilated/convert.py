@@ -255,7 +255,7 @@ def _written_by_us(directory: Path) -> bool:
 _HOST = re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname()) or "localhost"
 
 
-def _temporary_dir(dst: Path, kind: str) -> Path:
+def temporary_dir(dst: Path, kind: str) -> Path:
     """A new directory beside dst (mode from the umask, unlike tempfile.mkdtemp's 0700)."""
     while True:
         path = dst.parent / f".{dst.name}.{kind}-{os.getpid()}@{_HOST}-{secrets.token_hex(4)}"
@@ -316,7 +316,7 @@ def _write(src: Path, dst: Path, files, config_text: str, link_weights: bool, fo
                 raise type(exc)(f"dst: cannot create {parent}: {exc.strerror}") from None
             created.append(parent)
     try:
-        tmp = _temporary_dir(dst, "tmp")
+        tmp = temporary_dir(dst, "tmp")
     except OSError as exc:
         _remove_empty(created)
         raise type(exc)(f"dst: cannot create {dst}: {exc.strerror} (in {dst.parent})") from None
@@ -332,7 +332,7 @@ def _write(src: Path, dst: Path, files, config_text: str, link_weights: bool, fo
         if os.path.lexists(dst):
             if not force:  # appeared while this run was copying
                 raise FileExistsError(f"dst: {dst} exists; pass --force (force=True) to replace it")
-            old = _temporary_dir(dst, "old")
+            old = temporary_dir(dst, "old")
             os.rename(dst, old / "previous")
             os.rename(tmp, dst)
             shutil.rmtree(old)

@@ -8,7 +8,8 @@ into it strictly, checks that both give identical logits on a probe input, and s
 DST like any other checkpoint.
 
 Like `convert`, it never leaves a half-written DST: it writes into a temporary directory beside DST
-and renames it into place at the end; an existing DST is refused.
+and renames it into place at the end (its mode from the umask, as convert's); an existing DST is
+refused, also one that appears while the model is read.
 """
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from .checks import file_in_the_way
@@ -49,6 +49,8 @@ def export_gguf(gguf_file, dst, *, dtype=None) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from .convert import temporary_dir
+
     gguf_file, dst = Path(gguf_file), Path(dst)
     if not gguf_file.is_file():
         raise GGUFError(f"file: {gguf_file} is not a file")
@@ -77,10 +79,12 @@ def export_gguf(gguf_file, dst, *, dtype=None) -> Path:
         if not torch.equal(plain(probe).logits, loaded(probe).logits):
             raise GGUFError(f"file: the rebuilt model of {gguf_file} does not reproduce the loaded one's logits")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    tmp = temporary_dir(dst, "tmp")
     try:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if os.path.lexists(dst):  # (a rename would replace an empty directory made meanwhile)
+            raise GGUFError(f"dst: {dst} appeared while the model was read; choose a new directory")
         os.rename(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

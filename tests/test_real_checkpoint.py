@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import subprocess
 import sys
 
@@ -70,6 +71,30 @@ def test_export_refuses_an_existing_destination_and_a_missing_file(exported, tmp
         export_gguf(tmp_path / "notes.txt", tmp_path / "out")
     with pytest.raises(GGUFError, match="dst: .* lies under .*notes.txt, which is a file"):
         export_gguf(default_gguf_file(), tmp_path / "notes.txt" / "sub")
+
+
+def test_export_makes_dst_by_the_umask_and_never_replaces_one_made_meanwhile(exported, tmp_path, monkeypatch):
+    """DST gets the mode of a directory made by the user (it was 0700, tempfile's), and an empty DST
+    made while the model is read is refused, not replaced (a rename replaces an empty directory)."""
+    import stat
+
+    from transformers import PreTrainedModel
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(exported.stat().st_mode) == 0o777 & ~umask
+    dst = tmp_path / "late"
+    save = PreTrainedModel.save_pretrained
+
+    def save_then_make_dst(self, *args, **kwargs):
+        save(self, *args, **kwargs)
+        dst.mkdir()
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", save_then_make_dst)
+    with pytest.raises(GGUFError, match="dst: .*late appeared while the model was read"):
+        export_gguf(default_gguf_file(), dst)
+    assert dst.is_dir() and not any(dst.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["late"]  # no temporary directory left
 
 
 def test_default_conversion_keeps_the_model_and_every_name_equals_sdpa_inside_L(exported, text_ids, tmp_path):
