@@ -95,6 +95,8 @@ TWO_RANK_CASES = [
     # positions that count the padded slots: the hole at index 9 (position 12) empties the first
     # position of block 3, so a query whose far keys end at position 12 has no far key there
     sparse_case(84, SETTINGS[0], holes=True, offset=3),
+    # a window that hides nothing of the first block, whose first positions hold no key (positions from 1)
+    sparse_case(95, SETTINGS[3], sliding_window=63, padding=True, offset=1),
 ]
 
 

@@ -2319,6 +2319,27 @@ def test_keys_the_window_hides_change_nothing(window):
     assert (last_query(other) - last_query(k_far)).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize("window", (47, 60, 200))
+def test_a_window_that_hides_no_key_of_a_block_reads_none_of_its_empty_positions(window):
+    """A row padded on the left whose positions start inside a block (5, blocks of 8): positions 0-4
+    of the first block hold no key. Where the window hides nothing of that block, its summary is its
+    real keys' (docs/contract.md 4.2), not the padded slot's k_far, which a first form of the
+    window's edge read at an empty position (off by 1.0 from the reference)."""
+    g = torch.Generator().manual_seed(0)
+    n, d = 48, 8
+    q, k, v, q_far, k_far = (torch.randn(1, 1, n, d, generator=g, dtype=torch.float64) for _ in range(5))
+    mask = torch.ones(1, n, dtype=torch.long)
+    mask[0, :3] = 0
+    pos = torch.ones(1, n, dtype=torch.long)
+    pos[0, 3:] = torch.arange(5, 5 + n - 3)
+    k_far[0, 0, 0] = 50 * q_far[0, 0, -5:].mean(0).sign()  # the padded slot's: large
+    out = dilated_attention(q, k, v, [64], [1], local_window=16, q_far=q_far, k_far=k_far, attention_mask=mask,
+                            position_ids=pos, sliding_window=window, far_selection=FarSelection(1, 8, 0))
+    ref = local_band_reference(q, k, v, [64], [1], 16, q_far=q_far, k_far=k_far, attention_mask=mask,
+                               position_ids=pos, sliding_window=window, far_top_k=1, far_block_size=8, far_sinks=0)
+    assert (out - ref)[:, :, 3:].abs().max().item() < TOL
+
+
 def test_model_with_a_sliding_window_cache_decodes_as_its_forward(tmp_path):
     """A Mistral whose sliding window reaches past its local band, with sparse far keys, saved and
     loaded as safetensors: generate() against transformers' sliding-window cache (which keeps only

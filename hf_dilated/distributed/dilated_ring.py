@@ -354,7 +354,7 @@ def _window_edges(pattern: "DilatedPattern", k_far, group):
     shown_from = query_index - (pattern.window - 1)
     edge = selection_rule.window_edges(pattern.blocks, tokens.real, shown_from)
     slots = pattern.slots.gather(1, edge.clamp(min=0)[..., None].expand(-1, -1, size))  # global key indices
-    shown = (slots >= shown_from[None, :, None]) & (edge >= 0)[..., None]
+    shown = (slots >= shown_from[None, :, None]) & (slots >= 0)  # (-1: a position with no key)
     dtype = selection_rule.bound_dtype(k_far.dtype)
     low = torch.full((batch, kv_heads, n_local, dim), float("inf"), dtype=dtype, device=k_far.device)
     high = torch.full_like(low, float("-inf"))

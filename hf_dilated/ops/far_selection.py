@@ -177,7 +177,7 @@ def shown_summaries(k_far: torch.Tensor, slots: torch.Tensor, shown: torch.Tenso
     batch, kv_heads, _, dim = k_far.shape
     queries, width = slots.shape[1:]
     rows = slots.clamp(min=0).reshape(batch, 1, queries * width, 1).expand(batch, kv_heads, -1, dim)
-    keys = k_far.to(bound_dtype(k_far.dtype)).gather(2, rows).view(batch, kv_heads, queries, width, dim)
+    keys = k_far.gather(2, rows).view(batch, kv_heads, queries, width, dim).to(bound_dtype(k_far.dtype))
     hidden = ~shown[:, None, :, :, None]
     return keys.masked_fill(hidden, float("inf")).amin(3), keys.masked_fill(hidden, float("-inf")).amax(3)
 

@@ -202,7 +202,7 @@ def _selected(plan: _Plan, call: _Call, visible, q_far_chunk, summaries, k_far):
         shown_from = i - (plan.sliding_window - 1)
         edge = far_selection.window_edges(blocks, plan.layout.real, shown_from)
         slots = plan.slots.gather(1, edge.clamp(min=0)[..., None].expand(-1, -1, sel.block_size))
-        shown = (slots >= shown_from[None, :, None]) & (edge >= 0)[..., None]
+        shown = (slots >= shown_from[None, :, None]) & (slots >= 0)  # (-1: a position with no key)
         bound = far_selection.with_window_edges(bound, q_far_chunk, edge,
                                                 *far_selection.shown_summaries(k_far, slots, shown))
     chosen = far_selection.select(bound, candidate, sel.top_k)
