@@ -348,13 +348,10 @@ def _window_edges(pattern: "DilatedPattern", k_far, group):
     min and max; far_selection.with_window_edges). Those keys may lie on any rank: each rank's k_far
     shard is broadcast in turn (this rank holds one other shard at a time), and every rank takes
     from it the keys of its own queries' edge blocks."""
-    tokens, size = pattern.tokens, pattern.selection.block_size
+    tokens = pattern.tokens
     batch, kv_heads, n_local, dim = k_far.shape
-    query_index = tokens.local_index
-    shown_from = query_index - (pattern.window - 1)
-    edge = selection_rule.window_edges(pattern.blocks, tokens.real, shown_from)
-    slots = pattern.slots.gather(1, edge.clamp(min=0)[..., None].expand(-1, -1, size))  # global key indices
-    shown = (slots >= shown_from[None, :, None]) & (slots >= 0)  # (-1: a position with no key)
+    edge, slots, shown = selection_rule.window_edge_keys(pattern.blocks, tokens.real, pattern.slots,
+                                                         tokens.local_index - (pattern.window - 1))  # global indices
     dtype = selection_rule.bound_dtype(k_far.dtype)
     low = torch.full((batch, kv_heads, n_local, dim), float("inf"), dtype=dtype, device=k_far.device)
     high = torch.full_like(low, float("-inf"))

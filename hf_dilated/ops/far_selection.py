@@ -170,6 +170,15 @@ def window_edges(blocks: Blocks, real: torch.Tensor, first_shown: torch.Tensor) 
     return torch.cat([blocks.id, blocks.id.new_full((batch, 1), -1)], 1).gather(1, at)
 
 
+def window_edge_keys(blocks: Blocks, real: torch.Tensor, table: torch.Tensor, first_shown: torch.Tensor):
+    """(edge, slots, shown) of queries whose windows show keys from first_shown (queries,) on: the
+    block each window starts in (window_edges), its keys by position (batch, queries, B; from
+    slot_table `table`; -1 none) and which of them the window shows (bool, like slots)."""
+    edge = window_edges(blocks, real, first_shown)
+    slots = table.gather(1, edge.clamp(min=0)[..., None].expand(-1, -1, table.shape[-1]))
+    return edge, slots, (slots >= first_shown[None, :, None]) & (slots >= 0)  # (-1: a position with no key)
+
+
 def shown_summaries(k_far: torch.Tensor, slots: torch.Tensor, shown: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mn, mx), each (batch, kv_heads, queries, head_dim) in bound_dtype: per query, the elementwise
     min and max of k_far (batch, kv_heads, n, d) at the key rows `slots` (batch, queries, S) where

@@ -199,10 +199,8 @@ def _selected(plan: _Plan, call: _Call, visible, q_far_chunk, summaries, k_far):
     bound = far_selection.bounds(q_far_chunk, *summaries)
     if plan.sliding_window is not None:  # the block a query's window starts in: bounded by the keys it shows
         i = torch.arange(plan.first + call.queries.start, plan.first + call.queries.stop, device=visible.device)
-        shown_from = i - (plan.sliding_window - 1)
-        edge = far_selection.window_edges(blocks, plan.layout.real, shown_from)
-        slots = plan.slots.gather(1, edge.clamp(min=0)[..., None].expand(-1, -1, sel.block_size))
-        shown = (slots >= shown_from[None, :, None]) & (slots >= 0)  # (-1: a position with no key)
+        edge, slots, shown = far_selection.window_edge_keys(blocks, plan.layout.real, plan.slots,
+                                                            i - (plan.sliding_window - 1))
         bound = far_selection.with_window_edges(bound, q_far_chunk, edge,
                                                 *far_selection.shown_summaries(k_far, slots, shown))
     chosen = far_selection.select(bound, candidate, sel.top_k)
