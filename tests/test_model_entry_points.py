@@ -119,6 +119,71 @@ def test_flattened_batches_without_position_ids_keep_documents_apart(saved, name
             start += len(d)
 
 
+@pytest.mark.parametrize("name", ("dilated", "dilated_ring"))
+def test_flattened_batches_keep_documents_apart_with_sparse_far_keys(saved, name, tmp_path):
+    """The default conversion (far keys at grouped positions, far_top_k) on a flattened batch without
+    position_ids: the model rotated every token at its index, the documents restart at cu_seq_lens,
+    and far keys move from where the model rotated them (docs/contract.md 4.1): each document gets
+    its logits alone (2.4e-2 apart before, the blocks' bounds taken at the wrong positions)."""
+    model = hf_dilated.patch(AutoModelForCausalLM.from_pretrained(saved["llama"], dtype=torch.float64), name,
+                             context_length=256, local_window=16, far_group=4, far_band=8, far_block_size=4, far_top_k=1)
+    model.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    assert model.config.hf_dilated["far_group"] > 1
+    docs = [ids(1, n, seed=n)[0].tolist() for n in (40, 70, 50)]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)(
+        [{"input_ids": d} for d in docs])
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"],
+                       cu_seq_lens_k=batch["cu_seq_lens_k"], max_length_q=batch["max_length_q"],
+                       max_length_k=batch["max_length_k"], use_cache=False).logits[0]
+        start = 0
+        for d in docs:
+            # (transformers' RoPE angles are float32: a rotation back and on rounds at 1e-8)
+            torch.testing.assert_close(packed[start:start + len(d)], model(torch.tensor([d])).logits[0],
+                                       atol=1e-6, rtol=1e-6)
+            start += len(d)
+
+
+def test_new_document_boundaries_with_the_same_position_ids_are_read(saved):
+    """The inputs derived from one call are reused by tensor identity: a later call passing the same
+    position_ids tensor with other cu_seq_lens used to get the first call's documents."""
+    model = AutoModelForCausalLM.from_pretrained(saved["llama"], attn_implementation="ring").eval()
+    x, position_ids = ids(1, 40), torch.arange(40)[None]
+
+    def boundaries(*cut):
+        cu = torch.tensor(cut, dtype=torch.int32)
+        return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=40, max_length_k=40)
+
+    with torch.no_grad():
+        first = model(x, position_ids=position_ids, use_cache=False, **boundaries(0, 10, 40)).logits
+        again = model(x, position_ids=position_ids, use_cache=False, **boundaries(0, 25, 40)).logits
+        fresh = model(x, position_ids=position_ids.clone(), use_cache=False, **boundaries(0, 25, 40)).logits
+    assert (again - first).abs().max() > 1e-3
+    torch.testing.assert_close(again, fresh, atol=0, rtol=0)
+
+
+def test_far_keys_move_from_where_the_model_rotated_them_without_a_mask():
+    """kernel_inputs' RoPE offsets where no mask is given: position_ids that are not consecutive (a
+    packed row with a cache, which transformers keeps one document at its indices, as sdpa) and
+    cu_seq_lens' documents (the model rotated at its indices) are offsets from the kernels'
+    positions; consecutive ids are none (nothing to move, and nothing read back). They used to be
+    taken as none in every case without a mask: far keys then sat at grouped positions of the
+    wrong positions (a review measured 0.05 in the logits and 0.7 relative in the gradients)."""
+    from hf_dilated.integrations.model_inputs import kernel_inputs
+
+    q = k = v = torch.zeros(1, 2, 10, 4)
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2]])
+    *_, offset = kernel_inputs(q, k, v, None, packed, rope=True)
+    assert torch.equal(offset.per_key, packed - torch.arange(10)) and offset.per_row == [-7]
+    cu = torch.tensor([0, 4, 7, 10], dtype=torch.int32)
+    *_, offset = kernel_inputs(q, k, v, None, None, cu_seq_lens=cu, rope=True)
+    assert torch.equal(offset.per_key, torch.arange(10)[None] - packed)
+    assert kernel_inputs(q, k, v, None, packed.clone(), cu_seq_lens=cu, rope=True)[-1] is None  # rotated there
+    for consecutive in (torch.arange(10)[None], torch.arange(5, 15)[None], None):
+        assert kernel_inputs(q, k, v, None, consecutive, rope=True)[-1] is None
+
+
 @pytest.mark.parametrize("family", ("llama", "gpt_neox"))
 @pytest.mark.parametrize("name", NAMES)
 def test_output_attentions_does_what_sdpa_does(saved, family, name):

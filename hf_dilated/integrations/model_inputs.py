@@ -165,15 +165,15 @@ def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_p
             return key, value, attention_mask, None, None
         return key, value, None, position_ids, None
     kv_len = key.shape[2]
-    cache_key = (batch, q_len, kv_len, str(key.device), cu_seq_lens is not None, rope)
-    cached = _INPUTS.get(cache_key, attention_mask, position_ids)
+    cache_key = (batch, q_len, kv_len, str(key.device), rope)
+    cached = _INPUTS.get(cache_key, attention_mask, position_ids, cu_seq_lens)
     if cached is None:
-        mask, positions = from_model_inputs(attention_mask, position_ids, batch=batch, q_len=q_len, kv_len=kv_len,
-                                            device=key.device, cu_seq_lens=cu_seq_lens)
-        offset = rope_offsets(position_ids, mask, positions, batch=batch, q_len=q_len, kv_len=kv_len,
+        mask, positions, rotated = from_model_inputs(attention_mask, position_ids, batch=batch, q_len=q_len,
+                                                     kv_len=kv_len, device=key.device, cu_seq_lens=cu_seq_lens)
+        offset = rope_offsets(position_ids, mask, positions, rotated, batch=batch, q_len=q_len, kv_len=kv_len,
                               device=key.device) if rope else None
-        if mask is not None:  # one read back for every fact
-            facts = [mask.all()[None].long()]
+        if mask is not None or offset is not None:  # one read back for every fact
+            facts = [(mask.all() if mask is not None else torch.zeros((), device=key.device))[None].long()]
             if offset is not None:
                 facts += [offset.ne(0).any()[None].long(), offset[:, -1]]
             facts = torch.cat(facts).tolist()
@@ -182,11 +182,11 @@ def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_p
             if offset is not None:
                 offset = RopeOffset(offset, facts[2:]) if facts[1] else None  # None: generate()'s position_ids
         cached = (mask, positions, offset)
-        _INPUTS.put(cache_key, attention_mask, position_ids, cached)
+        _INPUTS.put(cache_key, attention_mask, position_ids, cu_seq_lens, cached)
     return key, value, *cached
 
 
-def rope_offsets(position_ids, mask, positions, *, batch: int, q_len: int, kv_len: int, device):
+def rope_offsets(position_ids, mask, positions, rotated=None, *, batch: int, q_len: int, kv_len: int, device):
     """(batch, kv_len) int64: how far the position the model rotated each key at (its RoPE's
     `position_ids`) is from the key's kernel position (from_model_inputs' mask and positions), 0 at
     padded slots; None where they are known to be the same. The far keys' grouped positions are of
@@ -195,10 +195,16 @@ def rope_offsets(position_ids, mask, positions, *, batch: int, q_len: int, kv_le
     changes which far blocks bound highest (4.2), not the scores. In a call against a cache only
     the queries' position_ids are known: where the last query's is its index (transformers'
     default), every key's is taken to be its index; else every key is taken to be offset as the
-    last query is (generate()'s mask ranks: 0). Without a mask, the kernels' positions are the
-    given position_ids in a call over the whole row, and a call against a cache takes its keys at
-    their indices and position_ids as those indices (what transformers passes): None."""
-    if position_ids is None or mask is None or mask.dtype != torch.bool:
+    last query is (generate()'s mask ranks: 0). Without a mask: `rotated` - the kernels' positions
+    where from_model_inputs found the model rotated elsewhere (cu_seq_lens' documents, ids that are
+    not consecutive), else None: the same positions, or a call against a cache, which takes its keys
+    at their indices and position_ids as those indices (what transformers passes)."""
+    if mask is None or mask.dtype != torch.bool:
+        if rotated is None:
+            return None
+        kernel = torch.arange(kv_len, device=device) if positions is None else positions
+        return (rotated.to(torch.long) - kernel).expand(batch, kv_len)
+    if position_ids is None:
         return None
     rope_positions = position_ids.to(device=device, dtype=torch.long).expand(batch, q_len)
     ranks = (positions if positions is not None else mask_ranks(mask)).expand(batch, kv_len)
@@ -212,9 +218,12 @@ def rope_offsets(position_ids, mask, positions, *, batch: int, q_len: int, kv_le
 
 
 def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int, device,
-                      cu_seq_lens=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                      cu_seq_lens=None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """transformers' rule (module docstring): (attention_mask, position_ids) for a kernel, from
-    what a model hands its attention function.
+    what a model hands its attention function, and `rotated`: in a call over the whole row without a
+    mask, the positions the model rotated the keys at (its position_ids, or its indices without
+    them) where they may differ from the kernels' (cu_seq_lens' documents; ids that are not
+    consecutive, which transformers does not split with a cache), else None.
 
     mask: what hf_dilated's mask function (`padding_mask`, above) returned: a bool
         (batch, seen) mask when the model was given an attention mask or transformers saw no
@@ -229,8 +238,8 @@ def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int
     if mask is not None and mask.dtype == torch.bool:
         if mask.shape[-1] > kv_len:  # sliding-window cache: the keys are the last kv_len tokens seen
             ranks = mask_ranks(mask)
-            return mask[:, -kv_len:], ranks[:, -kv_len:]
-        return mask, None
+            return mask[:, -kv_len:], ranks[:, -kv_len:], None
+        return mask, None, None
     if position_ids is not None:
         if position_ids.dim() != 2 or position_ids.shape[-1] != q_len or position_ids.shape[0] not in (1, batch):
             raise ValueError(f"position_ids must have shape (batch, q_len={q_len}), got {tuple(position_ids.shape)}")
@@ -238,21 +247,22 @@ def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int
     if mask is not None:  # packed sequences, as transformers detected them from position_ids
         if position_ids is None or q_len != kv_len:
             raise ValueError("packed sequences need position_ids covering the whole key sequence")
-        return None, position_ids
+        return None, position_ids, None
     if cu_seq_lens is not None and q_len == kv_len:
-        return None, _positions_from_boundaries(cu_seq_lens, batch, kv_len, device)
+        rotated = torch.arange(kv_len, device=device).expand(batch, kv_len) if position_ids is None else position_ids
+        return None, _positions_from_boundaries(cu_seq_lens, batch, kv_len, device), rotated
     if position_ids is None or q_len != kv_len:
-        return None, None  # one document; with a cache the keys are 0..kv_len-1
+        return None, None, None  # one document; with a cache the keys are 0..kv_len-1
     steps = position_ids[:, 1:] - position_ids[:, :-1]
     # One read back for both facts (a stall on a GPU): positions that are the indices themselves
     # (what transformers builds for an unpadded batch) are the kernels' own default, and with None
     # the kernels plan from shapes alone, without reading positions again.
     consecutive, from_zero = torch.stack([(steps == 1).all(), (position_ids[:, 0] == 0).all()]).tolist()
     if consecutive and not from_zero:
-        return None, position_ids  # one document at the given positions
+        return None, position_ids, None  # one document at the given positions
     # Indices 0..n-1, or transformers saw no packing (it skips the check with a KV cache): one
-    # document at its indices, like sdpa.
-    return None, None
+    # document at its indices, like sdpa (rotated at other positions where the ids are not the indices).
+    return None, None, None if consecutive else position_ids
 
 
 def _positions_from_boundaries(cu_seq_lens, batch, kv_len, device) -> torch.Tensor:

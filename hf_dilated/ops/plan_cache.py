@@ -1,6 +1,6 @@
 """A small cache of call plans, keyed by shapes and configuration and by the *identity* (object
-and version counter) of the mask and position tensors: every layer of a model passes the same
-tensors, so every layer after the first reuses the first one's plan.
+and version counter) of the mask and position tensors (and any other tensor the plan reads): every
+layer of a model passes the same tensors, so every layer after the first reuses the first one's plan.
 
 Inference-mode tensors carry no version counter, so plans built from them are never cached.
 Writes through `.data` or through shared numpy memory bypass the counter too: don't do that.
@@ -28,14 +28,17 @@ class PlanCache:
             return ident is None and t is None
         return ident[0]() is t and ident[1] == t._version
 
-    def get(self, key, mask, pos):
-        if not self.cacheable(mask, pos):
+    def get(self, key, *tensors):
+        """The value put under `key` and these very tensors (mask, positions, ...), or None."""
+        if not self.cacheable(*tensors):
             return None
-        for k, m, p, value in self.entries:
-            if k == key and self._same(m, mask) and self._same(p, pos):
+        for k, idents, value in self.entries:
+            if k == key and len(idents) == len(tensors) and all(map(self._same, idents, tensors)):
                 return value
         return None
 
-    def put(self, key, mask, pos, value) -> None:
-        if self.cacheable(mask, pos):
-            self.entries = [(key, self._ident(mask), self._ident(pos), value)] + self.entries[: self.size - 1]
+    def put(self, key, *tensors_then_value) -> None:
+        """put(key, mask, positions, ..., value)."""
+        *tensors, value = tensors_then_value
+        if self.cacheable(*tensors):
+            self.entries = [(key, [self._ident(t) for t in tensors], value)] + self.entries[: self.size - 1]
