@@ -145,6 +145,28 @@ def test_flattened_batches_keep_documents_apart_with_sparse_far_keys(saved, name
             start += len(d)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_model_that_generated_can_be_pickled_and_copied(saved, name, tmp_path):
+    """torch.save(model) / pickle after generate(): the kernels' per-layer state (block summaries
+    kept between decode steps, with weak references) used to make pickle raise "cannot pickle
+    'weakref.ReferenceType' object". It travels empty; the copy computes what the model computes."""
+    import copy
+    import io
+
+    model = hf_dilated.patch(AutoModelForCausalLM.from_pretrained(saved["llama"]), name, context_length=256)
+    model.eval()
+    x = ids(1, 80)
+    with torch.no_grad():
+        model.generate(x[:, :70], max_new_tokens=4, do_sample=False)
+        want = model(x).logits
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for other in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+        with torch.no_grad():
+            torch.testing.assert_close(other(x).logits, want, atol=0, rtol=0)
+
+
 def test_new_document_boundaries_with_the_same_position_ids_are_read(saved):
     """The inputs derived from one call are reused by tensor identity: a later call passing the same
     position_ids tensor with other cu_seq_lens used to get the first call's documents."""

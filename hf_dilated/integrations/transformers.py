@@ -202,12 +202,21 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
     return out.transpose(1, 2).contiguous(), None
 
 
+class _LayerState(dict):
+    """What the kernels keep for one layer between calls: a cache of what its calls recompute, so a
+    pickled or copied model (torch.save(model), copy.deepcopy) takes it empty (it holds weak
+    references, which pickle refuses)."""
+
+    def __reduce__(self):
+        return _LayerState, ()
+
+
 def _layer_state(module) -> dict:
     """What the kernels keep for this layer between calls (kinds.py: `state`), on the module itself:
     not a parameter or buffer, so it is never saved."""
     state = module.__dict__.get("_hf_dilated_state")
     if state is None:
-        state = module.__dict__["_hf_dilated_state"] = {}
+        state = module.__dict__["_hf_dilated_state"] = _LayerState()
     return state
 
 
