@@ -10,6 +10,7 @@ import warnings
 
 from hf_dilated.config import (CONFIG_KEY, DilatedConfig, check_int, context_lengths, default_band,
                                default_conversion)
+from hf_dilated.integrations.rotary import check_fixed_frequencies
 
 ROPE_CHOICES = ("linear", "dynamic", "yarn", "none")
 _OURS = ("linear", "dynamic", "yarn")
@@ -48,6 +49,11 @@ def convert_config(config, context_length=None, rope=None, attn_implementation=N
     rope, dilated_fields = with_defaults(config, context_length, attn_implementation, rope, dilated_fields)
     updates = rope_updates(config, context_length, rope) if context_length is not None else {}
     updates[CONFIG_KEY] = dilated_entry(config, context_length, **dilated_fields)
+    rope_parameters = updates.get("rope_parameters", getattr(config, "rope_parameters", None))
+    try:
+        check_fixed_frequencies(rope_parameters, updates[CONFIG_KEY].get("far_group") or 1)
+    except ValueError as exc:
+        raise ValueError(f"rope={rope!r}: {exc}" if rope == "dynamic" else str(exc)) from None
     return updates
 
 

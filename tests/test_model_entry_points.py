@@ -266,6 +266,25 @@ def test_patch_names_a_bad_rope_or_context_length_and_changes_nothing(saved, nam
         assert model.config.to_dict() == before, kwargs
 
 
+def test_dynamic_rope_under_far_keys_at_grouped_positions_is_refused_before_any_forward(saved, tmp_path):
+    """Far keys at grouped positions (far_group > 1, the default conversion's) need fixed rotary
+    frequencies. Re-converting with rope='dynamic' used to keep the earlier band, write the
+    checkpoint, and fail at every forward; now the conversion is refused naming rope, and such an
+    entry is refused when the model loads (docs/contract.md 9)."""
+    model = hf_dilated.patch(AutoModelForCausalLM.from_pretrained(saved["llama"]), "dilated", context_length=256)
+    assert model.config.hf_dilated["far_group"] > 1
+    before = model.config.to_dict()
+    with pytest.raises(ValueError, match="rope='dynamic': far_group=.*fixed rotary frequencies"):
+        hf_dilated.patch(model, context_length=512, rope="dynamic")
+    assert model.config.to_dict() == before
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "dynamic", "factor": 4.0}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="invalid 'hf_dilated' config entry: far_group=.*fixed rotary frequencies"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="dilated")
+
+
 def test_patch_family_refuses_fields_it_cannot_take_at_once(saved):
     """A misspelt or invalid field was stored, and every later load of the family failed on it,
     naming not the call that set it."""

@@ -17,7 +17,7 @@ import torch
 
 from ..config import BAND_NAMES, CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int, far_keys
 from ..kinds import KINDS, TRANSFORMERS_NAMES
-from .rotary import rotary_frequencies
+from .rotary import check_fixed_frequencies, rotary_frequencies
 from .model_inputs import (is_static_slots, kernel_inputs, padded_last_query_as_sdpa, padding_mask,
                            read_static_slots)
 
@@ -403,6 +403,7 @@ def check_model_supported(config, name: str) -> None:
     """A ValueError unless `config` is of a family the kind `name` serves, with a valid entry."""
     KINDS[name].check_family(getattr(config, "model_type", None), entry=f"attn_implementation={name!r}")
     try:
-        DilatedConfig.from_model_config(config)
+        entry = DilatedConfig.from_model_config(config)
+        check_fixed_frequencies(getattr(config, "rope_parameters", None), entry.far_group)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"attn_implementation={name!r}: invalid 'hf_dilated' config entry: {exc}") from None
