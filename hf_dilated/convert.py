@@ -135,7 +135,7 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
     _check_dst(src, dst, files, force)
     _clean_leftovers(dst)
 
-    raw = json.loads((src / "config.json").read_text())
+    raw = _read_config(src, "src")
     config = AutoConfig.from_pretrained(src)  # normalised view (rope_parameters etc.)
     family = family_for(config.model_type)
     before = converted_before(config)
@@ -389,6 +389,18 @@ def add_info_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="checkpoint directory")
 
 
+def _read_config(directory: Path, argument: str) -> dict:
+    """The checkpoint's config.json as a dict, or a ValueError naming the argument and the file."""
+    path = directory / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{argument}: {path} is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{argument}: {path} holds a JSON {type(raw).__name__}, not a config object")
+    return raw
+
+
 def info_main(args) -> int:
     try:
         print(describe(args.dir))
@@ -413,8 +425,9 @@ def describe(directory) -> str:
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory} is not a checkpoint directory (no config.json)")
-    raw = json.loads((directory / "config.json").read_text())
+    raw = _read_config(directory, "dir")
     config = AutoConfig.from_pretrained(directory)
+    family_for(config.model_type)  # (a family convert refuses has no hf_dilated account either)
     stored = CONFIG_KEY in raw
     cfg = DilatedConfig.from_model_config(config)
     rope = getattr(config, "rope_parameters", None) or {}

@@ -574,6 +574,25 @@ def test_bad_context_lengths_are_clear_errors(source, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["long"]
 
 
+def test_info_and_convert_name_a_config_they_cannot_read(tmp_path, capsys):
+    """A config.json that is not JSON was reported by the parser's words alone, naming neither the
+    file nor the argument; `info` described a family convert refuses (gpt2) as if hf_dilated served it."""
+    from transformers import GPT2Config
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"model_type": "llama",\n oops}')
+    for argv, start in ((["info", str(tmp_path / "bad")], "hf-dilated info: error: dir: "),
+                        (["convert", str(tmp_path / "bad"), str(tmp_path / "out"), "--context", "128"],
+                         "hf-dilated convert: error: src: ")):
+        assert cli(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(start) and "bad/config.json is not valid JSON" in err and err.count("\n") == 1
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path / "gpt2")
+    assert cli(["info", str(tmp_path / "gpt2")]) == 2
+    assert "does not support model_type 'gpt2'; supported: llama" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_odd_but_valid_options_warn_what_was_kept(source, tmp_path):
     converted = convert_checkpoint(source, tmp_path / "long", context_length=128)
     with pytest.warns(UserWarning, match="kept the earlier conversion's context of 128 tokens"):
