@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 
-from hf_dilated.config import (CONFIG_KEY, DilatedConfig, check_int, context_lengths, default_band,
+from hf_dilated.config import (BAND_NAMES, CONFIG_KEY, DilatedConfig, check_int, context_lengths, default_band,
                                default_conversion)
 from hf_dilated.integrations.rotary import check_fixed_frequencies
 
@@ -96,8 +96,19 @@ def with_defaults(config, context_length: int | None, attn_implementation: str |
     chose is kept whole (the RoPE is then kept too); anything else the caller set, and any earlier
     conversion's choice, is kept."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    unscaled = params.get("rope_type", "default") == "default"
+    if (context_length is not None and rope is None and converted_before(config) and unscaled
+            and attn_implementation not in (None, *BAND_NAMES) and context_length > original_length(config)
+            and (_earlier_target(config) or 0) > original_length(config)):
+        # The earlier conversion kept the RoPE for far keys at grouped positions, which this name does
+        # not read: kept, it would give the new name no more than the original context.
+        rope = default_conversion(original_length(config), context_length, attn_implementation)[0]
+        warnings.warn(f"rope: {attn_implementation!r} reads no far keys at grouped positions, so the earlier "
+                      f"conversion's unscaled RoPE became {rope!r} for {context_length} tokens, as a first conversion "
+                      "for it chooses (pass rope / --rope to choose)", ConversionWarning, stacklevel=4)
+        return rope, fields
     if (context_length is None or rope is not None or converted_before(config)
-            or params.get("rope_type", "default") != "default" or context_length <= original_length(config)):
+            or not unscaled or context_length <= original_length(config)):
         return rope, fields
     # a band is defined for mode "union" alone (docs/contract.md 4.1): another mode gets what the
     # names without a band get (it failed on the band it was given)

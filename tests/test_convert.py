@@ -593,6 +593,19 @@ def test_info_and_convert_name_a_config_they_cannot_read(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_reconverting_for_a_name_without_far_keys_scales_the_rope_as_a_first_conversion(source, tmp_path):
+    """The default conversion keeps the RoPE unscaled for far keys at grouped positions. Converted
+    again for block_sparse, which reads none, the RoPE used to stay unscaled too: block_sparse got
+    the original 32 tokens, not 256. It now gets what a first conversion for it gets (YaRN), said."""
+    converted = convert_checkpoint(source, tmp_path / "long", context_length=128)
+    with pytest.warns(UserWarning, match="'block_sparse' reads no far keys at grouped positions.*'yarn' for 256"):
+        again = convert_checkpoint(converted, tmp_path / "bs", context_length=256, attn_implementation="block_sparse")
+    first = convert_checkpoint(source, tmp_path / "first", context_length=256, attn_implementation="block_sparse")
+    for path in (again, first):
+        config = AutoConfig.from_pretrained(path)
+        assert (config.rope_parameters["rope_type"], config.max_position_embeddings) == ("yarn", 256), path
+
+
 def test_odd_but_valid_options_warn_what_was_kept(source, tmp_path):
     converted = convert_checkpoint(source, tmp_path / "long", context_length=128)
     with pytest.warns(UserWarning, match="kept the earlier conversion's context of 128 tokens"):
