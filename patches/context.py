@@ -50,10 +50,18 @@ def convert_config(config, context_length=None, rope=None, attn_implementation=N
     updates = rope_updates(config, context_length, rope) if context_length is not None else {}
     updates[CONFIG_KEY] = dilated_entry(config, context_length, **dilated_fields)
     rope_parameters = updates.get("rope_parameters", getattr(config, "rope_parameters", None))
+    far_group = updates[CONFIG_KEY].get("far_group") or 1
     try:
-        check_fixed_frequencies(rope_parameters, updates[CONFIG_KEY].get("far_group") or 1)
+        check_fixed_frequencies(rope_parameters, far_group)
     except ValueError as exc:
         raise ValueError(f"rope={rope!r}: {exc}" if rope == "dynamic" else str(exc)) from None
+    covered = updates.get("max_position_embeddings", config.max_position_embeddings)
+    if context_length is not None and context_length > covered and far_group == 1 and rope is None:
+        # (a scaled RoPE kept as it is: rope_updates' choice for a checkpoint already scaled)
+        warnings.warn(f"rope: the checkpoint's RoPE (rope_type={dict(rope_parameters or {}).get('rope_type')!r}) is "
+                      f"kept, and covers {covered} tokens (max_position_embeddings), not {context_length}: far keys "
+                      "at grouped positions (local_window, far_group > 1) read past it",
+                      ConversionWarning, stacklevel=3)
     return updates
 
 

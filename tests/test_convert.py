@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -295,7 +296,6 @@ def test_a_preset_with_a_longer_context_than_its_levels_is_refused(tmp_path):
 
 def _copy_of(source, where):
     """A private copy of the tiny checkpoint (tests that need SRC in a particular place)."""
-    import shutil
 
     shutil.copytree(source, where)
     return where
@@ -604,6 +604,24 @@ def test_reconverting_for_a_name_without_far_keys_scales_the_rope_as_a_first_con
     for path in (again, first):
         config = AutoConfig.from_pretrained(path)
         assert (config.rope_parameters["rope_type"], config.max_position_embeddings) == ("yarn", 256), path
+
+
+def test_a_scaled_rope_kept_for_a_longer_context_is_said(source, tmp_path):
+    """A checkpoint whose RoPE is already scaled keeps it (rope_updates), and with it the context it
+    covers: converted for more without far keys, nothing said so (info then showed the old context
+    beside the new target). Far keys at grouped positions read past it: then nothing is said."""
+    import warnings
+
+    config = json.loads((source / "config.json").read_text())
+    scaled = tmp_path / "scaled"
+    shutil.copytree(source, scaled)
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": 2.0}
+    (scaled / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="rope_type='linear'\\) is kept, and covers 32 tokens .*not 128"):
+        convert_checkpoint(scaled, tmp_path / "a", context_length=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_checkpoint(scaled, tmp_path / "b", context_length=128, local_window=16, far_group=4)
 
 
 def test_odd_but_valid_options_warn_what_was_kept(source, tmp_path):
