@@ -296,7 +296,6 @@ def test_a_preset_with_a_longer_context_than_its_levels_is_refused(tmp_path):
 
 def _copy_of(source, where):
     """A private copy of the tiny checkpoint (tests that need SRC in a particular place)."""
-
     shutil.copytree(source, where)
     return where
 
