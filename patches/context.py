@@ -51,12 +51,15 @@ def convert_config(config, context_length=None, rope=None, attn_implementation=N
     updates[CONFIG_KEY] = dilated_entry(config, context_length, **dilated_fields)
     rope_parameters = updates.get("rope_parameters", getattr(config, "rope_parameters", None))
     far_group = updates[CONFIG_KEY].get("far_group") or 1
-    try:
-        check_fixed_frequencies(rope_parameters, far_group)
-    except ValueError as exc:
-        raise ValueError(f"rope={rope!r}: {exc}" if rope == "dynamic" else str(exc)) from None
+    if attn_implementation in BAND_NAMES:  # (the names that read far keys at grouped positions)
+        try:
+            check_fixed_frequencies(rope_parameters, far_group)
+        except ValueError as exc:
+            raise ValueError(f"rope={rope!r}: {exc}" if rope == "dynamic" else str(exc)) from None
     covered = updates.get("max_position_embeddings", config.max_position_embeddings)
-    if context_length is not None and context_length > covered and far_group == 1 and rope is None:
+    kept = dict(rope_parameters or {}).get("rope_type", "default")
+    if (context_length is not None and context_length > covered and far_group == 1 and rope is None
+            and kept != "dynamic"):  # (dynamic NTK stretches past max_position_embeddings by design)
         # (a scaled RoPE kept as it is: rope_updates' choice for a checkpoint already scaled)
         warnings.warn(f"rope: the checkpoint's RoPE (rope_type={dict(rope_parameters or {}).get('rope_type')!r}) is "
                       f"kept, and covers {covered} tokens (max_position_embeddings), not {context_length}: far keys "
@@ -107,7 +110,8 @@ def with_defaults(config, context_length: int | None, attn_implementation: str |
     unscaled = params.get("rope_type", "default") == "default"
     if (context_length is not None and rope is None and converted_before(config) and unscaled
             and attn_implementation not in (None, *BAND_NAMES) and context_length > original_length(config)
-            and (_earlier_target(config) or 0) > original_length(config)):
+            and (_earlier_target(config) or 0) > original_length(config)
+            and (getattr(config, CONFIG_KEY).get("far_group") or 1) > 1):
         # The earlier conversion kept the RoPE for far keys at grouped positions, which this name does
         # not read: kept, it would give the new name no more than the original context.
         rope = default_conversion(original_length(config), context_length, attn_implementation)[0]

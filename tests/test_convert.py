@@ -623,6 +623,33 @@ def test_a_scaled_rope_kept_for_a_longer_context_is_said(source, tmp_path):
         convert_checkpoint(scaled, tmp_path / "b", context_length=128, local_window=16, far_group=4)
 
 
+def test_what_was_chosen_before_is_kept_where_nothing_is_odd(source, tmp_path):
+    """Found by a review of the three checks above: a dynamic NTK RoPE kept on re-conversion covers
+    any length (no warning that it covers only its own); an unscaled RoPE chosen with rope='none'
+    for a name without far keys stays unscaled (it is not kept *for far keys*); and dynamic NTK is
+    refused only for the names that read far keys at grouped positions."""
+    import warnings
+
+    dynamic = convert_checkpoint(source, tmp_path / "dyn", context_length=64, rope="dynamic",
+                                 attn_implementation="ring")
+    with pytest.warns(UserWarning) as caught:
+        convert_checkpoint(dynamic, tmp_path / "dyn2", context_length=128)
+    assert not [w for w in caught if "covers" in str(w.message)], [str(w.message) for w in caught]
+    plain = convert_checkpoint(source, tmp_path / "none", context_length=64, rope="none", attn_implementation="ring")
+    with pytest.warns(UserWarning, match="kept the earlier conversion's unscaled RoPE"):
+        again = convert_checkpoint(plain, tmp_path / "none2", context_length=128)
+    assert AutoConfig.from_pretrained(again).rope_parameters["rope_type"] == "default"
+    banded = convert_checkpoint(source, tmp_path / "band", context_length=128)  # far_group > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for_ring = convert_checkpoint(banded, tmp_path / "ring", context_length=256, rope="dynamic",
+                                      attn_implementation="ring")
+    assert AutoConfig.from_pretrained(for_ring).hf_dilated["far_group"] > 1
+    AutoModelForCausalLM.from_pretrained(for_ring, attn_implementation="ring")  # reads no far keys: loads
+    with pytest.raises(ValueError, match="invalid 'hf_dilated' config entry: far_group="):
+        AutoModelForCausalLM.from_pretrained(for_ring, attn_implementation="dilated")
+
+
 def test_odd_but_valid_options_warn_what_was_kept(source, tmp_path):
     converted = convert_checkpoint(source, tmp_path / "long", context_length=128)
     with pytest.warns(UserWarning, match="kept the earlier conversion's context of 128 tokens"):

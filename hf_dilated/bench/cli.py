@@ -270,7 +270,9 @@ def resolve_settings(args) -> dict:
                          f"({'--no-search' if given.get('search') is False else f'off with --{profile}'}); "
                          "add --search or drop them")
     if s["search_start"] > s["search_max"]:
-        raise ValueError(f"--search-start ({s['search_start']}) must be at most --search-max ({s['search_max']})")
+        def named(name):
+            return f"--{name.replace('_', '-')} ({s[name]}{'' if name in given else ', the default'})"
+        raise ValueError(f"{named('search_start')} must be at most {named('search_max')}")
     if s.get("window") is None:
         s["window"] = max(1, min(s["lengths"]) // 4)
     if s["window"] <= 0:

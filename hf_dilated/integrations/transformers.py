@@ -108,7 +108,7 @@ def rope_frequencies_for(module, settings, device) -> torch.Tensor | None:
         # made outside inference mode: an inference tensor has no version counter, and a GPU's compiled
         # DynamicCache step keeps its turn table by the frequencies' version (made again every step without)
         with torch.inference_mode(False):
-            entry.rope_frequencies[device] = rotary_frequencies(module).to(device)
+            entry.rope_frequencies[device] = rotary_frequencies(module, settings["far_group"]).to(device)
     return entry.rope_frequencies[device]
 
 
@@ -404,6 +404,7 @@ def check_model_supported(config, name: str) -> None:
     KINDS[name].check_family(getattr(config, "model_type", None), entry=f"attn_implementation={name!r}")
     try:
         entry = DilatedConfig.from_model_config(config)
-        check_fixed_frequencies(getattr(config, "rope_parameters", None), entry.far_group)
+        if name in BAND_NAMES:  # (the names that read far keys at grouped positions)
+            check_fixed_frequencies(getattr(config, "rope_parameters", None), entry.far_group)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"attn_implementation={name!r}: invalid 'hf_dilated' config entry: {exc}") from None
