@@ -169,3 +169,29 @@ def test_a_sliding_window_under_sequence_parallelism_matches_sdpa():
     for outcome in launch(windowed_under_sequence_parallelism, 2):
         for name, got in outcome["result"].items():
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def run_generate(rank, world, path):
+    import hf_dilated.distributed as hd
+    from transformers import AutoModelForCausalLM
+
+    hd.setup_sequence_parallel(world)
+    messages = {}
+    for name in NAMES:
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name).eval()
+        prompt = hd.shard_batch(torch.randint(3, 256, (1, 16), generator=torch.Generator().manual_seed(2)))
+        try:
+            model.generate(**{k: v for k, v in prompt.items() if k != "labels"}, max_new_tokens=2,
+                           do_sample=False, use_cache=True)
+        except NotImplementedError as exc:
+            messages[name] = str(exc)
+    return messages
+
+
+def test_generate_under_a_sequence_parallel_group_is_refused_by_name(checkpoint):
+    """Each rank's cache holds its shard alone: a decode step under a group used to fail on an
+    unrelated check ("position_ids are 0..n-1", or a shape error), or not at all."""
+    for messages in launch(run_generate, 2, checkpoint, join_s=120.0):
+        assert sorted(messages["result"]) == sorted(NAMES), messages
+        assert all("a call against a KV cache" in m and "sequence-parallel group" in m
+                   for m in messages["result"].values())

@@ -162,6 +162,12 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
     cfg = config_for(module)
     group, layout = resolve_group_layout() if kind.sequence_parallel else (None, None)
     if group is not None:
+        if key.shape[2] != query.shape[2]:
+            raise NotImplementedError(
+                f"attn_implementation={name!r}: a call against a KV cache (generate(), a decode step, a later "
+                "chunk) is not supported under a sequence-parallel group, whose ranks hold one shard of the "
+                "sequence each; generate outside the group (hf_dilated.distributed.destroy_sequence_parallel(), "
+                "or one process)")
         if cfg.ring_layout is not None and cfg.ring_layout != layout:
             raise ValueError(
                 f"attn_implementation={name!r}: the model config asks for ring_layout={cfg.ring_layout!r} but the "
