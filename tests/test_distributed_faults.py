@@ -49,6 +49,12 @@ def disagreeing_ranks(rank, world):
         hd.ring_attention(q, k, v, group=group, position_ids=torch.arange(8)[None])
     except ValueError as e:
         errors["positions"] = str(e)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # the same in the contiguous layout: said, not refused
+        warnings.simplefilter("always")
+        hd.ring_attention(q, k, v, group=group, layout="contiguous", position_ids=torch.arange(8)[None])
+    errors["contiguous"] = [str(w.message) for w in caught]
     # The group is still usable after the errors: a correct call goes through.
     out = hd.ring_attention(q, k, v, group=group)
     errors["after"] = bool(torch.isfinite(out).all())
@@ -63,6 +69,7 @@ def test_disagreeing_ranks_get_a_clear_error():
         assert "disagree on 'layout'" in errs["layout"], errs
         assert "not all calling" in errs["kernel"], errs
         assert "global" in errs["positions"] and "shard_batch" in errs["positions"], errs
+        assert any("one document per rank" in m and "shard_batch" in m for m in errs["contiguous"]), errs
         assert errs["after"] is True
 
 

@@ -9,6 +9,8 @@ mask and positions: a ring kernel reads the tokens exactly as the single-process
 """
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass, fields
 
 import torch
@@ -101,20 +103,25 @@ def prepare_call(what: str, q, k, v, *, attention_mask, position_ids, group, lay
     tokens = global_tokens(q.shape[0], n, attention_mask=attention_mask, position_ids=position_ids, group=group,
                            layout=layout, device=q.device, any_mask=any(flags["mask"]),
                            any_positions=all(flags["positions"]))
-    if all(flags["positions"]) and tokens.world > 1 and layout == "zigzag":
-        _check_not_local_default(what, tokens, n)
+    if all(flags["positions"]) and tokens.world > 1:
+        _check_not_local_default(what, tokens, n, layout)
     value = build(tokens)
     _PLANS.put(key, attention_mask, position_ids, value)
     return value
 
 
-def _check_not_local_default(what: str, tokens: GlobalTokens, n: int) -> None:
+def _check_not_local_default(what: str, tokens: GlobalTokens, n: int, layout: str) -> None:
     # transformers models fill in position_ids = 0..n-1 when none are passed. Under sequence
     # parallelism that means every rank numbers its own shard from 0, which in the zigzag layout
-    # puts documents starting at position n/2 in the middle of the sequence: never a real input.
+    # puts documents starting at position n/2 in the middle of the sequence: never a real input (an
+    # error). In the contiguous layout it reads as one document per rank, which packing can mean
+    # (a warning: it was silently wrong for the input it usually is, a shard without its positions).
     local = torch.arange(n, device=tokens.positions.device)
-    if all(bool((tokens.positions[:, tokens.rank_index(r)] == local).all()) for r in range(tokens.world)):
-        raise ValueError(
-            f"{what}: position_ids are 0..{n - 1} on every rank, the model's default when no position_ids "
-            "are passed; under sequence parallelism pass the *global* positions of the rank's tokens "
-            "(hf_dilated.distributed.shard_batch returns them)")
+    if not all(bool((tokens.positions[:, tokens.rank_index(r)] == local).all()) for r in range(tokens.world)):
+        return
+    message = (f"{what}: position_ids are 0..{n - 1} on every rank, the model's default when no position_ids "
+               "are passed; under sequence parallelism pass the *global* positions of the rank's tokens "
+               "(hf_dilated.distributed.shard_batch returns them)")
+    if layout == "zigzag":
+        raise ValueError(message)
+    warnings.warn(message + "; read as one document per rank", UserWarning, stacklevel=3)
