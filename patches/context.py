@@ -131,6 +131,16 @@ def with_defaults(config, context_length: int | None, attn_implementation: str |
     return rope, {**band, **fields}
 
 
+def _scaled_by_us(config, params: dict) -> bool:
+    """Whether the RoPE scaling of `config` is an earlier hf_dilated conversion's (one of ours, with the
+    factor it sets: its target over the original context), not the checkpoint's own: a scaling the
+    checkpoint came with (kept by a conversion) must not be replaced as if it were ours."""
+    if not converted_before(config) or params.get("rope_type", "default") not in _OURS:
+        return False
+    target = _earlier_target(config) or original_length(config)
+    return abs(float(params.get("factor", 1.0)) - max(1.0, target / original_length(config))) < 1e-9
+
+
 def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
     """Config fields that give a RoPE model `context_length` tokens of context.
 
@@ -150,7 +160,8 @@ def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
     original = original_length(config)
     current = params.get("rope_type", "default")
     before = converted_before(config)
-    if rope is None and before and current in _OURS:
+    ours = _scaled_by_us(config, params)
+    if rope is None and ours:
         rope = current  # re-converting: keep the scheme the earlier conversion chose
         if rope != "linear":  # what a first conversion would pick: say so when it differs
             warnings.warn(f"rope: kept the earlier conversion's {rope!r} RoPE scaling, now for {context_length} "
@@ -171,7 +182,7 @@ def rope_updates(config, context_length: int, rope: str | None = None) -> dict:
         if before and current == "default" and config.max_position_embeddings != original:
             return {"max_position_embeddings": original}
         return {}
-    if current != "default" and not (before and current in _OURS):
+    if current != "default" and not ours:
         raise ValueError(
             f"the checkpoint's RoPE is already scaled (rope_type={current!r}); converting it to {rope!r} would "
             "discard that scaling: pass rope='none' (--rope none) to keep it"

@@ -623,6 +623,27 @@ def test_a_scaled_rope_kept_for_a_longer_context_is_said(source, tmp_path):
         convert_checkpoint(scaled, tmp_path / "b", context_length=128, local_window=16, far_group=4)
 
 
+def test_a_scaling_the_checkpoint_came_with_is_not_taken_for_an_earlier_conversions(source, tmp_path):
+    """A checkpoint whose RoPE came scaled (linear x2) keeps it when converted (rope_updates). Converted
+    again, that scaling was taken for the earlier conversion's own and replaced by 256 / 32 = 8 times
+    the base frequencies, dropping the checkpoint's own x2 (a review's suspicion, confirmed here): it
+    is kept again, and scaling it to another scheme is refused as at the first conversion."""
+    import warnings
+
+    config = json.loads((source / "config.json").read_text())
+    scaled = tmp_path / "scaled"
+    shutil.copytree(source, scaled)
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": 2.0}
+    (scaled / "config.json").write_text(json.dumps(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        once = convert_checkpoint(scaled, tmp_path / "once", context_length=128)
+        twice = convert_checkpoint(once, tmp_path / "twice", context_length=256)
+    assert AutoConfig.from_pretrained(twice).rope_parameters["factor"] == 2.0
+    with pytest.raises(ValueError, match="already scaled .*rope_type='linear'"):
+        convert_checkpoint(once, tmp_path / "yarn", context_length=256, rope="yarn")
+
+
 def test_what_was_chosen_before_is_kept_where_nothing_is_odd(source, tmp_path):
     """Found by a review of the three checks above: a dynamic NTK RoPE kept on re-conversion covers
     any length (no warning that it covers only its own); an unscaled RoPE chosen with rope='none'
