@@ -55,7 +55,9 @@ def patch_family(model_type: str, attn_implementation: str = DEFAULT_ATTN_IMPLEM
     """Makes every model of `model_type` built from now on (from_pretrained, from_config, direct
     construction) use `attn_implementation` when the caller requests none, with its config
     converted as `patch` would (without changing its context length). An explicit
-    `attn_implementation=` still wins. Undo with `unpatch_family`.
+    `attn_implementation=` still wins, and so does the one a config.json names at its top level
+    (what `hf-dilated convert` writes; transformers hands both over alike), not the name recorded
+    in an `hf_dilated` entry (what save_pretrained keeps). Undo with `unpatch_family`.
 
     Records the family's default, which the one load-time hook (integrations/transformers.py)
     reads; nothing of transformers is wrapped here."""
