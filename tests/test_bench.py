@@ -459,6 +459,8 @@ def test_cli_bench_refuses_unknown_settings(capsys):
                            "--search-start: the length search does not run (off with --quick)"),
                           (["kernels", "--search-start", "8192", "--search-max", "4096"],
                            "--search-start (8192) must be at most --search-max (4096)"),
+                          (["kernels", "--search-max", "100"],  # the start it names is the profile's
+                           "--search-start (4096, the default) must be at most --search-max (100)"),
                           (["kernels", "--search-timeout", "0"], "--search-timeout must be > 0 seconds, got 0"),
                           (["kernels", "--budget-gib", "-1"], "--budget-gib must be > 0, got -1"),
                           (["kernels", "--bisect-steps", "-1"], "--bisect-steps must be >= 0, got -1"),

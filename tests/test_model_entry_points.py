@@ -101,22 +101,29 @@ def test_a_corrupt_entry_fails_at_load_not_at_the_first_forward(saved, tmp_path)
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_flattened_batches_without_position_ids_keep_documents_apart(saved, name):
-    model = AutoModelForCausalLM.from_pretrained(saved["llama"], attn_implementation=name).eval()
-    docs = [ids(1, n, seed=n)[0].tolist() for n in (12, 20, 9)]
+def _flattened_and_alone(model, lengths):
+    """(packed, alone) logits per document of `lengths` tokens: a DataCollatorWithFlattening batch
+    without position_ids (cu_seq_lens only), and each document on its own."""
+    docs = [ids(1, n, seed=n)[0].tolist() for n in lengths]
     collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)
     batch = collate([{"input_ids": d} for d in docs])
     assert "position_ids" not in batch and "cu_seq_lens_q" in batch
+    pairs, start = [], 0
     with torch.no_grad():
         packed = model(input_ids=batch["input_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"],
                        cu_seq_lens_k=batch["cu_seq_lens_k"], max_length_q=batch["max_length_q"],
                        max_length_k=batch["max_length_k"], use_cache=False).logits[0]
-        start = 0
         for d in docs:
-            alone = model(torch.tensor([d])).logits[0]
-            torch.testing.assert_close(packed[start:start + len(d)], alone, atol=1e-4, rtol=1e-4)
+            pairs.append((packed[start:start + len(d)], model(torch.tensor([d])).logits[0]))
             start += len(d)
+    return pairs
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_flattened_batches_without_position_ids_keep_documents_apart(saved, name):
+    model = AutoModelForCausalLM.from_pretrained(saved["llama"], attn_implementation=name).eval()
+    for packed, alone in _flattened_and_alone(model, (12, 20, 9)):
+        torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ("dilated", "dilated_ring"))
@@ -130,19 +137,9 @@ def test_flattened_batches_keep_documents_apart_with_sparse_far_keys(saved, name
     model.save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).eval()
     assert model.config.hf_dilated["far_group"] > 1
-    docs = [ids(1, n, seed=n)[0].tolist() for n in (40, 70, 50)]
-    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)(
-        [{"input_ids": d} for d in docs])
-    with torch.no_grad():
-        packed = model(input_ids=batch["input_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"],
-                       cu_seq_lens_k=batch["cu_seq_lens_k"], max_length_q=batch["max_length_q"],
-                       max_length_k=batch["max_length_k"], use_cache=False).logits[0]
-        start = 0
-        for d in docs:
-            # (transformers' RoPE angles are float32: a rotation back and on rounds at 1e-8)
-            torch.testing.assert_close(packed[start:start + len(d)], model(torch.tensor([d])).logits[0],
-                                       atol=1e-6, rtol=1e-6)
-            start += len(d)
+    for packed, alone in _flattened_and_alone(model, (40, 70, 50)):
+        # (transformers' RoPE angles are float32: a rotation back and on rounds at 1e-8)
+        torch.testing.assert_close(packed, alone, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -283,6 +280,10 @@ def test_dynamic_rope_under_far_keys_at_grouped_positions_is_refused_before_any_
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="invalid 'hf_dilated' config entry: far_group=.*fixed rotary frequencies"):
         AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="dilated")
+    # A RoPE made dynamic after loading fails at the first call, naming the entry's far_group (it said 2)
+    model.config.rope_parameters = {**model.config.rope_parameters, "rope_type": "dynamic", "factor": 4.0}
+    with pytest.raises(ValueError, match=f"far_group={model.config.hf_dilated['far_group']}: grouped far"):
+        model(ids(1, 20))
 
 
 def test_patch_family_refuses_fields_it_cannot_take_at_once(saved):

@@ -466,6 +466,18 @@ def _decode_settings(**over):
     return s
 
 
+def _left_padded_case(s, seed):
+    """(q, k, v, inv_freq, mask, reference) of 70 tokens in float64, row 1 left-padded by 9, with
+    settings `s` (_decode_settings)."""
+    g = torch.Generator().manual_seed(seed)
+    batch, heads, kv_heads, n, dim = 2, 4, 2, 70, 8
+    q, k, v = (torch.randn(batch, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    mask = torch.ones(batch, n, dtype=torch.long)
+    mask[1, :9] = 0
+    return q, k, v, inv_freq, mask, _decode_reference(q, k, v, s, inv_freq, mask)
+
+
 def _decode_reference(q, k, v, s, inv_freq, mask=None, pos=None):
     """The whole sequence's reference, with the far projections at the grouped positions."""
     from hf_dilated.ops.rope import far_projections
@@ -513,13 +525,8 @@ def test_keys_rotated_further_than_their_positions_match_reference(over):
     from hf_dilated.ops.rope import RopeOffset, rotate_by
 
     s = _decode_settings(**over)
-    g = torch.Generator().manual_seed(11)
-    batch, heads, kv_heads, n, dim = 2, 4, 2, 70, 8
-    q, k, v = (torch.randn(batch, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
-    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    mask = torch.ones(batch, n, dtype=torch.long)
-    mask[1, :9] = 0
-    ref = _decode_reference(q, k, v, s, inv_freq, mask)
+    q, k, v, inv_freq, mask, ref = _left_padded_case(s, seed=11)
+    n = k.shape[2]
     further = torch.tensor([[5], [9]]) * mask  # row 0 by explicit positions, row 1 by its padding
     q_model, k_model = rotate_by(q, further, inv_freq), rotate_by(k, further, inv_freq)
     kw = dict(is_causal=True, position_ids=None, scale=None, dropout_p=0.0, group=None, layout=None,
@@ -1463,13 +1470,8 @@ def test_cuda_compiled_steps_on_a_concatenating_cache_match_reference(monkeypatc
     monkeypatch.setattr(sparse_far_concatenated, "_COMPILED", {})
     monkeypatch.setattr(sparse_far_concatenated, "_COMPILE_FAILED", None)
     s = _decode_settings()
-    g = torch.Generator().manual_seed(19)
-    batch, heads, kv_heads, n, dim = 2, 4, 2, 70, 8
-    q, k, v = (torch.randn(batch, h, n, dim, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
-    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    mask = torch.ones(batch, n, dtype=torch.long)
-    mask[1, :9] = 0
-    ref = _decode_reference(q, k, v, s, inv_freq, mask)
+    q, k, v, inv_freq, mask, ref = _left_padded_case(s, seed=19)
+    n = k.shape[2]
     cache = _ConcatCache(k.cuda(), v.cuda(), 40)
     state = {}
     with warnings.catch_warnings():
