@@ -127,13 +127,13 @@ def test_bad_input_is_an_error_naming_the_argument():
 
 # --- through transformers: far keys at Self-Extend's grouped positions -------------------------
 
-def _tiny(family, tmp_path, entry):
+def _tiny(family, tmp_path, entry, **fields):
     from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig
 
-    common = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-                  max_position_embeddings=16)
+    common = {**dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+                     max_position_embeddings=16), **fields}
     if family == "llama":
-        config = LlamaConfig(num_key_value_heads=2, **common)
+        config = LlamaConfig(**{"num_key_value_heads": 2, **common})
     else:
         config = GPTNeoXConfig(rotary_pct=0.5, **common)  # partial rotary: half of each head rotates
     config.hf_dilated = entry
@@ -142,10 +142,11 @@ def _tiny(family, tmp_path, entry):
     return tmp_path
 
 
-def _reference_attention(entry):
+def _reference_attention(entry, rotary=None):
     """A transformers attention function computing docs/contract.md 4.1 from the float64 reference,
     with the far projections made by transformers' own rotary class: q and k are rotated back from
-    their positions and forward to the grouped ones (cos/sin of the family's RotaryEmbedding)."""
+    their positions and forward to the grouped ones (cos/sin of the family's RotaryEmbedding, or of
+    the module `rotary()` returns: the one the model runs)."""
     import sys
 
     def rotate(x, cos, sin, sign):  # transformers' rotate-half formula, on the rotary dims only
@@ -157,14 +158,14 @@ def _reference_attention(entry):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         modeling = sys.modules[type(module).__module__]
         rotary_cls = next(obj for name, obj in vars(modeling).items() if name.endswith("RotaryEmbedding"))
-        rotary = rotary_cls(config=module.config)
+        turn = rotary_cls(config=module.config) if rotary is None else rotary()
         n = key.shape[2]
         pos = torch.arange(n)[None]
         w, g = entry["local_window"], entry["far_group"]
         f = entry.get("far_window") or w  # Self-Extend's neighbour window of the far positions
-        cos, sin = (t[:, None].double() for t in rotary(query, pos))
-        cos_k, sin_k = (t[:, None].double() for t in rotary(query, pos // g))
-        cos_q, sin_q = (t[:, None].double() for t in rotary(query, pos // g + f - f // g))
+        cos, sin = (t[:, None].double() for t in turn(query, pos))
+        cos_k, sin_k = (t[:, None].double() for t in turn(query, pos // g))
+        cos_q, sin_q = (t[:, None].double() for t in turn(query, pos // g + f - f // g))
         q, k = query.double(), key.double()
         q_plain, k_plain = rotate(q, cos, sin, -1), rotate(k, cos, sin, -1)  # rotate back to position 0
         q_far, k_far = rotate(q_plain, cos_q, sin_q, 1), rotate(k_plain, cos_k, sin_k, 1)
@@ -196,6 +197,36 @@ def test_model_with_grouped_far_positions_matches_reference(family, far_window, 
         mine = ours.generate(prompt, max_new_tokens=8, do_sample=False)
         steps = [theirs(mine[:, :t]).logits[:, -1].argmax(-1) for t in range(20, 28)]
     assert torch.equal(mine[:, 20:], torch.stack(steps, 1))
+
+
+@pytest.mark.parametrize("family", ("llama", "gpt_neox"))
+def test_far_keys_turn_by_the_frequencies_a_cast_model_runs(family, tmp_path):
+    """`model.to(torch.bfloat16)` rounds the rotary module's inv_freq buffer, and transformers turns q
+    and k by the rounded frequencies; the far keys were moved on by frequencies made afresh from the
+    config, so they sat at no grouped position. Here both models went to bfloat16 and back (the
+    weights and the buffer rounded, the arithmetic float32): the logits were 0.74 (Llama) and 0.41
+    (GPT-NeoX) off the reference."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    entry = {"segment_lengths": [256], "dilation_rates": [1], "local_window": 16, "far_group": 8,
+             "original_length": 16, "target_length": 256}
+    # heads of 32 (16 frequencies, most of them rounded in bfloat16) and weights that make attention sharp
+    path = _tiny(family, tmp_path, entry, hidden_size=64, num_attention_heads=2, initializer_range=0.3,
+                 **({"head_dim": 32, "num_key_value_heads": 1} if family == "llama" else {}))
+    held = {}
+    AttentionInterface.register("test_band_reference_cast", _reference_attention(entry, lambda: held["rotary"]))
+    ours = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dilated").eval()
+    theirs = AutoModelForCausalLM.from_pretrained(path, attn_implementation="test_band_reference_cast").eval()
+    held["rotary"] = theirs.base_model.rotary_emb
+    ids = torch.randint(3, 99, (1, 250), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = ours(ids).logits  # (the frequencies made for the float32 model are kept until the buffer changes)
+        for model in (ours, theirs):
+            model.to(torch.bfloat16).to(torch.float32)
+        assert not torch.equal(ours.base_model.rotary_emb.inv_freq,
+                               AutoModelForCausalLM.from_pretrained(path).base_model.rotary_emb.inv_freq)
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+    assert before.shape == (1, 250, 99)
 
 
 # --- plain layouts without autograd: structured calls, no masks ----------------------------------

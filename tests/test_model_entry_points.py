@@ -286,6 +286,30 @@ def test_dynamic_rope_under_far_keys_at_grouped_positions_is_refused_before_any_
         model(ids(1, 20))
 
 
+def test_longrope_under_far_keys_at_grouped_positions_is_refused(tmp_path):
+    """LongRoPE switches the rotary module to its long factors once a call's positions pass its
+    original context, while the far keys were moved by the short ones (a fresh rotary class): 8.9
+    off the reference at 60 tokens. Like dynamic NTK, its frequencies change with the length, so
+    patch and load refuse it with far_group > 1 (docs/contract.md 4.1)."""
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.0, 1.0, 1.0],
+            "long_factor": [1.0, 2.0, 4.0, 8.0], "original_max_position_embeddings": 16, "factor": 4.0}
+    config = LlamaConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=37, max_position_embeddings=16, rope_parameters=rope)
+    model = AutoModelForCausalLM.from_config(config)
+    before = model.config.to_dict()
+    with pytest.raises(ValueError, match="far_group=4: .*LongRoPE RoPE \\(rope_type 'longrope'\\)"):
+        hf_dilated.patch(model, "dilated", context_length=64, local_window=8, far_group=4, far_window=4)
+    assert model.config.to_dict() == before
+    config.hf_dilated = {"segment_lengths": [64], "dilation_rates": [1], "local_window": 8, "far_group": 4,
+                         "original_length": 16, "target_length": 64}
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="invalid 'hf_dilated' config entry: far_group=4: .*LongRoPE"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="dilated")
+    # far_group 1 reads far keys where the model turned them: LongRoPE is fine there
+    AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="dilated", hf_dilated={**config.hf_dilated,
+                                                                                              "far_group": 1})
+
+
 def test_patch_family_refuses_fields_it_cannot_take_at_once(saved):
     """A misspelt or invalid field was stored, and every later load of the family failed on it,
     naming not the call that set it."""

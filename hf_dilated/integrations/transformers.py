@@ -17,7 +17,7 @@ import torch
 
 from ..config import BAND_NAMES, CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int, far_keys
 from ..kinds import KINDS, TRANSFORMERS_NAMES
-from .rotary import check_fixed_frequencies, rotary_frequencies
+from .rotary import check_fixed_frequencies, model_rotary, rotary_frequencies, track_model
 from .model_inputs import (is_static_slots, kernel_inputs, padded_last_query_as_sdpa, padding_mask,
                            read_static_slots)
 
@@ -43,7 +43,7 @@ class _ModelEntry:
     config: DilatedConfig
     owner: object = None  # weakref.ref to the model config: an id is reused once its object is freed
     settings: dict = field(default_factory=dict)  # kind name -> the kind's settings
-    rope_frequencies: dict | None = None  # device -> inv_freq (rope_frequencies_for)
+    rope_frequencies: dict | None = None  # device -> (its source, inv_freq, the buffer's ref) (rope_frequencies_for)
 
 
 # id(model config) -> its _ModelEntry
@@ -95,21 +95,30 @@ def settings_for(module, kind) -> dict:
 
 
 def rope_frequencies_for(module, settings, device) -> torch.Tensor | None:
-    """The inv_freq the kind needs for far keys at grouped positions (config.far_keys), from the
-    model's own rotary class (rotary.rotary_frequencies), on `device`; None when the settings have
-    none. Kept per device: a copy from the host inside a step would wait for the device (and a
-    CUDA graph cannot capture it)."""
+    """The inv_freq the kind needs for far keys at grouped positions (config.far_keys), those the
+    model's rotary module runs (rotary.model_rotary: a model cast to bfloat16 runs rounded ones), on
+    `device`; None when the settings have none. Kept per device and made again when that module's
+    buffer changes: a copy from the host inside a step would wait for the device (and a CUDA graph
+    cannot capture it)."""
     if far_keys(settings) is None:
         return None
     entry = _entry(module)
     if entry.rope_frequencies is None:
         entry.rope_frequencies = {}
-    if device not in entry.rope_frequencies:
+    held = entry.rope_frequencies.get(device)
+    if held is not None and torch.compiler.is_compiling():
+        return held[1]  # (the eager calls before keep it current; a compiled graph cannot compare)
+    rotary = model_rotary(module)
+    buffer = None if rotary is None else rotary.inv_freq
+    source = None if buffer is None else (buffer.dtype, buffer.device, None if buffer.is_inference() else buffer._version)
+    if held is None or held[0] != source or (buffer is not None and held[2]() is not buffer):
         # made outside inference mode: an inference tensor has no version counter, and a GPU's compiled
         # DynamicCache step keeps its turn table by the frequencies' version (made again every step without)
         with torch.inference_mode(False):
-            entry.rope_frequencies[device] = rotary_frequencies(module, settings["far_group"]).to(device)
-    return entry.rope_frequencies[device]
+            frequencies = rotary_frequencies(module, settings["far_group"], rotary).to(device)
+        held = (source, frequencies, weakref.ref(buffer) if buffer is not None else (lambda: None))
+        entry.rope_frequencies[device] = held
+    return held[1]
 
 
 # --- the one shared adapter -------------------------------------------------------------------
@@ -315,6 +324,8 @@ def _hook_attention_choice() -> None:
         if attn_implementation in NAMES:
             check_model_supported(self.config, attn_implementation)
         chosen = current(self, attn_implementation, *args, **kwargs)
+        if chosen in NAMES:
+            track_model(self)
         record_choice(self.config, chosen)
         return chosen
 
