@@ -70,7 +70,9 @@ def export_gguf(gguf_file, dst, *, dtype=None) -> Path:
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype or torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    plain = type(loaded)(config).to(loaded.dtype)
+    # built in the loaded model's dtype, not cast to it: a cast would round the rotary buffers too,
+    # which from_pretrained keeps in float32 (the probe below then failed for any dtype but float32)
+    plain = type(loaded)._from_config(config, dtype=loaded.dtype)
     plain.load_state_dict(loaded.state_dict(), strict=True)
     plain.generation_config = loaded.generation_config
     plain.eval(), loaded.eval()

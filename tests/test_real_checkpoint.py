@@ -58,6 +58,20 @@ def test_export_is_the_gguf_model_as_safetensors(exported, text_ids):
     torch.testing.assert_close(_logits(exported, text_ids[:, :64], "sdpa"), expected, atol=0, rtol=0)
 
 
+def test_export_in_bfloat16_is_the_gguf_model_in_bfloat16(tmp_path, text_ids):
+    """export_gguf(dtype=torch.bfloat16) always failed its own probe: the rebuilt model was cast to
+    bfloat16, rotary buffers included, where the loaded one keeps them in float32 (8.06 apart)."""
+    dst = export_gguf(default_gguf_file(), tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((dst / "config.json").read_text())["dtype"] == "bfloat16"
+    gguf_file = default_gguf_file()
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.bfloat16)
+    exported = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.bfloat16)
+    assert exported.model.rotary_emb.inv_freq.dtype == torch.float32
+    with torch.no_grad():
+        torch.testing.assert_close(exported.eval()(text_ids[:, :32]).logits, loaded.eval()(text_ids[:, :32]).logits,
+                                   atol=0, rtol=0)
+
+
 def test_export_refuses_an_existing_destination_and_a_missing_file(exported, tmp_path):
     with pytest.raises(GGUFError, match="dst"):
         export_gguf(default_gguf_file(), exported)
