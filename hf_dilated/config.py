@@ -198,6 +198,10 @@ class DilatedConfig:
         "the context length the checkpoint was pretrained with")})
     target_length: int | None = field(default=None, metadata={"help": (
         "the context length the model is configured for")})
+    scaled_rope: bool | None = field(default=None, metadata={"help": (
+        "whether a conversion by hf_dilated wrote the model's RoPE scaling (True) or kept the checkpoint's own "
+        "(False), which a later conversion keeps; None in entries written before this field, where the scaling's "
+        "factor decides")})
 
     def __post_init__(self):
         self.validate()
@@ -220,6 +224,8 @@ class DilatedConfig:
         check_ring_layout(self.ring_layout, name="ring_layout", optional=True)
         for name in ("original_length", "target_length"):
             check_int(name, getattr(self, name), optional=True)
+        if self.scaled_rope is not None and not isinstance(self.scaled_rope, bool):
+            raise TypeError(f"scaled_rope must be a bool or None, got {self.scaled_rope!r}")
         return self
 
     # --- construction -------------------------------------------------------------------------

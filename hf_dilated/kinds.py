@@ -309,7 +309,7 @@ def unread_settings(name: str, fields) -> list[str]:
     them for the names that do; ring_layout is read by the sequence-parallel ones)."""
     kind = KINDS[name]
     read = set(kind.settings) | ({"ring_layout"} if kind.sequence_parallel else set())
-    return sorted(set(fields) - read - {"original_length", "target_length"})
+    return sorted(set(fields) - read - {"original_length", "target_length", "scaled_rope"})
 
 
 def warn_unread_settings(name: str, fields, stacklevel: int = 3) -> None:

@@ -49,6 +49,9 @@ def convert_config(config, context_length=None, rope=None, attn_implementation=N
     rope, dilated_fields = with_defaults(config, context_length, attn_implementation, rope, dilated_fields)
     updates = rope_updates(config, context_length, rope) if context_length is not None else {}
     updates[CONFIG_KEY] = dilated_entry(config, context_length, **dilated_fields)
+    if context_length is not None and "scaled_rope" not in dilated_fields:  # who wrote the RoPE scaling now
+        params = dict(getattr(config, "rope_parameters", None) or {})
+        updates[CONFIG_KEY]["scaled_rope"] = "rope_parameters" in updates or _scaled_by_us(config, params)
     rope_parameters = updates.get("rope_parameters", getattr(config, "rope_parameters", None))
     far_group = updates[CONFIG_KEY].get("far_group") or 1
     if attn_implementation in BAND_NAMES:  # (the names that read far keys at grouped positions)
@@ -132,11 +135,16 @@ def with_defaults(config, context_length: int | None, attn_implementation: str |
 
 
 def _scaled_by_us(config, params: dict) -> bool:
-    """Whether the RoPE scaling of `config` is an earlier hf_dilated conversion's (one of ours, with the
-    factor it sets: its target over the original context), not the checkpoint's own: a scaling the
-    checkpoint came with (kept by a conversion) must not be replaced as if it were ours."""
+    """Whether the RoPE scaling of `config` is an earlier hf_dilated conversion's, not the checkpoint's
+    own: a scaling the checkpoint came with (kept by a conversion) must not be replaced as if it were
+    ours. The entry records it (DilatedConfig.scaled_rope); an entry from before that field has only
+    the factor to go by (ours is its target over the original context, which a checkpoint's own
+    factor may equal by chance)."""
     if not converted_before(config) or params.get("rope_type", "default") not in _OURS:
         return False
+    recorded = getattr(config, CONFIG_KEY).get("scaled_rope")
+    if isinstance(recorded, bool):
+        return recorded
     target = _earlier_target(config) or original_length(config)
     return abs(float(params.get("factor", 1.0)) - max(1.0, target / original_length(config))) < 1e-9
 

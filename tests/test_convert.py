@@ -642,6 +642,27 @@ def test_a_scaling_the_checkpoint_came_with_is_not_taken_for_an_earlier_conversi
     assert AutoConfig.from_pretrained(twice).rope_parameters["factor"] == 2.0
     with pytest.raises(ValueError, match="already scaled .*rope_type='linear'"):
         convert_checkpoint(once, tmp_path / "yarn", context_length=256, rope="yarn")
+    # Its x2 equal to the first conversion's target over the original (32 -> 64): taken for ours by the
+    # factor, and replaced by 256 / 32 = 8 (10.5 off the source inside its own context). The entry now
+    # records who wrote the scaling.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        once = convert_checkpoint(scaled, tmp_path / "once-64", context_length=64)
+        twice = convert_checkpoint(once, tmp_path / "twice-256", context_length=256)
+    assert AutoConfig.from_pretrained(twice).rope_parameters["factor"] == 2.0
+    assert AutoConfig.from_pretrained(once).hf_dilated["scaled_rope"] is False
+
+
+def test_an_entry_from_before_scaled_rope_still_rescales_its_own_scaling(source, tmp_path):
+    """Entries written before DilatedConfig.scaled_rope: an earlier conversion's own scaling (its factor
+    the target over the original) is still rescaled on reconversion."""
+    ours = convert_checkpoint(source, tmp_path / "ours", context_length=128, rope="linear",
+                              attn_implementation="block_sparse")
+    config = json.loads((ours / "config.json").read_text())
+    assert config["hf_dilated"].pop("scaled_rope") is True
+    (ours / "config.json").write_text(json.dumps(config))
+    again = convert_checkpoint(ours, tmp_path / "again", context_length=256)
+    assert AutoConfig.from_pretrained(again).rope_parameters["factor"] == 256 / 32
 
 
 def test_what_was_chosen_before_is_kept_where_nothing_is_odd(source, tmp_path):
