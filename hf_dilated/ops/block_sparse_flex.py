@@ -10,11 +10,12 @@ The mask's tiles are the blocks where they are a multiple of 128 keys that tiles
 length, else FlexAttention's 128 x 128: a tile is listed where a block pair it holds is allowed on
 or below the diagonal, and "full" (no mask_mod evaluated) where every pair in it is allowed and it
 lies below the diagonal tile; elsewhere mask_mod reads the layout and causality. Compiled (CUDA),
-where the tile lists are read and every tile lies in one block, a partial tile is a diagonal one and
-mask_mod is causality alone: for blocks of 256 the very BlockMask FlexAttention gets from the same
-layout in gpu_table's row against it (on an H200 in the eleventh session block_sparse's forward took
-0.76 ms to FlexAttention's 0.39, with tiles of 128 and a mask_mod that read the layout on each
-partial tile).
+where the tile lists are read and every tile lies in one block, a partial tile is a diagonal one:
+for blocks of 256 the tiles and lists FlexAttention gets from the same layout in gpu_table's row
+against it, whose mask_mod (causality) agrees with ours on every pair a compiled call evaluates it
+on. (On an H200 in the eleventh session block_sparse's forward took 0.76 ms to FlexAttention's
+0.39, with tiles of 128 and a mask_mod that read the layout on each partial tile.) Ours keeps the
+layout in mask_mod because a compiled call may run eagerly, which ignores the lists.
 Block sizes that tile a tile or that tiles tile (32, 64, 128, 256, ...) take this path; others keep
 the block-by-block one. Lengths are padded to a power of two (one compile per bucket, as
 ops/sparse_far_flex.py): a padded key is seen only by padded queries (causal), whose rows are
@@ -57,13 +58,15 @@ def _bucket(n: int) -> int:
     return max(TILE, length_bucket(n))
 
 
-def block_mask(layout: torch.Tensor, n: int, block_size: int, lists_honoured: bool = False):
+def block_mask(layout: torch.Tensor, n: int, block_size: int):
     """The BlockMask of `layout` (batch or 1, heads or 1, blocks, blocks) over n tokens padded to
     their bucket (module docstring). Blocks of a multiple of 128 that tile the bucket are its tiles
-    (the BlockMask dense attention's FlexAttention gets from the same layout: gpu_table's baseline).
-    lists_honoured: the call reads the tile lists (compiled FlexAttention: CUDA), so where every tile
-    lies in one block a partial tile is a diagonal one, and mask_mod is causality alone, as the
-    baseline's; the eager form evaluates mask_mod on every pair and needs the layout in it."""
+    (the tiles and lists dense attention's FlexAttention gets from the same layout: gpu_table's
+    baseline). mask_mod reads the layout: a compiled call evaluates it on the partial tiles alone
+    (there, where every tile lies in one block, the diagonal ones: causality), but FlexAttention's
+    eager form evaluates it on every pair and ignores the lists, and a compiled call may run
+    eagerly (`torch.compiler.set_stance("force_eager")`): with causality alone it read every
+    earlier key."""
     padded = _bucket(n)
     tile = block_size if block_size % TILE == 0 and padded % block_size == 0 else TILE
     tiles = padded // tile
@@ -85,15 +88,12 @@ def block_mask(layout: torch.Tensor, n: int, block_size: int, lists_honoured: bo
     full = every & (kv_tile < q_tile)
     partial = some & (kv_tile <= q_tile) & ~full
 
-    def causal(b_idx, h_idx, q_idx, kv_idx):  # (a partial tile within one block: a diagonal tile)
-        return kv_idx <= q_idx
-
     def mask_mod(b_idx, h_idx, q_idx, kv_idx):
         return allowed[b_idx if b > 1 else 0, h_idx if h > 1 else 0, q_idx // block_size, kv_idx // block_size] & (
             kv_idx <= q_idx)
 
     return _flex.BlockMask.from_kv_blocks(*tile_lists(partial), *tile_lists(full), BLOCK_SIZE=tile,
-                                          mask_mod=causal if lists_honoured and block_size % tile == 0 else mask_mod,
+                                          mask_mod=mask_mod,
                                           seq_lengths=(padded, padded))
 
 
@@ -129,9 +129,7 @@ def attention(q, k, v, layout, block_size: int, scale: float, key=None):
     try:
         mask = None if key is None else _MASKS.get((key, padded))
         if mask is None:
-            # (a compiled kernel reads the tile lists; a test's backend that runs the graph eagerly does not)
-            honoured = q.device.type in sparse_far_flex.COMPILED_ON and sparse_far_flex.BACKEND == "inductor"
-            mask = block_mask(layout, n, block_size, lists_honoured=honoured)
+            mask = block_mask(layout, n, block_size)
             if key is not None:
                 if len(_MASKS) >= _MAX_MASKS:
                     _MASKS.clear()
