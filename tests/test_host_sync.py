@@ -573,3 +573,29 @@ def test_every_far_key_prefill_on_flash_has_no_sync(flash_band):
     fwd, out = count_syncs(call)
     assert_no_syncs(fwd, "every far key on flash's band")
     assert flash_band and out.transpose(1, 2).is_contiguous()  # (the path taken)
+
+
+def test_packed_forward_compares_the_boundaries_once_not_in_every_layer():
+    """A DataCollatorWithFlattening batch carries cu_seq_lens_q and cu_seq_lens_k as two tensors; every
+    layer compared them (torch.equal: a read back on a GPU), 2 reads with 2 layers and 4 with 4. Now
+    once per forward, and boundaries that differ are still refused, naming both."""
+    from transformers import DataCollatorWithFlattening
+
+    from conftest import tiny_default_llama
+
+    counts = []
+    for layers in (2, 4):
+        model, _, ids = tiny_default_llama(300, 128, layers=layers)
+        docs = [ids[0, :120].tolist(), ids[0, 120:].tolist()]
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False)(
+            [{"input_ids": d} for d in docs])
+        kwargs = {k: batch[k] for k in ("input_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+        assert kwargs["cu_seq_lens_q"] is not kwargs["cu_seq_lens_k"]
+        with torch.no_grad():
+            counter, _ = count_syncs(lambda: model(**kwargs, use_cache=False))
+        counts.append(sum(n for name, n in counter.calls.items() if name.startswith("aten.equal")))
+        other = kwargs["cu_seq_lens_k"].clone()
+        other[1] += 1
+        with torch.no_grad(), pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k differ"):
+            model(**{**kwargs, "cu_seq_lens_k": other}, use_cache=False)
+    assert counts == [1, 1], counts

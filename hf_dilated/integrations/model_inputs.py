@@ -139,10 +139,12 @@ _INPUTS = PlanCache(size=8)
 
 
 def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_parallel=False, cu_seq_lens=None,
-                  rope=False):
+                  cu_seq_lens_k=None, rope=False):
     """(key, value, attention_mask, position_ids, rope_offset) for a kernel from what transformers
     passes. rope_offset, a RopeOffset of rope_offsets' or None: asked for with rope=True (the kernel
-    moves q and k on from where the model rotated them: far keys at grouped positions)."""
+    moves q and k on from where the model rotated them: far keys at grouped positions).
+    cu_seq_lens_k must equal cu_seq_lens (the queries'): checked once per pair of tensors, not in
+    every layer (the collator makes two tensors; comparing them reads back from the device)."""
     batch, q_len = query.shape[0], query.shape[2]
     if is_static_slots(attention_mask):  # an eager step on a static cache: its written slots, as a 2-D mask
         real, seen = read_static_slots(attention_mask)
@@ -161,13 +163,15 @@ def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_p
                 raise ValueError(f"attention_mask covers {seen} tokens, fewer than the {q_len} queries")
             key, value = key[:, :, :seen], value[:, :, :seen]
     if sequence_parallel:  # local shards: the distributed kernels derive the global layout
+        _check_same_boundaries(cu_seq_lens, cu_seq_lens_k)
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             return key, value, attention_mask, None, None
         return key, value, None, position_ids, None
     kv_len = key.shape[2]
     cache_key = (batch, q_len, kv_len, str(key.device), rope)
-    cached = _INPUTS.get(cache_key, attention_mask, position_ids, cu_seq_lens)
+    cached = _INPUTS.get(cache_key, attention_mask, position_ids, cu_seq_lens, cu_seq_lens_k)
     if cached is None:
+        _check_same_boundaries(cu_seq_lens, cu_seq_lens_k)
         mask, positions, rotated = from_model_inputs(attention_mask, position_ids, batch=batch, q_len=q_len,
                                                      kv_len=kv_len, device=key.device, cu_seq_lens=cu_seq_lens)
         offset = rope_offsets(position_ids, mask, positions, rotated, batch=batch, q_len=q_len, kv_len=kv_len,
@@ -182,8 +186,14 @@ def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_p
             if offset is not None:
                 offset = RopeOffset(offset, facts[2:]) if facts[1] else None  # None: generate()'s position_ids
         cached = (mask, positions, offset)
-        _INPUTS.put(cache_key, attention_mask, position_ids, cu_seq_lens, cached)
+        _INPUTS.put(cache_key, attention_mask, position_ids, cu_seq_lens, cu_seq_lens_k, cached)
     return key, value, *cached
+
+
+def _check_same_boundaries(cu_q, cu_k) -> None:
+    if cu_q is not None and cu_k is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k.to(cu_q.device)):
+        raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; only causal self-attention over packed "
+                         "sequences is supported")
 
 
 def rope_offsets(position_ids, mask, positions, rotated=None, *, batch: int, q_len: int, kv_len: int, device):

@@ -184,16 +184,12 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
             )
     if torch.compiler.is_compiling() and is_static_slots(attention_mask):
         return _compiled_static_step(kind, module, query, key, value, attention_mask, scaling, kwargs, group)
-    if kwargs.get("cu_seq_lens_q") is not None and kwargs.get("cu_seq_lens_k") is not None and \
-            not torch.equal(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]):
-        raise ValueError(f"attn_implementation={name!r}: cu_seq_lens_q and cu_seq_lens_k differ; only causal "
-                         "self-attention over packed sequences is supported")
     cache_keys = key  # a static cache's own tensor (static_keep follows its writes)
     settings = settings_for(module, kind)
     rope_frequencies = rope_frequencies_for(module, settings, query.device)
     key, value, mask, positions, rope_offset = kernel_inputs(
         query, key, value, attention_mask, kwargs.get("position_ids"), sequence_parallel=group is not None,
-        cu_seq_lens=kwargs.get("cu_seq_lens_q"), rope=rope_frequencies is not None)
+        cu_seq_lens=kwargs.get("cu_seq_lens_q"), cu_seq_lens_k=kwargs.get("cu_seq_lens_k"), rope=rope_frequencies is not None)
     # The model's sliding window (Mistral, Qwen2 layers): every kernel keeps it (docs/contract.md 3.3).
     window = kwargs.get("sliding_window")
     device_type = query.device.type
