@@ -1100,6 +1100,51 @@ def test_graphed_steps_on_an_in_place_cache_match_reference(tmp_path, monkeypatc
     assert len(builds) == layers * len(capacities)  # once per layer and buffer, then one token folded a step
 
 
+def test_graphed_steps_report_the_ties_they_cut(monkeypatch):
+    """A far query of zeros (layer 0 of a token whose embedding is transformers' zero pad row) bounds
+    every far block at 0: all tie at the k-th bound, and a graphed step reads TIE_SLOTS of them
+    (contract 4.2 reads them all; 2.7 off a forward at the next step here). The ReservedCache steps
+    counted the cut on the buffer's step, which went unread with the buffer (a new one each
+    generation and as it grows): nothing was said. Now the next generation's first step says so."""
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
+
+    from hf_dilated import ReservedCache
+    from hf_dilated.bench.gpu_table import _model_entry
+    from hf_dilated.config import CONFIG_KEY
+    from hf_dilated.ops import sparse_far_reserved
+
+    monkeypatch.setattr(sparse_far_reserved, "GRAPHED_ON", ("cuda", "cpu"))
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                         intermediate_size=64, vocab_size=64, max_position_embeddings=256, pad_token_id=0,
+                         initializer_range=0.2)
+    setattr(config, CONFIG_KEY, {**_model_entry("default", 32, 256), "far_top_k": 2, "far_block_size": 4,
+                                 "far_sinks": 1})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="dilated").eval().double()
+    assert bool((model.model.embed_tokens.weight[0] == 0).all())
+    prompt = torch.randint(3, 64, (1, 70), generator=torch.Generator().manual_seed(3))
+
+    def zero_first(ids, scores):  # the first new token is id 0
+        if ids.shape[1] == prompt.shape[1]:
+            scores[:] = -1e9
+            scores[:, 0] = 0
+        return scores
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=1,
+                                  cache=ReservedCache(config=model.config),
+                                  logits_processor=LogitsProcessorList([zero_first]))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generate()
+        generate()
+    assert [w for w in caught if "tied at the far_top_k-th bound" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_graphed_steps_leave_the_cache_tensors_plain(tmp_path, monkeypatch):
     """After graphed steps, under inference mode too (where ReservedCache records each view's buffer
     and writes), a key view saves and loads as the plain tensor it is (torch.save): the record is

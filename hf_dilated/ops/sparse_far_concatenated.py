@@ -23,11 +23,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .far_selection import FarSelection, bound_dtype
 from .rope import far_queries_static, far_turn_table, rotate_with
 from . import sparse_far_static
-from .sparse_far_static import BUILD_SLOTS, kept_step, warn_ties_cut
+from .sparse_far_static import BUILD_SLOTS, CUT_CHECK_EVERY, kept_step, warn_ties_cut
 
 COMPILED_ON = ("cuda",)
 BACKEND = "inductor"  # torch.compile's backend for it (tests on the CPU may take a lighter one)
-CUT_CHECK_EVERY = 256  # steps between reads of the ties cut (sparse_far_static: Ties), one read per layer
 _COMPILED = {}  # settings -> the compiled step
 _COMPILE_FAILED: str | None = None  # why compiling failed in this process (steps then take the eager path)
 _RECOMPILE_LIMIT = getattr(torch._dynamo.exc, "FailOnRecompileLimitHit", ())  # (what fullgraph raises there)

@@ -17,10 +17,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .far_selection import FarSelection
 from .rope import far_queries_static
-from .sparse_far_static import KeptSummaries, build, kept_step, settings_of, warn_ties_cut
+from .sparse_far_static import CUT_CHECK_EVERY, KeptSummaries, build, kept_step, settings_of, warn_ties_cut
 
 GRAPHED_ON = ("cuda",)
 _POOLS = {}  # device -> (memory pool, layers captured into it): one per round of captures
+# layer -> the count of ties cut (sparse_far_static: Ties) of its last ReservedStep, read when a new
+# one replaces it: a ReservedCache takes a new buffer each generation and as it grows, and the count
+# went unread with the old buffer (no rebuild comes to read it)
+_LAST_CUT: dict[int, torch.Tensor] = {}
 
 
 class ReservedStep:
@@ -33,7 +37,7 @@ class ReservedStep:
     buffer."""
 
     def __init__(self, key, owner: int, q, k_buffer, first, settings: dict, capture: bool):
-        self.key, self.owner, self.seen, self.version = key, owner, None, None
+        self.key, self.owner, self.seen, self.version, self.steps = key, owner, None, None, 0
         device = q.device
         size = settings["selection"].block_size
         rotation = settings["rotation"]
@@ -147,6 +151,9 @@ def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection
         with torch.inference_mode(False):  # its tensors are written by steps in and out of inference mode alike
             runner = ReservedStep(key, layer, q, k_buffer, first, settings, capture=q.device.type == "cuda")
         setattr(k_buffer, _STEP_ATTRIBUTE, runner)
+        if layer in _LAST_CUT:
+            warn_ties_cut(_LAST_CUT[layer], stacklevel=4)  # (one read, where a rebuild reads anyway)
+        _LAST_CUT[layer] = runner.kept.cut
     if runner.seen != seen - 1 or runner.version != version - 1:
         # not the last step's cache plus this token (a first step, a crop, a rewrite): summarise it again
         warn_ties_cut(runner.kept.cut, stacklevel=4)  # (one read, at a rebuild)
@@ -164,5 +171,8 @@ def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection
                       "steps take the eager path from now on (the same results, more launches)", RuntimeWarning,
                       stacklevel=3)
         return None
+    runner.steps = runner.steps + 1 if runner.seen == seen - 1 else 0
     runner.seen, runner.version = seen, version
+    if runner.steps % CUT_CHECK_EVERY == CUT_CHECK_EVERY - 1:
+        warn_ties_cut(runner.kept.cut, stacklevel=3)
     return out

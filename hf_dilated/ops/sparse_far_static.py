@@ -30,9 +30,12 @@ own key and value tensors).
 Ties. A step reads a fixed number of blocks: the sinks, the top_k by bound, and up to TIE_SLOTS
 more tied at the k-th bound (the contract reads every tied block). More ties than that (distinct
 blocks whose float32 bounds are bit for bit equal: in practice never, as their far keys sit at
-different grouped positions) are cut in block order, counted in `KeptSummaries.cut`, and reported
-by a warning when an eager call summarises the cache again (after compiled steps the next eager
-call does; one read of the count there, beside a pass over the whole cache).
+different grouped positions; or a far query of zeros, whose bounds are all 0: the query of a token
+whose embedding is zero, such as transformers' pad row at initialisation) are cut in block order,
+counted in `KeptSummaries.cut`, and reported by a warning when an eager call summarises the cache
+again (after compiled steps the next eager call does; one read of the count there, beside a pass
+over the whole cache). Steps that replay one graph (ops/sparse_far_reserved, ops/sparse_far_concatenated)
+also read it every CUT_CHECK_EVERY steps and when their next generation starts.
 """
 from __future__ import annotations
 
@@ -156,6 +159,9 @@ def keep(k: torch.Tensor, real: torch.Tensor, seen: int, q_len: int, size: int, 
         warn_ties_cut(kept.cut, stacklevel=4)  # (one read, at a rebuild: after compiled steps every eager call rebuilds)
         build(kept, k, real, seen, size, rotation)
     kept.seen, kept.version = seen, version
+
+
+CUT_CHECK_EVERY = 256  # steps of one graph between reads of the ties cut (one read per layer)
 
 
 def warn_ties_cut(cut: torch.Tensor, stacklevel: int) -> None:
