@@ -46,11 +46,11 @@ class Kind:
     causal_only: bool  # computes causal attention only (docs/contract.md 6)
     families: tuple = ()  # the model types it serves as a transformers attn_implementation; () : none
     # A decode step against a static cache under torch.compile (no Python value from tensor data):
-    # static_decode(q, k, v, settings, *, real, seen, scale, sliding_window, rope_frequencies); None:
+    # static_decode(q, k, v, settings, *, real, seen, scale, sliding_window, rope_frequencies, rope_shift); None:
     # not supported.
     static_decode: Callable | None = None
     # What an eager call on a static cache keeps for the compiled steps after it, on the
-    # cache: static_keep(k, settings, *, real, seen, q_len, rope_frequencies); None: nothing.
+    # cache: static_keep(k, settings, *, real, seen, q_len, rope_frequencies, rope_shift); None: nothing.
     static_keep: Callable | None = None
 
     def check_call(self, *, is_causal, dropout_p, entry: str, causal_only: bool = False) -> None:
@@ -213,7 +213,7 @@ def _block_sparse_ring(q, k, v, s, *, is_causal, attention_mask, position_ids, s
                                        position_ids=position_ids, sliding_window=sliding_window)
 
 
-def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None):
+def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None, rope_shift=None):
     from .ops.dilated_decode import dilated_decode_static
     from .ops.rope import far_projections_static, far_queries_static
 
@@ -234,9 +234,10 @@ def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_
         kept = None if selection is None else sparse_far_static.kept_for(k, selection.block_size, far)
         if kept is not None:  # kept on the cache's key tensor by an eager call on it
             q_far = q if far is None else far_queries_static(q, real, seen, *far)
+            q_bound = None if far is None or rope_shift is None else far_queries_static(q, real, seen, *far, rope_shift)
             return sparse_far_static.kept_step(q, k, v, q_far, selection=selection, rotation=far, kept=kept,
-                                               **settings)
-        q_far, k_far = (q, k) if far is None else far_projections_static(q, k, real, seen, *far)
+                                               q_bound=q_bound, shift=rope_shift, **settings)
+        q_far, k_far = (q, k) if far is None else far_projections_static(q, k, real, seen, *far, rope_shift)
         if selection is None:  # a narrower band past local_window alone: every far key (a selection of them all)
             selection = FarSelection(n, s["far_block_size"], 0)
         return sparse_far_static.every_slot_step(q, k, v, q_far, k_far, selection=selection, **settings)
@@ -248,7 +249,7 @@ def _dilated_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_
                                  sliding_window=sliding_window)
 
 
-def _dilated_static_keep(k, s, *, real, seen: int, q_len: int, rope_frequencies=None):
+def _dilated_static_keep(k, s, *, real, seen: int, q_len: int, rope_frequencies=None, rope_shift=None):
     """After an eager call on a static cache whose key tensor is k: keep on it the block summaries
     its compiled steps read (ops/sparse_far_static.py); nothing for settings without sparse far keys."""
     from .config import DECODE_MAX_QUERIES
@@ -259,10 +260,10 @@ def _dilated_static_keep(k, s, *, real, seen: int, q_len: int, rope_frequencies=
             w >= k.shape[2] and r == 1 for w, r in zip(s["segment_lengths"], s["dilation_rates"])):
         return
     sparse_far_static.keep(k, real, seen, q_len, selection.block_size, _far_keys(s, rope_frequencies),
-                           few=DECODE_MAX_QUERIES)
+                           few=DECODE_MAX_QUERIES, shift=rope_shift)
 
 
-def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None):
+def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None, rope_shift=None):
     from .ops.dilated_decode import dilated_decode_static
 
     # dense causal attention is one level of dilation 1 whose segment holds the whole cache
@@ -270,7 +271,8 @@ def _dense_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_fr
                                  sliding_window=sliding_window)
 
 
-def _block_sparse_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None):
+def _block_sparse_static(q, k, v, s, *, real, seen, scale, sliding_window=None, rope_frequencies=None,
+                         rope_shift=None):
     from .ops.block_sparse_decode import block_sparse_decode_static
 
     return block_sparse_decode_static(q, k, v, s["pattern"], block_size=s["block_size"], scale=scale, real=real,

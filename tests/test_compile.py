@@ -123,6 +123,40 @@ def test_static_cache_steps_after_a_prefill_without_mask_match_eager(checkpoints
     assert all(s is not None for s in _kept_summaries(static))
 
 
+@pytest.mark.parametrize("kept", (True, False), ids=("kept_summaries", "every_slot"))
+def test_compiled_static_steps_of_a_left_padded_row_at_default_positions_match_a_forward(checkpoints, kept,
+                                                                                       monkeypatch):
+    """A loop of its own on a StaticCache (transformers' default position_ids, the indices: a
+    left-padded row rotated `padding` further than its mask ranks): the compiled steps took the
+    model's positions to be the ranks, and chose far blocks by summaries and a query moved from the
+    wrong place (0.069 off a forward here in the padded row, 4.6 in a review's model; the eager steps
+    matched). Now they take the
+    offset from the step's position_ids, on the device. In float64, with the kept summaries and
+    without them (every slot summarised in the step)."""
+    from transformers import StaticCache
+
+    from hf_dilated.ops import sparse_far_static
+
+    if not kept:
+        monkeypatch.setattr(sparse_far_static, "kept_for", lambda *args: None)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["tiny-llama-band"], attn_implementation="dilated",
+                                                 dtype=torch.float64).eval()
+    with torch.no_grad():  # a pad row of zeros would tie every far block (a query of zeros)
+        model.model.embed_tokens.weight[0].normal_(generator=torch.Generator().manual_seed(9))
+    ids = torch.randint(3, 200, (2, 66), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    torch.compiler.reset()
+    step = torch.compile(model, fullgraph=True, backend="eager", dynamic=False)
+    with torch.no_grad():
+        cache = StaticCache(config=model.config, max_cache_len=80)
+        model(ids[:, :60], attention_mask=mask[:, :60], past_key_values=cache)
+        got = torch.cat([step(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
+                              cache_position=torch.tensor([t])).logits for t in range(60, 66)], 1)
+        want = model(ids, attention_mask=mask, use_cache=False).logits[:, 60:]
+    assert (got - want).abs().max().item() < 1e-10
+
+
 @pytest.mark.parametrize("case", ["tiny-llama", "tiny-llama-band"])
 def test_static_cache_compiled_with_inductor(checkpoints, case):
     """Inductor's code for the compiled steps: union levels, and sparse far keys (the kept block

@@ -190,6 +190,19 @@ def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_p
     return key, value, *cached
 
 
+def static_rope_shift(position_ids, real, seen, batch: int) -> torch.Tensor | None:
+    """rope_offsets' per-row offset for a compiled step on a static cache, on the device, read from
+    nothing on the host: how much further than its mask rank the model rotated each row's last
+    query (its position_ids against its rank among the written real slots `real`, `seen` a 0-d
+    tensor), taken as every key's (rope_offsets' rule: transformers' default position_ids, the
+    indices, give a left-padded row its padding; generate()'s ranks give 0); None without them."""
+    if position_ids is None:
+        return None
+    last = (seen - 1).reshape(1)
+    rank = (real.long().cumsum(-1) - 1).index_select(1, last)[:, 0]
+    return position_ids[:, -1].to(torch.long).expand(batch) - rank
+
+
 def _check_same_boundaries(cu_q, cu_k) -> None:
     if cu_q is not None and cu_k is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k.to(cu_q.device)):
         raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; only causal self-attention over packed "

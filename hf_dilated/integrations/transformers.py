@@ -18,7 +18,7 @@ import torch
 from ..config import BAND_NAMES, CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int, far_keys
 from ..kinds import KINDS, TRANSFORMERS_NAMES
 from .rotary import check_fixed_frequencies, model_rotary, rotary_frequencies, track_model
-from .model_inputs import (is_static_slots, kernel_inputs, padded_last_query_as_sdpa, padding_mask,
+from .model_inputs import (is_static_slots, kernel_inputs, static_rope_shift, padded_last_query_as_sdpa, padding_mask,
                            read_static_slots)
 
 NAMES = TRANSFORMERS_NAMES
@@ -208,7 +208,9 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
             # what the compiled steps after this call read (transformers compiles the steps, not the prefill)
             real = read_static_slots(attention_mask)[0]  # kernel_inputs kept the `seen` written slots: no read here
             kind.static_keep(cache_keys, settings, real=real, seen=key.shape[2], q_len=query.shape[2],
-                             rope_frequencies=rope_frequencies)
+                             rope_frequencies=rope_frequencies,
+                             rope_shift=None if rope_offset is None else torch.tensor(rope_offset.per_row,
+                                                                                      device=query.device))
     # (batch, heads, q_len, head_dim) -> (batch, q_len, heads, head_dim), as sdpa_attention_forward
     return out.transpose(1, 2).contiguous(), None
 
@@ -239,10 +241,12 @@ def _compiled_static_step(kind, module, query, key, value, slots, scaling, kwarg
                                   + ("under sequence parallelism" if group is not None else "") + " is not supported")
     real, seen = read_static_slots(slots)
     settings = settings_for(module, kind)
+    rope_frequencies = rope_frequencies_for(module, settings, query.device)
     out = kind.static_decode(query, key, value, settings, real=real, seen=seen,
                              scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
-                             sliding_window=kwargs.get("sliding_window"),
-                             rope_frequencies=rope_frequencies_for(module, settings, query.device))
+                             sliding_window=kwargs.get("sliding_window"), rope_frequencies=rope_frequencies,
+                             rope_shift=None if rope_frequencies is None else static_rope_shift(
+                                 kwargs.get("position_ids"), real, seen, query.shape[0]))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -142,20 +142,24 @@ def far_projections(query: torch.Tensor, key: torch.Tensor, positions: torch.Ten
 
 
 def far_queries_static(query: torch.Tensor, real: torch.Tensor, seen: torch.Tensor, window: int, group: int,
-                       inv_freq: torch.Tensor) -> torch.Tensor:
+                       inv_freq: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
     """q_far of far_projections_static alone: the queries (slots seen - q_len .. seen - 1) moved to
     their grouped far positions (a step that turns only the keys it reads)."""
     positions = mask_ranks(real).clamp(min=0)
     query_slots = seen - query.shape[2] + torch.arange(query.shape[2], device=query.device)
     query_delta, _ = grouped_far_positions(positions.index_select(1, query_slots), query.shape[2], window, group)
-    return rotate_by(query, query_delta, inv_freq)
+    return rotate_by(query, query_delta if shift is None else query_delta - shift[:, None], inv_freq)
 
 
 def far_projections_static(query: torch.Tensor, key: torch.Tensor, real: torch.Tensor, seen: torch.Tensor,
-                           window: int, group: int, inv_freq: torch.Tensor):
+                           window: int, group: int, inv_freq: torch.Tensor, shift: torch.Tensor | None = None):
     """far_projections for a compiled decode step on a static cache (ops/dilated_decode.py:
     dilated_decode_static): the positions are mask ranks of the written slots `real`, found without
-    any Python value from tensor data (`seen` is a 0-d tensor)."""
+    any Python value from tensor data (`seen` is a 0-d tensor). shift (batch,): how much further
+    than its mask ranks each row was rotated by the model (None: 0; far_projections' offset, one a
+    row)."""
     positions = mask_ranks(real).clamp(min=0)
     key_delta = positions // group - positions
-    return far_queries_static(query, real, seen, window, group, inv_freq), rotate_by(key, key_delta, inv_freq)
+    if shift is not None:
+        key_delta = key_delta - shift[:, None]
+    return far_queries_static(query, real, seen, window, group, inv_freq, shift), rotate_by(key, key_delta, inv_freq)

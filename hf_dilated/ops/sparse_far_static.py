@@ -90,15 +90,18 @@ def kept_for(k: torch.Tensor, size: int, rotation) -> KeptSummaries | None:
     return kept if kept is not None and kept.fits(k, size, settings_of(size, rotation)) else None
 
 
-def far_turned(keys: torch.Tensor, ranks: torch.Tensor, rotation) -> torch.Tensor:
-    """keys (batch, kv_heads, n, d) at ranks (batch, n) moved to their grouped far positions."""
+def far_turned(keys: torch.Tensor, ranks: torch.Tensor, rotation, shift=None) -> torch.Tensor:
+    """keys (batch, kv_heads, n, d) at ranks (batch, n) moved to their grouped far positions; shift
+    (batch,) how much further than its ranks each row was rotated by the model (None: 0). Scores
+    are the same either way, the summaries (and so the blocks chosen) are not (docs/contract.md 4.1)."""
     if rotation is None:
         return keys
     group, inv_freq = rotation[1], rotation[2]
-    return rotate_by(keys, ranks // group - ranks, inv_freq)
+    delta = ranks // group - ranks
+    return rotate_by(keys, delta if shift is None else delta - shift[:, None], inv_freq)
 
 
-def build(kept: KeptSummaries, k: torch.Tensor, real: torch.Tensor, seen, size: int, rotation) -> None:
+def build(kept: KeptSummaries, k: torch.Tensor, real: torch.Tensor, seen, size: int, rotation, shift=None) -> None:
     """Every block's summary from the cache: the written real slots (slots < seen) by their mask
     ranks; rows of blocks nobody opened yet +inf / -inf. In place (eager, or in a compiled graph)."""
     batch, kv_heads, n, dim = k.shape
@@ -110,14 +113,14 @@ def build(kept: KeptSummaries, k: torch.Tensor, real: torch.Tensor, seen, size: 
     kept.mx.fill_(float("-inf"))
     for lo in range(0, n, BUILD_SLOTS):
         hi = min(n, lo + BUILD_SLOTS)
-        far = far_turned(k[:, :, lo:hi], rank[:, lo:hi].clamp(min=0), rotation).to(kept.mn.dtype)
+        far = far_turned(k[:, :, lo:hi], rank[:, lo:hi].clamp(min=0), rotation, shift).to(kept.mn.dtype)
         index = block[:, None, lo:hi, None].expand(batch, kv_heads, hi - lo, dim)
         kept.mn.scatter_reduce_(2, index, far, "amin")
         kept.mx.scatter_reduce_(2, index, far, "amax")
 
 
 def fold(kept: KeptSummaries, k: torch.Tensor, real: torch.Tensor, rank: torch.Tensor, slot: torch.Tensor,
-         size: int, rotation) -> None:
+         size: int, rotation, shift=None) -> None:
     """The summary of the block holding the key at `slot` (a 0-d tensor), made again from that
     block's keys up to it (B keys), per row: exact whatever the row held before (an earlier fill of
     the cache, keys cropped since); a padding slot changes nothing (it goes to the dump row)."""
@@ -129,18 +132,19 @@ def fold(kept: KeptSummaries, k: torch.Tensor, real: torch.Tensor, rank: torch.T
     ranks = (r.clamp(min=0) // size) * size + torch.arange(size, device=k.device)  # (batch, B): the block's
     ok = ranks <= r
     slots = torch.where(ok, torch.searchsorted(rank + 1, ranks + 1).clamp(max=n - 1), at)
-    keys = far_turned(k.gather(2, slots[:, None, :, None].expand(batch, kv_heads, size, dim)), ranks, rotation)
+    keys = far_turned(k.gather(2, slots[:, None, :, None].expand(batch, kv_heads, size, dim)), ranks, rotation, shift)
     keys = keys.to(kept.mn.dtype)
     index = block[:, None, :, None].expand(batch, kv_heads, 1, dim)
     kept.mn.scatter_(2, index, keys.masked_fill(~ok[:, None, :, None], float("inf")).amin(2, keepdim=True))
     kept.mx.scatter_(2, index, keys.masked_fill(~ok[:, None, :, None], float("-inf")).amax(2, keepdim=True))
 
 
-def keep(k: torch.Tensor, real: torch.Tensor, seen: int, q_len: int, size: int, rotation, few: int) -> None:
+def keep(k: torch.Tensor, real: torch.Tensor, seen: int, q_len: int, size: int, rotation, few: int,
+         shift=None) -> None:
     """After an eager call on a static cache whose key tensor is k (the call's q_len tokens already
     written, `seen` slots in all): fold in its tokens where the cache is the one of the last eager
     call, written once since (its version) and grown by exactly them, and there are at most `few`;
-    else summarise it again (made on k at the first call)."""
+    else summarise it again (made on k at the first call). shift: far_turned's."""
     kept = kept_for(k, size, rotation)
     if kept is None:
         kept = KeptSummaries(k, size, settings_of(size, rotation))
@@ -154,10 +158,10 @@ def keep(k: torch.Tensor, real: torch.Tensor, seen: int, q_len: int, size: int, 
     if grown and q_len <= few:  # (no compiled step since the last eager call: nothing cut)
         rank = mask_ranks(real)
         for t in range(q_len):
-            fold(kept, k, real, rank, torch.full((), seen - q_len + t, device=k.device), size, rotation)
+            fold(kept, k, real, rank, torch.full((), seen - q_len + t, device=k.device), size, rotation, shift)
     else:
         warn_ties_cut(kept.cut, stacklevel=4)  # (one read, at a rebuild: after compiled steps every eager call rebuilds)
-        build(kept, k, real, seen, size, rotation)
+        build(kept, k, real, seen, size, rotation, shift)
     kept.seen, kept.version = seen, version
 
 
@@ -176,15 +180,19 @@ def warn_ties_cut(cut: torch.Tensor, stacklevel: int) -> None:
 
 
 def kept_step(q, k, v, q_far, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
-              real, seen, rotation, kept: KeptSummaries, refresh: bool = True, turns=None):
+              real, seen, rotation, kept: KeptSummaries, refresh: bool = True, turns=None, q_bound=None, shift=None):
     """A compiled step's output (shaped like q) from kept summaries (module docstring). q (batch,
     heads, q_len, d) the queries at slots seen - q_len .. seen - 1, q_far the same at their far
     positions; k, v (batch, kv_heads, N, d) the cache's slots; real (batch, N) the written slots
     holding tokens; seen a 0-d tensor. q_len > 1 (a compiled prefill) rebuilds the summaries first;
     refresh=False: the caller made them from the whole cache (concatenated_step). turns: where given,
     rope.far_turn_table's (cos, sin) by rank, of at least the blocks' ranks: the chosen far keys are
-    turned by reading it, not by a float64 cos and sin per key and head."""
+    turned by reading it, not by a float64 cos and sin per key and head. shift (batch,): how much
+    further than its mask ranks the model rotated each row (far_turned's; None: 0), which the
+    summaries it folds follow; q_bound: q_far moved by it too, what the bounds read (None: q_far).
+    The scores read q_far and the keys turned from the ranks: the same either way."""
     batch, n_heads, q_len, dim = q.shape
+    q_bound = q_far if q_bound is None else q_bound
     kv_heads, n = k.shape[1], k.shape[2]
     group = n_heads // kv_heads
     size, sinks, top_k = selection.block_size, selection.sinks, selection.top_k
@@ -193,9 +201,9 @@ def kept_step(q, k, v, q_far, *, local_window: int, far_band: int | None, select
     rank = mask_ranks(real)
     count = rank + 1  # real tokens up to each slot: the first slot of count r + 1 holds rank r
     if refresh and q_len > 1:
-        build(kept, k, real, seen, size, rotation)
+        build(kept, k, real, seen, size, rotation, shift)
     elif refresh:
-        fold(kept, k, real, rank, seen - 1, size, rotation)
+        fold(kept, k, real, rank, seen - 1, size, rotation, shift)
     n_blocks = kept.mn.shape[2] - 1
     summary, empty = bound_operands(kept.mn[:, :, :n_blocks], kept.mx[:, :, :n_blocks], group)
     number = torch.arange(n_blocks, device=device)
@@ -228,7 +236,7 @@ def kept_step(q, k, v, q_far, *, local_window: int, far_band: int | None, select
         chosen = [number[:sinks].expand(batch, n_heads, sinks)]
         taken = [reach[:, None, :sinks].expand(batch, n_heads, sinks)]
         if top_k:
-            bound = bounds(q_far[:, :, t:t + 1], None, None, (summary, empty))[:, :, 0]  # (batch, heads, blocks)
+            bound = bounds(q_bound[:, :, t:t + 1], None, None, (summary, empty))[:, :, 0]  # (batch, heads, blocks)
             bound = bound.masked_fill(~(reach & (number >= sinks))[:, None], float("-inf"))
             values, index = bound.topk(min(picks + 1, n_blocks), -1)
             if top_k < n_blocks:
