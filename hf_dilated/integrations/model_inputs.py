@@ -290,7 +290,10 @@ def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int
 
 def _positions_from_boundaries(cu_seq_lens, batch, kv_len, device) -> torch.Tensor:
     cu = cu_seq_lens.to(device=device, dtype=torch.long).reshape(-1)
-    if batch != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != kv_len or bool((cu[1:] < cu[:-1]).any()):
+    # (the three facts in one read back, once per forward: the call is cached by the tensor's identity)
+    first, last, falls = torch.stack([cu[0], cu[-1], (cu[1:] < cu[:-1]).any().long()]).tolist() if cu.numel() >= 2 \
+        else (None, None, None)
+    if batch != 1 or cu.numel() < 2 or first != 0 or last != kv_len or falls:
         raise ValueError(
             f"cu_seq_lens_q must be the cumulative lengths 0 <= ... <= {kv_len} of the packed sequences of one "
             f"row of {kv_len} tokens, got {cu.tolist()[:8]} for batch {batch}"
