@@ -103,8 +103,11 @@ class Attention:
         # that level has no dilation ("union" only: "longnet" counts keys once per level).
         if position_ids is None:
             span = seq_len
-        else:  # local shards under sequence parallelism do not show the global positions
-            span = int(position_ids.max()) + 1 if world == 1 and position_ids.numel() else None
+        elif world == 1 and position_ids.numel():  # (local shards do not show the global positions)
+            low, high = torch.stack([position_ids.min(), position_ids.max()]).tolist()  # (one read back)
+            span = high + 1 if low >= 0 else None  # (a negative position lies before the first segment)
+        else:
+            span = None
         dense = cfg["mode"] == "union" and dil[0] == 1 and span is not None and span <= seg[0]
         if world > 1:
             if dense:
@@ -210,7 +213,9 @@ class DilatedMultiheadAttention(nn.Module):
     forward(query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
     average_attn_weights=True, is_causal=False, *, position_ids=None) -> (output, None):
     - `is_causal=True` needs no `attn_mask` (one may be given if it is exactly the causal mask);
-      with q_len < kv_len the queries are the last q_len tokens (decode alignment).
+      with q_len < kv_len the queries are the last q_len tokens (decode alignment). A non-causal
+      call with more queries than keys is cross-attention (a decoder's target over its memory):
+      dense, padding honoured, no `position_ids`.
     - `key_padding_mask` (batch, kv_len), True (or -inf) = ignore that key, as in PyTorch. The
       pattern is laid over token indices, as nn.MultiheadAttention's causal mask is; pass
       `position_ids` (batch, kv_len) to lay it over real-token positions or packed documents.
@@ -243,6 +248,13 @@ class DilatedMultiheadAttention(nn.Module):
             self.attention = attention
         else:
             self.attention = create_attention(attention, **attention_config)
+        if (self.attention.config.get("far_group") or 1) > 1:
+            raise ValueError(f"far_group={self.attention.config['far_group']}: far keys at grouped positions move "
+                             "keys the model rotated by RoPE, and this module applies none; set far_group to 1")
+        if dropout and self.attention.kind in _KINDS:  # (one without dropout failed at the first training forward;
+            # "auto" chooses among kinds that have it)
+            _KINDS[self.attention.kind].check_call(is_causal=True, dropout_p=dropout,
+                                                   entry=f"{self.attention.kind!r} attention")
         factory = {"device": device, "dtype": dtype}
         self.embed_dim, self.num_heads, self.dropout = embed_dim, num_heads, dropout
         self.kdim = kdim if kdim is not None else embed_dim
@@ -322,8 +334,9 @@ class DilatedMultiheadAttention(nn.Module):
             raise ValueError(f"query's last dimension must be embed_dim ({self.embed_dim}), got {query.shape[-1]}")
         mask = self._key_mask(key_padding_mask, batch, kv_len, query.device)
         self._check_attn_mask(attn_mask, is_causal, q_len, kv_len)
-        if mask is not None and position_ids is None:
-            # Index-based pattern (as nn.MultiheadAttention): the mask only hides keys.
+        if mask is not None and position_ids is None and q_len <= kv_len:
+            # Index-based pattern (as nn.MultiheadAttention): the mask only hides keys. (More queries
+            # than keys: cross-attention, which the dense kind computes without positions.)
             position_ids = torch.arange(kv_len, device=query.device).expand(batch, kv_len)
 
         q, k, v = self._project(query, key, value)

@@ -334,3 +334,90 @@ def test_far_keys_through_the_table_need_the_rope_frequencies_and_match_the_kern
         create_attention("dilated", segment_lengths=[16], dilation_rates=[1], far_group=4)
     with pytest.raises(ValueError, match="far_window"):
         create_attention("dilated", segment_lengths=[16], dilation_rates=[1], local_window=4, far_group=2, far_window=8)
+
+
+# --- found by a review of the plain-PyTorch API (each failed before its fix) --------------------
+
+def test_cross_attention_with_more_queries_than_keys_matches_nn_multihead_attention():
+    """nn.MultiheadAttention attends 7 queries over 3 keys (a decoder's target over a shorter
+    memory); ours refused q_len > kv_len under every kind, and so nn.TransformerDecoderLayer with it
+    failed whenever the target was the longer. Non-causal, it is plain cross-attention now (the
+    dense kind), with a padding mask too; a causal call keeps its rule, named."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(8, 2, dtype=torch.float64).eval()
+    q, kv = torch.randn(7, 2, 8, dtype=torch.float64), torch.randn(3, 2, 8, dtype=torch.float64)
+    pad = torch.tensor([[False, False, True], [True, True, True]])  # the second row has no real key
+    for kind in ("auto", "dense"):
+        ours = DilatedMultiheadAttention(8, 2, dtype=torch.float64, attention=kind).eval()
+        ours.load_state_dict(ref.state_dict())
+        torch.testing.assert_close(ours(q, kv, kv)[0], ref(q, kv, kv, need_weights=False)[0], atol=1e-12, rtol=0)
+        got = ours(q, kv, kv, key_padding_mask=pad)[0]
+        torch.testing.assert_close(got[:, 0], ref(q[:, :1], kv[:, :1], kv[:, :1], key_padding_mask=pad[:1],
+                                                  need_weights=False)[0][:, 0], atol=1e-12, rtol=0)
+        assert torch.isfinite(got).all()
+    with pytest.raises(ValueError, match=r"q_len \(7\) must not exceed kv_len \(3\)"):
+        create_attention("dense")(q.view(7, 2, 2, 4).permute(1, 2, 0, 3), *[kv.view(3, 2, 2, 4).permute(1, 2, 0, 3)] * 2)
+    layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0).eval()
+    want = layer(torch.randn(12, 2, 8, generator=torch.Generator().manual_seed(1)),
+                 torch.randn(9, 2, 8, generator=torch.Generator().manual_seed(2)))
+    ours = DilatedMultiheadAttention(8, 2)
+    ours.load_state_dict(layer.multihead_attn.state_dict())
+    layer.multihead_attn = ours
+    got = layer(torch.randn(12, 2, 8, generator=torch.Generator().manual_seed(1)),
+                torch.randn(9, 2, 8, generator=torch.Generator().manual_seed(2)))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_settings_the_module_cannot_run_are_refused_at_construction():
+    """far_group > 1 moves keys a model rotated by RoPE, which this module applies none of: it was
+    accepted, and every forward then asked for rope_frequencies, which forward cannot take. A kind
+    without attention dropout given dropout failed only at the first training forward."""
+    with pytest.raises(ValueError, match="far_group=2: .*this module applies none"):
+        DilatedMultiheadAttention(8, 2, attention="dilated", segment_lengths=[4, 16], dilation_rates=[1, 4],
+                                  local_window=4, far_group=2)
+    with pytest.raises(ValueError, match="dropout_p: 'block_sparse' attention does not implement attention dropout"):
+        DilatedMultiheadAttention(8, 2, dropout=0.1, attention="block_sparse", pattern={"type": "local", "window": 2})
+    DilatedMultiheadAttention(8, 2, dropout=0.1)  # "auto" chooses among kinds with dropout
+
+
+def test_dense_kind_traces_with_torch_jit():
+    """Under torch.jit.trace shapes are tensors: `enable_gqa=q.shape[1] != k.shape[1]` was a tensor,
+    and sdpa raised (nn.MultiheadAttention traces)."""
+    dense = create_attention("dense")
+    q, k, v = (torch.randn(1, 4, 6, 8) for _ in range(3))
+    traced = torch.jit.trace(lambda a, b, c: dense(a, b, c), (q, k, v), check_trace=False)
+    torch.testing.assert_close(traced(q, k, v), dense(q, k, v))
+
+
+def test_masks_scales_and_positions_of_the_wrong_kind_are_refused():
+    """A float attention_mask in torch's additive form (0 keep, -inf drop) was read as 0/1 marks:
+    the kept keys hidden, the rest read, nothing said. An infinite scale gave NaN, True passed as a
+    scale, and bool position_ids were taken as integers."""
+    from hf_dilated import dilated_attention
+
+    q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
+    additive = torch.zeros(1, 6).masked_fill(torch.arange(6) >= 4, float("-inf"))
+    for kind in ("dense", "dilated"):
+        attention = create_attention(kind, **({} if kind == "dense" else dict(segment_lengths=[4], dilation_rates=[1])))
+        with pytest.raises(TypeError, match="attention_mask must be bool or integer .* pass attention_mask == 0"):
+            attention(q, k, v, attention_mask=additive)
+    real = additive == 0
+    torch.testing.assert_close(dilated_attention(q, k, v, [4], [1], attention_mask=real.long()),
+                               dilated_attention(q, k, v, [4], [1], attention_mask=real))
+    for scale in (float("inf"), float("nan"), True, 0.0):
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            dilated_attention(q, k, v, [4], [1], scale=scale)
+    with pytest.raises(TypeError, match="position_ids must be an integer tensor, got torch.bool"):
+        dilated_attention(q, k, v, [4], [1], position_ids=torch.ones(1, 6, dtype=torch.bool))
+
+
+def test_auto_with_negative_positions_computes_its_own_pattern():
+    """"auto" chose dense when the largest position fit in the first segment; negative positions lie
+    before it (segment -1), where its pattern is not dense: 1.57 off its own pattern's reference."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 8, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    positions = torch.arange(8)[None] - 3
+    auto = create_attention("auto", dense_max_len=8)
+    assert auto.choose(8, "cpu", position_ids=positions)[0] == "dilated"
+    want = dilated_reference(q, k, k, [8], [1], position_ids=positions)
+    assert (auto(q, k, k, position_ids=positions) - want).abs().max().item() < 1e-12
