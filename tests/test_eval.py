@@ -112,13 +112,82 @@ def test_passkey_samples_are_the_same_for_every_run():
     assert [s["key"] for s in a] == [s["key"] for s in b] and len({s["key"] for s in a}) > 1
 
 
+def test_a_checkpoint_is_evaluated_under_the_attention_it_loads_with(tiny, tmp_path):
+    """Without @ or --attn, eval read config.json's attn_implementation alone, which save_pretrained
+    drops: a model saved under dilated_ring (the name kept in its hf_dilated entry, where
+    from_pretrained reads it) was evaluated under sdpa."""
+    import hf_dilated
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer, path = tiny
+    saved = tmp_path / "saved"
+    hf_dilated.patch(AutoModelForCausalLM.from_pretrained(path), "dilated_ring", context_length=64).save_pretrained(saved)
+    tokenizer.save_pretrained(saved)
+    assert "attn_implementation" not in json.loads((saved / "config.json").read_text())
+    assert AutoModelForCausalLM.from_pretrained(saved).config._attn_implementation == "dilated_ring"
+    assert runner.parse_runs([str(saved)], None)[0].attns == ["dilated_ring"]
+
+
+def _bpe_tokenizer():
+    """The byte tokenizer with one merge ("Th"): not one token per character, no chat template
+    (a base model's, as Llama-2's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from byte_tokenizer import SPECIAL_TOKENS, _byte_symbols
+
+    vocab = {s: i for i, s in enumerate(_byte_symbols())}
+    vocab["Th"] = len(vocab)
+    for i, token in enumerate(SPECIAL_TOKENS.values()):
+        vocab[token] = 257 + i
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("T", "h")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(SPECIAL_TOKENS.values()))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **SPECIAL_TOKENS)
+
+
+def test_passkey_samples_of_a_base_model_with_another_tokenizer_are_plain_text():
+    """The trained format counts characters as tokens; a tokenizer without a chat template that is
+    not one token per character (a base model's) raised after the perplexity had run, and nothing
+    was written. It takes the plain-text format, answered by generation."""
+    tokenizer = _bpe_tokenizer()
+    assert tokenizer.chat_template is None
+    samples = core.make_passkey_samples(tokenizer, 300, 0.5, 2, seed=0)
+    assert all("labels" not in s and s["key"] in tokenizer.decode(s["input_ids"]) for s in samples)
+    assert all(len(s["input_ids"]) <= 300 for s in samples)
+
+
+def test_a_generated_answer_is_right_when_the_number_it_says_is_the_key():
+    """The key counted as found anywhere in the generated text: " 171432." and "12345. No wait,
+    71432" were right answers for 71432."""
+    tokenizer = build_byte_tokenizer()
+
+    class Says(torch.nn.Module):
+        def __init__(self, answer):
+            super().__init__()
+            self.answer = answer
+            self.weight = torch.nn.Parameter(torch.zeros(1))
+
+        def generate(self, ids, **kwargs):
+            return torch.cat([ids, torch.tensor([tokenizer(self.answer, add_special_tokens=False)["input_ids"]])], 1)
+
+    sample = {"input_ids": torch.tensor([1, 2, 3]), "key": "71432"}
+    for answer, right, digits in ((" 71432.", True, 5), (" 171432.", False, 0), (" 714329.", False, 5),
+                                  (" 12345. No wait, 71432", False, 0), (" 7143", False, 4)):
+        assert core.generated_passkey_scores(Says(answer), tokenizer, [sample]) == ([right], [digits]), answer
+
+
 def cli(argv, capsys):
     code = runner.cli([str(a) for a in argv])
     return code, capsys.readouterr()
 
 
 def test_errors_name_the_argument(tiny, tmp_path, capsys):
-    _, _, path = tiny
+    model, _, path = tiny
+    no_tokenizer = tmp_path / "bare"
+    model.save_pretrained(no_tokenizer)
+    capsys.readouterr()  # (its progress bar)
     short = tmp_path / "short.txt"
     short.write_text("x = 1\n")
     long = tmp_path / "long.txt"
@@ -147,6 +216,11 @@ def test_errors_name_the_argument(tiny, tmp_path, capsys):
         # no position past --bucket to cut: "stack expects a non-empty TensorList"
         (["--model", path, "--text", long, "--samples", 0, "--lengths", 128, "--bucket", 256],
          "--ppl-length (128, else the longest --lengths) must exceed --bucket (256"),
+        # a window without cut rows cut nothing, and the report described it; a checkpoint without a
+        # tokenizer failed after the models before it had run, with transformers' traceback
+        (["--model", path, "--text", long, "--samples", 0, "--cut-rows", "none", "--window", 16],
+         "--window: --cut-rows none measures nothing here"),
+        (["--model", path, "--model", f"bare={no_tokenizer}"], f"--model: {no_tokenizer} holds no tokenizer that loads"),
     ]
     for argv, message in cases:
         code, out = cli(argv + ["--no-progress"], capsys)

@@ -131,15 +131,21 @@ def make_passkey_samples(tokenizer, length: int, depth: float, count: int, seed:
     plain-text format answered by generation (passkey.text_passkey_sample) for a pretrained
     instruct model (a tokenizer with a chat template), else the trained format."""
     rng = random.Random(f"{seed}:{length}:{depth}")
-    if getattr(tokenizer, "chat_template", None):
+    if getattr(tokenizer, "chat_template", None) or not _one_token_per_character(tokenizer):
+        # (the trained format counts characters as tokens: another tokenizer, a base model's, takes plain text)
         return [text_passkey_sample(tokenizer, length, depth, rng) for _ in range(count)]
     return [passkey_sample(tokenizer, length, depth, rng) for _ in range(count)]
 
 
+def _one_token_per_character(tokenizer) -> bool:
+    probe = "The pass key is 12345. Remember it. 12345 is the pass key."
+    return len(tokenizer(probe, add_special_tokens=False)["input_ids"]) == len(probe)
+
+
 @torch.no_grad()
 def generated_passkey_scores(model, tokenizer, samples: list[dict], progress=None) -> tuple[list[bool], list[int]]:
-    """For each plain-text sample: whether greedy generation names the key, and how many of its
-    digits appear in order at the start of the first run of digits it generates."""
+    """For each plain-text sample: whether the first number greedy generation says is the key, and
+    how many of the key's digits it gets at their places."""
     keys, digits = [], []
     for sample in samples:
         ids = sample["input_ids"][None].to(_device(model))
@@ -147,7 +153,7 @@ def generated_passkey_scores(model, tokenizer, samples: list[dict], progress=Non
                              pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         answer = (re.findall(r"\d+", text) or [""])[0]  # the first number it says
-        keys.append(sample["key"] in text)
+        keys.append(answer == sample["key"])  # (as the trained format's: the number it says is the key)
         digits.append(sum(a == b for a, b in zip(answer, sample["key"])))
         if progress is not None:
             progress.update(1)

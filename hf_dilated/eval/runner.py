@@ -82,6 +82,18 @@ def check_attn(name: str, option: str = "--attn") -> str:
     return name
 
 
+def _check_tokenizer(path: Path) -> None:
+    """An EvalError naming --model where `path` holds no tokenizer that loads: found only after the
+    models before it had run, it failed the whole evaluation with transformers' traceback."""
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # (transformers raises ValueError, OSError or others, by what is missing)
+        raise EvalError(f"--model: {path} holds no tokenizer that loads ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); "
+                        "save the tokenizer beside the model") from None
+
+
 def parse_runs(entries: list[str], default_attns: list[str] | None) -> list[Run]:
     runs = []
     for entry in entries:
@@ -92,13 +104,19 @@ def parse_runs(entries: list[str], default_attns: list[str] | None) -> list[Run]
         path = Path(path_text)
         if not (path / "config.json").is_file():
             raise EvalError(f"--model: no checkpoint at {path} (no config.json)")
+        _check_tokenizer(path)
         if attn_text:
             attns = [check_attn(a, option="--model") for a in attn_text.split(",") if a]
         elif default_attns:
             attns = [check_attn(a) for a in default_attns]
-        else:
+        else:  # the attention the checkpoint loads with: config.json's, else the one its entry records
+            # (save_pretrained drops the first and keeps the second)
+            from ..config import CONFIG_KEY, RECORDED_NAME
+
             config = json.loads((path / "config.json").read_text())
-            attns = [check_attn(config.get("attn_implementation") or "sdpa")]
+            entry = config.get(CONFIG_KEY)
+            recorded = entry.get(RECORDED_NAME) if isinstance(entry, dict) else None
+            attns = [check_attn(config.get("attn_implementation") or recorded or "sdpa")]
         if not label:
             label = path.name if path.name not in ("model", "") else f"{path.parent.name}/{path.name}"
         runs.append(Run(label, path, attns))
@@ -162,7 +180,9 @@ def validate(args) -> None:
     add_arguments(defaults)
     unused = {"--text": ("ppl_length", "bucket", "window", "window_stride", "max_docs", "cut_rows"),
               "--samples": ("depths", "seed"), "the cost (--no-cost)": ("cost_repeats",)}
-    off = {"--text": not args.text, "--samples": args.samples == 0, "the cost (--no-cost)": args.no_cost}
+    off = {"--text": not args.text, "--samples": args.samples == 0, "the cost (--no-cost)": args.no_cost,
+           "--cut-rows none": args.cut_rows == "none"}
+    unused["--cut-rows none"] = ("window", "window_stride")  # (the cut rows are what a window cuts)
     for part, names in unused.items():
         given = [f"--{n.replace('_', '-')}" for n in names if off[part] and getattr(args, n) != defaults.get_default(n)]
         if given:
