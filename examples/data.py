@@ -169,7 +169,9 @@ class PackedTextDataset(Dataset):
             return {"tokens": [bos + t + eos for t in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]]}
 
         tokens = docs.map(tokenize, batched=True, remove_columns=docs.column_names, desc="tokenizing")
-        self.rows = pack_documents(tokens["tokens"], seq_len, pad_token_id=tokenizer.pad_token_id)
+        # (a padded slot is its own document with no label: any id does; Llama's and Mistral's tokenizers have no pad)
+        pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+        self.rows = pack_documents(tokens["tokens"], seq_len, pad_token_id=pad)
         if max_rows is not None:
             self.rows = {k: v[:max_rows] for k, v in self.rows.items()}
         if len(self.rows["input_ids"]) == 0:
@@ -269,6 +271,12 @@ class CopySpanDataset(Dataset):
         self.min_span, self.max_span = min_span, max_span
         if not 0 < self.min_gap <= self.max_gap or self.max_gap + max_span >= seq_len or min_span < 2:
             raise ValueError(f"copy rows: need 0 < min_gap <= max_gap and max_gap + max_span < seq_len ({seq_len})")
+        # a span and its copy min_gap or more later fit in a row: spans longer than that are not drawn
+        # (a draw past it left an empty range for the gap: rows of --seq-len below 342 raised mid-training)
+        self.max_span = min(max_span, (seq_len - self.min_gap) // 2)
+        if self.max_span < min_span:
+            raise ValueError(f"copy rows: a span of {min_span} tokens and its copy {self.min_gap} later do not fit in "
+                             f"seq_len ({seq_len})")
         self.docs = [d for d in tokenize_files(tokenizer, files) if len(d) > seq_len]
         if not self.docs:
             raise ValueError(f"no text document is longer than seq_len ({seq_len})")

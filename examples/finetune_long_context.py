@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passkey: up to this many keys per document (1-4), each in its own brackets and asked for "
                         "at the end, so one document gives several long-range answers to learn from")
     p.add_argument("--loss-mean", choices=("token", "row"), default="token",
-                   help="token: the mean over all labelled tokens of a batch (transformers' default); row: each "
+                   help="token: the mean over all labelled tokens of a step's micro-batches on each replica (as "
+                        "transformers' Trainer, which also averages the count over replicas); row: each "
                         "row's own mean, averaged over rows, so that rows with few labels (passkey answers) "
                         "weigh as much as fully labelled text rows in a text+passkey mixture")
     p.add_argument("--passkey-learn-all", action="store_true",
@@ -186,7 +187,29 @@ def parse_args(argv=None):
         if args.seq_len < least:
             raise SystemExit(f"--seq-len {args.seq_len} is shorter than a passkey row ({least} tokens at least, "
                              "--passkey-min-doc-len)")
+        from hf_dilated.eval.passkey import BRACKETS
+
+        if not 1 <= args.passkey_keys <= len(BRACKETS):  # (0 and below acted as 1; 5 raised in the data loader)
+            raise SystemExit(f"--passkey-keys must be in 1..{len(BRACKETS)}, got {args.passkey_keys}")
+    check_output_dir(args)
     return args
+
+
+def check_output_dir(args) -> None:
+    """What the run writes under --output-dir (model/, adapter/, checkpoints/, model.tmp/) must not be,
+    or hold, the --model it reads: the final save replaced that directory (a run continuing from a
+    fine-tuned model/ into the same --output-dir rewrote its source). And a fresh run must not land
+    on an earlier run's checkpoints, which it pruned and --resume auto then took for its own."""
+    out, source = Path(args.output_dir).resolve(), Path(args.model).resolve()
+    for name in ("model", "model.tmp", "adapter", CHECKPOINT_DIR):
+        written = out / name
+        if source == written or written in source.parents:
+            raise SystemExit(f"--output-dir {args.output_dir}: the run writes {written}, which holds --model "
+                             f"{args.model}; choose another --output-dir")
+    earlier = sorted(Path(args.output_dir, CHECKPOINT_DIR).glob("step-[0-9]*[0-9]"))
+    if earlier and args.resume is None:
+        raise SystemExit(f"--output-dir {args.output_dir} holds an earlier run's checkpoints ({earlier[-1].name}): "
+                         "continue it with --resume auto, or choose a new --output-dir")
 
 
 # --- model --------------------------------------------------------------------------------------
@@ -347,6 +370,24 @@ def load_sharded_checkpoint(path: Path, model, optimizer, scheduler) -> int:
     trainer_state = json.loads((path / "trainer_state.json").read_text())
     scheduler.load_state_dict(trainer_state["scheduler"])
     return int(trainer_state["step"])
+
+
+# Options a resumed run may change: where and how often it saves and logs, how long it runs now.
+# Any other defines the run (its data, schedule, model and loss), and the checkpoint's optimizer and
+# schedule state replaced a changed value without a word.
+RESUME_MAY_CHANGE = {"resume", "output_dir", "save_every", "keep_checkpoints", "stop_after_steps", "log_file",
+                     "no_progress", "no_final_model", "timeout"}
+
+
+def check_resumed_options(path: Path, args) -> None:
+    saved = json.loads((path / "trainer_state.json").read_text()).get("args", {})
+    now = json.loads(json.dumps(vars(args), default=str))
+    changed = sorted(name for name in set(saved) | set(now)
+                     if name not in RESUME_MAY_CHANGE and saved.get(name) != now.get(name))
+    if changed:
+        listed = ", ".join(f"--{n.replace('_', '-')} {saved.get(n)!r} -> {now.get(n)!r}" for n in changed[:6])
+        raise SystemExit(f"--resume {path}: the run was started with other options ({listed}); resume it with "
+                         "the same ones, or start a new run")
 
 
 def find_resume(args) -> Path | None:
@@ -547,6 +588,7 @@ def resume(run: Run) -> int:
     path = find_resume(run.args)
     if path is None:
         return 0
+    check_resumed_options(path, run.args)
     load = load_sharded_checkpoint if run.args.fsdp else load_checkpoint
     step = load(path, run.model, run.optimizer, run.scheduler)
     run.accelerator.print(f"resumed from {path} at step {step}")
@@ -579,7 +621,16 @@ class StepLog:
             from tqdm.auto import tqdm
 
             self.progress = tqdm(total=args.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
-        self.file = open(args.log_file, "a") if (args.log_file and main) else None
+        self.file = None
+        if args.log_file and main:
+            log = Path(args.log_file)
+            if start_step and log.is_file():  # a resumed run: drop the steps after its checkpoint (they run again)
+                kept = [line for line in log.read_text().splitlines(keepends=True)
+                        if line.strip() and json.loads(line).get("step", 0) <= start_step]
+                tmp = log.with_name(log.name + ".tmp")
+                tmp.write_text("".join(kept))
+                os.replace(tmp, log)
+            self.file = open(log, "a")
 
     def write(self, record: dict):
         if self.progress is not None:
@@ -597,15 +648,18 @@ class StepLog:
             self.file.close()
 
 
-def micro_step(run: Run, step: int, micro: int):
-    """Forward and backward on this replica's rows of (step, micro); the optimizer steps (and the
-    schedule with it) on the last micro-step of the step. Returns forward_loss's (loss, hits, count)."""
+def micro_step(run: Run, step: int, micro: int, batch: dict, step_labels: int):
+    """Forward and backward on this replica's rows of (step, micro) (`batch`; `step_labels` the
+    labelled tokens of all the step's micro-batches here); the optimizer steps (and the schedule
+    with it) on the last micro-step of the step. Returns forward_loss's (loss, hits, count)."""
     args, accelerator, model = run.args, run.accelerator, run.model
     # Seeded per (step, micro, rank): dropout replays identically after a resume.
     torch.manual_seed(args.seed * 1_000_003 + (step * args.grad_accum + micro) * run.world + run.rank)
-    batch = rows_for(run.dataset, step, micro, args, run.dp_rank, run.dp_size, args.seed)
     with accelerator.accumulate(model):
-        loss, hits, count = forward_loss(model, batch, accelerator.device, run.sp, args.loss_mean)
+        # (accelerate divides each micro-step's loss by --grad-accum: a divisor of step_labels / grad_accum
+        # makes the step's gradient that of its token mean, whatever each micro-batch's share)
+        loss, hits, count = forward_loss(model, batch, accelerator.device, run.sp, args.loss_mean,
+                                         token_divisor=max(1, step_labels) / args.grad_accum)
         accelerator.backward(loss)
         if accelerator.sync_gradients and args.max_grad_norm > 0:
             accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -624,8 +678,11 @@ def train_step(run: Run, step: int) -> dict:
     lr = run.optimizer.param_groups[0]["lr"]  # the rate this step trains with
     step_loss = torch.zeros((), device=accelerator.device)
     step_hits = torch.zeros(2, device=accelerator.device)  # right, labelled
-    for micro in range(args.grad_accum):
-        loss, hits, count = micro_step(run, step, micro)
+    batches = [rows_for(run.dataset, step, micro, args, run.dp_rank, run.dp_size, args.seed)
+               for micro in range(args.grad_accum)]
+    step_labels = sum(int((batch["labels"] != IGNORE_INDEX).sum()) for batch in batches)
+    for micro, batch in enumerate(batches):
+        loss, hits, count = micro_step(run, step, micro, batch, step_labels)
         step_loss += loss.detach() / args.grad_accum
         step_hits += torch.stack([hits.float(), count.float()])
     # Every rank holds its replica's loss (an SP group's ranks the same value): the mean over
@@ -712,9 +769,11 @@ def train(args, dataset=None) -> dict:
     return {"history": history, "start_step": run.start_step}
 
 
-def forward_loss(model, batch, device, sp, loss_mean: str = "token"):
+def forward_loss(model, batch, device, sp, loss_mean: str = "token", token_divisor=None):
     """The mean next-token loss over the labelled tokens of this replica's rows, with the number
-    of those tokens predicted right and their count (for the logged accuracy).
+    of those tokens predicted right and their count (for the logged accuracy). token_divisor: what
+    the "token" sum is divided by instead of this batch's count (train_step: the step's labels over
+    its micro-batches, so that --grad-accum does not weigh each micro-batch alike).
 
     Under sequence parallelism each rank holds a shard of every row (global positions kept):
     the rank's loss is its share (local sum / the rows' total label count) and `reduce_loss`
@@ -729,7 +788,8 @@ def forward_loss(model, batch, device, sp, loss_mean: str = "token"):
         denominator = (row_counts > 0).sum().clamp(min=1)
     if sp is None:
         logits = model(input_ids=input_ids, position_ids=position_ids).logits
-        loss = token_loss_sum(logits, labels, row_counts) / (count if row_counts is None else denominator)
+        divisor = (count if token_divisor is None else token_divisor) if row_counts is None else denominator
+        loss = token_loss_sum(logits, labels, row_counts) / divisor
         return loss, token_hits(logits, labels), count
     from hf_dilated.distributed import reduce_loss, shard_batch
 
@@ -738,7 +798,8 @@ def forward_loss(model, batch, device, sp, loss_mean: str = "token"):
     logits = model(input_ids=part["input_ids"], position_ids=part["position_ids"]).logits
     hits = token_hits(logits, part["labels"])
     torch.distributed.all_reduce(hits, group=sp.sp_group)  # the group's shards hold one row set between them
-    share = token_loss_sum(logits, part["labels"], row_counts) / (count if row_counts is None else denominator)
+    divisor = (count if token_divisor is None else token_divisor) if row_counts is None else denominator
+    share = token_loss_sum(logits, part["labels"], row_counts) / divisor
     return reduce_loss(share), hits, count
 
 

@@ -652,3 +652,87 @@ def test_fsdp_options_are_checked():
     with pytest.raises(SystemExit, match="fp16 is not supported"):
         finetune_long_context.parse_args([*base, "--fsdp", "--mixed-precision", "fp16"])
     assert finetune_long_context.parse_args([*base, "--fsdp"]).fsdp_shard == "dp_sp"
+
+
+# --- found by a review of the example (each failed before its fix) ------------------------------
+
+def test_a_run_never_writes_over_its_source_or_an_earlier_runs_checkpoints(tmp_path):
+    """--model X/model --output-dir X (continuing from a fine-tuned model): the final save replaced
+    X/model, the run's own source. A fresh run into a directory holding an earlier run's
+    checkpoints pruned its own first checkpoint (the old ones sort later) and --resume auto took the
+    earlier run's for its own. --passkey-keys outside 1..4 acted as 1, or raised in the data loader."""
+    from finetune_long_context import parse_args
+
+    (tmp_path / "model").mkdir()
+    base = ["--seq-len", "256", "--max-steps", "1"]
+    for model in (tmp_path / "model", tmp_path / "checkpoints" / "step-000002"):
+        with pytest.raises(SystemExit, match=f"--output-dir {tmp_path}: the run writes .*which holds --model"):
+            parse_args(["--model", str(model), "--output-dir", str(tmp_path), *base])
+    (tmp_path / "checkpoints" / "step-000004").mkdir(parents=True)
+    with pytest.raises(SystemExit, match="holds an earlier run's checkpoints \\(step-000004\\): continue it with"):
+        parse_args(["--model", "m", "--output-dir", str(tmp_path), *base])
+    assert parse_args(["--model", "m", "--output-dir", str(tmp_path), "--resume", "auto", *base]).resume == "auto"
+    for keys in ("0", "-3", "5"):
+        with pytest.raises(SystemExit, match=f"--passkey-keys must be in 1..4, got {keys}"):
+            parse_args(["--model", "m", "--output-dir", str(tmp_path / "new"), *base, "--passkey-keys", keys])
+
+
+def test_a_resumed_run_keeps_its_options_and_its_log_holds_each_step_once(tmp_path):
+    """A run resumed with another --lr followed the checkpoint's schedule without a word; and the
+    log kept the steps after the checkpoint that ran again (1, 2, 3, 3, 4, ...)."""
+    from types import SimpleNamespace
+
+    from finetune_long_context import StepLog, check_resumed_options, parse_args
+
+    argv = ["--model", "m", "--output-dir", str(tmp_path / "out"), "--seq-len", "256", "--max-steps", "6"]
+    saved = tmp_path / "step-000002"
+    saved.mkdir()
+    (saved / "trainer_state.json").write_text(json.dumps({"step": 2, "args": vars(parse_args(argv))}))
+    check_resumed_options(saved, parse_args([*argv, "--resume", str(saved), "--save-every", "1"]))  # may change
+    with pytest.raises(SystemExit, match=r"--resume .*other options \(--lr 0.0002 -> 0.0001\)"):
+        check_resumed_options(saved, parse_args([*argv, "--resume", str(saved), "--lr", "1e-4"]))
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+    args = SimpleNamespace(log_file=str(log), no_progress=True, max_steps=6)
+    step_log = StepLog(args, SimpleNamespace(is_main_process=True), start_step=2)
+    step_log.write({"step": 3, "loss": 0.5, "accuracy": 0.0, "tokens_per_s": 1.0})
+    step_log.close()
+    assert [r["step"] for r in read_log(log)] == [1, 2, 3]
+
+
+def test_token_mean_is_over_the_step_whatever_its_micro_batches(checkpoint, tmp_path):
+    """--loss-mean token under --grad-accum took each micro-batch's own mean and averaged them: with
+    one row a micro-batch it was the row mean. The same two rows (a passkey row and a text row) in
+    one step now train alike as one batch of 2 and as 2 micro-batches of 1."""
+    doc = tmp_path / "doc.py"
+    doc.write_text("".join(f"value_{i} = {i} * {i}\n" for i in range(2000)))
+    runs = {}
+    for batch, accum in ((2, 1), (1, 2)):
+        out = tmp_path / f"b{batch}a{accum}"
+        run([sys.executable, EXAMPLES / "finetune_long_context.py", "--model", checkpoint / "long", "--output-dir", out,
+             "--seq-len", SEQ_LEN, "--data", "passkey", doc, "--max-steps", 3, "--save-every", 3, "--lr", "1e-2",
+             "--warmup-steps", 0, "--no-progress", "--no-final-model", "--full-finetune", "--no-gradient-checkpointing",
+             "--batch-size", batch, "--grad-accum", accum, "--log-file", out / "log.jsonl"])
+        runs[batch] = [r["loss"] for r in read_log(out / "log.jsonl")], load_trainable(out / "checkpoints/step-000003")
+    assert runs[1][0] == pytest.approx(runs[2][0], rel=1e-4)
+    for name, weight in runs[2][1].items():  # (AdamW: rounding moves a weight whose gradient is near 0 by up to lr)
+        torch.testing.assert_close(runs[1][1][name], weight, atol=1e-3, rtol=0, msg=name)
+
+
+def test_text_rows_pack_with_a_tokenizer_without_pad_and_short_copy_rows_draw(tmp_path):
+    """Llama's and Mistral's tokenizers have no pad token: packing text raised (a None in the last
+    row). Copy rows of --seq-len below 342 drew spans whose copy did not fit, and raised mid-training."""
+    from data import CopySpanDataset
+
+    text = tmp_path / "doc.py"
+    text.write_text("".join(f"line_{i} = {i * i}\n" for i in range(400)))
+    tokenizer = build_byte_tokenizer()
+    tokenizer.pad_token = None
+    rows = PackedTextDataset(tokenizer, [str(text)], 100).rows
+    assert rows["input_ids"][-1, -1] == tokenizer.eos_token_id and rows["labels"][-1, -1] == IGNORE_INDEX
+    for seq_len in (200, 256, 300):
+        data = CopySpanDataset(tokenizer, [str(text)], seq_len, 200, seed=0)
+        for i in range(200):
+            assert (data[i]["labels"] != IGNORE_INDEX).sum() >= 31
+    with pytest.raises(ValueError, match="copy rows: a span of 32 tokens and its copy"):
+        CopySpanDataset(tokenizer, [str(text)], 200, 5, seed=0, min_gap=150, max_gap=150, max_span=40)
