@@ -90,11 +90,18 @@ class AlternatingDataset(Dataset):
         return self.rounds * sum(self.counts)
 
     def __getitem__(self, index):
+        return self.row(index)
+
+    def row(self, index: int, epoch: int = 0):
+        """Row `index` of epoch `epoch`: each epoch reads a part's next rows, so that a part longer
+        than the other allows (generated passkey rows beside a little text) is not cut to the
+        rows of the first epoch, read again and again."""
         if not 0 <= index < len(self):
             raise IndexError(index)
         a, b = self.counts
         round_, r = divmod(index, a + b)
-        return self.parts[0][round_ * a + r] if r < a else self.parts[1][round_ * b + r - a]
+        part, count, i = (0, a, r) if r < a else (1, b, r - a)
+        return self.parts[part][(epoch * self.rounds * count + round_ * count + i) % len(self.parts[part])]
 
 
 def find_text_files(paths: list[str]) -> list[str]:

@@ -275,7 +275,8 @@ def rows_for(dataset, step: int, micro: int, args, dp_rank: int, dp_size: int, g
     for i in range(start, start + args.batch_size):
         epoch, offset = divmod(i, epoch_len)
         order = torch.randperm(epoch_len, generator=torch.Generator().manual_seed(generator_seed + epoch))
-        rows.append(dataset[int(order[offset])])
+        index = int(order[offset])
+        rows.append(dataset.row(index, epoch) if hasattr(dataset, "row") else dataset[index])
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 

@@ -736,3 +736,19 @@ def test_text_rows_pack_with_a_tokenizer_without_pad_and_short_copy_rows_draw(tm
             assert (data[i]["labels"] != IGNORE_INDEX).sum() >= 31
     with pytest.raises(ValueError, match="copy rows: a span of 32 tokens and its copy"):
         CopySpanDataset(tokenizer, [str(text)], 200, 5, seed=0, min_gap=150, max_gap=150, max_span=40)
+
+
+def test_a_mixture_reads_the_longer_parts_next_rows_each_epoch():
+    """A text + passkey mixture's epoch follows its shorter part: with 10 text rows, the run read the
+    same 10 passkey rows every epoch, whatever --num-rows asked for (200 rows trained, 10 distinct)."""
+    from types import SimpleNamespace
+
+    from finetune_long_context import rows_for
+
+    text, passkey = [{"x": torch.tensor([i])} for i in range(10)], [{"x": torch.tensor([100 + i])} for i in range(1000)]
+    data = AlternatingDataset(text, passkey)
+    args = SimpleNamespace(grad_accum=1, batch_size=2)
+    seen = [int(x) for step in range(100) for x in rows_for(data, step, 0, args, 0, 1, 0)["x"][:, 0]]
+    assert len({x for x in seen if x >= 100}) == 100  # every passkey row read is a new one
+    assert {x for x in seen if x < 100} == set(range(10))
+    assert [int(data[i]["x"]) for i in range(4)] == [0, 100, 1, 101]  # (epoch 0 as before)
