@@ -377,18 +377,30 @@ def load_sharded_checkpoint(path: Path, model, optimizer, scheduler) -> int:
 # Any other defines the run (its data, schedule, model and loss), and the checkpoint's optimizer and
 # schedule state replaced a changed value without a word.
 RESUME_MAY_CHANGE = {"resume", "output_dir", "save_every", "keep_checkpoints", "stop_after_steps", "log_file",
-                     "no_progress", "no_final_model", "timeout"}
+                     "no_progress", "no_final_model", "timeout", "gradient_checkpointing", "cpu", "mixed_precision"}
+
+
+def _comparable(name: str, value):
+    """An option's value as a resumed run compares it: paths resolved (`ckpt`, `./ckpt` and its absolute
+    path are one model), the rest as saved in trainer_state.json."""
+    if name in ("model", "data") and value is not None:
+        return [str(Path(v).resolve()) if Path(v).exists() else v for v in value] if isinstance(value, list) \
+            else str(Path(value).resolve())
+    return value
 
 
 def check_resumed_options(path: Path, args) -> None:
     saved = json.loads((path / "trainer_state.json").read_text()).get("args", {})
     now = json.loads(json.dumps(vars(args), default=str))
-    changed = sorted(name for name in set(saved) | set(now)
-                     if name not in RESUME_MAY_CHANGE and saved.get(name) != now.get(name))
+    parser = build_parser()
+    defaults = json.loads(json.dumps({n: parser.get_default(n) for n in now}, default=str))
+    saved = {**defaults, **saved}  # (an option added since the run started: its default)
+    changed = sorted(name for name in now if name not in RESUME_MAY_CHANGE
+                     and _comparable(name, saved.get(name)) != _comparable(name, now.get(name)))
     if changed:
         listed = ", ".join(f"--{n.replace('_', '-')} {saved.get(n)!r} -> {now.get(n)!r}" for n in changed[:6])
         raise SystemExit(f"--resume {path}: the run was started with other options ({listed}); resume it with "
-                         "the same ones, or start a new run")
+                         "the same ones (or train anew from its model in another --output-dir)")
 
 
 def find_resume(args) -> Path | None:
@@ -612,6 +624,15 @@ def announce(run: Run):
                       f"trainable={n_train:,}/{n_all:,} parameters")
 
 
+def _logged_step(line: str) -> int | None:
+    """The step of one --log-file line; None for a line that is not a record (a line cut short when
+    a run was killed while writing it)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class StepLog:
     """The progress bar and --log-file's JSON lines, both on the main process only."""
 
@@ -627,7 +648,7 @@ class StepLog:
             log = Path(args.log_file)
             if start_step and log.is_file():  # a resumed run: drop the steps after its checkpoint (they run again)
                 kept = [line for line in log.read_text().splitlines(keepends=True)
-                        if line.strip() and json.loads(line).get("step", 0) <= start_step]
+                        if _logged_step(line) is not None and _logged_step(line) <= start_step]
                 tmp = log.with_name(log.name + ".tmp")
                 tmp.write_text("".join(kept))
                 os.replace(tmp, log)

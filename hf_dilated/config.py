@@ -199,9 +199,10 @@ class DilatedConfig:
     target_length: int | None = field(default=None, metadata={"help": (
         "the context length the model is configured for")})
     scaled_rope: bool | None = field(default=None, metadata={"help": (
-        "whether a conversion by hf_dilated wrote the model's RoPE scaling (True) or kept the checkpoint's own "
-        "(False), which a later conversion keeps; None in entries written before this field, where the scaling's "
-        "factor decides")})
+        "whether the last conversion by hf_dilated wrote the model's RoPE scaling (True: a later conversion "
+        "scales it again) or kept the RoPE as it was (False: the checkpoint's own, or one kept with rope='none', "
+        "which a later conversion keeps); None in entries written before this field, where the scaling's factor "
+        "decides")})
 
     def __post_init__(self):
         self.validate()

@@ -117,7 +117,7 @@ def _dilated(q, k, v, s, *, is_causal, attention_mask, position_ids, scale, drop
                             rotation=far)
                 out = None
                 if q.shape[2] == 1 and q.device.type in sparse_far_reserved.GRAPHED_ON:  # an in-place cache, on a GPU
-                    out = sparse_far_reserved.reserved_step(q, k, v, layer=id(state), **step)
+                    out = sparse_far_reserved.reserved_step(q, k, v, layer=id(state), state=state, **step)
                 if out is None and q.shape[2] == 1 and q.device.type in sparse_far_concatenated.COMPILED_ON:
                     out = sparse_far_concatenated.concatenated_step(q, k, v, state=state, **step)  # a DynamicCache
                 if out is not None:

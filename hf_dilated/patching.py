@@ -4,7 +4,7 @@ long-context fine-tuning (`lora_config`)."""
 from __future__ import annotations
 
 from .config import DEFAULT_ATTN_IMPLEMENTATION, DilatedConfig, default_band
-from .integrations.rotary import track_model
+from .integrations.rotary import link_rotary
 from .integrations.transformers import FAMILY_DEFAULTS, record_choice
 from .kinds import check_transformers_name, warn_unread_settings
 from .patches import family_for
@@ -35,7 +35,7 @@ def patch(model, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION, *, cont
         _rebuild_rotary_embeddings(model)
     model.set_attn_implementation(attn_implementation)
     record_choice(config, attn_implementation)  # (transformers skips the load-time hook for the same name)
-    track_model(model)
+    link_rotary(model)  # (a rebuilt rotary module, or a model built before hf_dilated was imported)
     return model
 
 

@@ -49,9 +49,10 @@ def convert_config(config, context_length=None, rope=None, attn_implementation=N
     rope, dilated_fields = with_defaults(config, context_length, attn_implementation, rope, dilated_fields)
     updates = rope_updates(config, context_length, rope) if context_length is not None else {}
     updates[CONFIG_KEY] = dilated_entry(config, context_length, **dilated_fields)
-    if context_length is not None and "scaled_rope" not in dilated_fields:  # who wrote the RoPE scaling now
-        params = dict(getattr(config, "rope_parameters", None) or {})
-        updates[CONFIG_KEY]["scaled_rope"] = "rope_parameters" in updates or _scaled_by_us(config, params)
+    if context_length is not None and "scaled_rope" not in dilated_fields:
+        # whether this conversion wrote the RoPE scaling: one it kept (the checkpoint's own, or an
+        # earlier conversion's kept with rope='none') is kept by the next conversion too
+        updates[CONFIG_KEY]["scaled_rope"] = "rope_parameters" in updates
     rope_parameters = updates.get("rope_parameters", getattr(config, "rope_parameters", None))
     far_group = updates[CONFIG_KEY].get("far_group") or 1
     if attn_implementation in BAND_NAMES:  # (the names that read far keys at grouped positions)

@@ -665,6 +665,24 @@ def test_an_entry_from_before_scaled_rope_still_rescales_its_own_scaling(source,
     assert AutoConfig.from_pretrained(again).rope_parameters["factor"] == 256 / 32
 
 
+
+def test_a_scaling_kept_with_rope_none_is_kept_by_the_next_conversion(source, tmp_path):
+    """Our linear scaling kept as it was with rope='none' (a choice to stop scaling) is kept by a later
+    conversion without rope, as the factor rule kept it (a first form of scaled_rope recorded it as
+    ours, and the next conversion scaled it to x8). Without rope='none' it is scaled again."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = convert_checkpoint(source, tmp_path / "ours", context_length=64, rope="linear",
+                                  attn_implementation="block_sparse")
+        kept = convert_checkpoint(ours, tmp_path / "kept", context_length=128, rope="none")
+        later = convert_checkpoint(kept, tmp_path / "later", context_length=256)
+        scaled = convert_checkpoint(ours, tmp_path / "scaled", context_length=256)
+    assert AutoConfig.from_pretrained(later).rope_parameters["factor"] == 2.0
+    assert AutoConfig.from_pretrained(scaled).rope_parameters["factor"] == 256 / 32
+
+
 def test_what_was_chosen_before_is_kept_where_nothing_is_odd(source, tmp_path):
     """Found by a review of the three checks above: a dynamic NTK RoPE kept on re-conversion covers
     any length (no warning that it covers only its own); an unscaled RoPE chosen with rope='none'

@@ -691,8 +691,22 @@ def test_a_resumed_run_keeps_its_options_and_its_log_holds_each_step_once(tmp_pa
     check_resumed_options(saved, parse_args([*argv, "--resume", str(saved), "--save-every", "1"]))  # may change
     with pytest.raises(SystemExit, match=r"--resume .*other options \(--lr 0.0002 -> 0.0001\)"):
         check_resumed_options(saved, parse_args([*argv, "--resume", str(saved), "--lr", "1e-4"]))
+    # (a review's cases, refused by a first form: the model by another path, a memory trade-off, an option
+    # the saved run did not have yet)
+    (tmp_path / "m").mkdir()
+    state = {"step": 2, "args": {k: v for k, v in vars(parse_args(argv)).items() if k != "loss_mean"}}
+    (saved / "trainer_state.json").write_text(json.dumps({**state, "args": {**state["args"], "model": "m"}}))
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        check_resumed_options(saved, parse_args([*argv[:1], str(tmp_path / "m"), *argv[2:], "--resume", str(saved),
+                                                 "--no-gradient-checkpointing"]))
+    finally:
+        os.chdir(cwd)
     log = tmp_path / "log.jsonl"
-    log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)) + '{"step": 4, "lo')
     args = SimpleNamespace(log_file=str(log), no_progress=True, max_steps=6)
     step_log = StepLog(args, SimpleNamespace(is_main_process=True), start_step=2)
     step_log.write({"step": 3, "loss": 0.5, "accuracy": 0.0, "tokens_per_s": 1.0})

@@ -206,6 +206,9 @@ def test_far_keys_turn_by_the_frequencies_a_cast_model_runs(family, tmp_path):
     config, so they sat at no grouped position. Here both models went to bfloat16 and back (the
     weights and the buffer rounded, the arithmetic float32): the logits were 0.74 (Llama) and 0.41
     (GPT-NeoX) off the reference."""
+    import copy as copy_module
+    import pickle
+
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     entry = {"segment_lengths": [256], "dilation_rates": [1], "local_window": 16, "far_group": 8,
@@ -225,6 +228,18 @@ def test_far_keys_turn_by_the_frequencies_a_cast_model_runs(family, tmp_path):
             model.to(torch.bfloat16).to(torch.float32)
         assert not torch.equal(ours.base_model.rotary_emb.inv_freq,
                                AutoModelForCausalLM.from_pretrained(path).base_model.rotary_emb.inv_freq)
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+        # a copy, deep or pickled (trl's reference model is a deepcopy), runs its own rotary module too:
+        # a first form found the rotary through a registry of the models built, which copies are not in
+        for copy in (copy_module.deepcopy(ours), pickle.loads(pickle.dumps(ours))):
+            torch.testing.assert_close(copy(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+        # a model built on the same config object, left in float32, keeps its own frequencies
+        other = type(ours)(ours.config).eval()
+        other.load_state_dict(ours.state_dict())
+        other.base_model.rotary_emb.inv_freq.copy_(AutoModelForCausalLM.from_pretrained(path).base_model.rotary_emb.inv_freq)
+        plain = AutoModelForCausalLM.from_pretrained(path, attn_implementation="dilated").eval()
+        plain.load_state_dict(ours.state_dict())
+        torch.testing.assert_close(other(ids).logits, plain(ids).logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
     assert before.shape == (1, 250, 99)
 

@@ -29,44 +29,33 @@ def check_fixed_frequencies(rope_parameters, far_group: int) -> None:
 # A model's q and k are turned by its rotary module's `inv_freq` buffer, which is not always what its
 # class computes from the config: `model.to(torch.bfloat16)` (or `.half()`) rounds the buffer, and
 # far keys moved by the unrounded frequencies would sit at no grouped position (tens of radians
-# off, 32K back). The attention function only sees its layer, so the load-time hook records the
-# models built with our names (track_model) and a layer finds its model's rotary module among them.
+# off, 32K back). The attention function only sees its layer, so each attention module holds a
+# plain reference to its model's rotary module (in its __dict__: not a submodule, so neither
+# parameters, state_dict nor module listings change), which copy.deepcopy and pickling carry to
+# the copy's own rotary module. (A model built before hf_dilated was imported and switched by
+# assigning config._attn_implementation, not set_attn_implementation, has none: the frequencies
+# of its family's rotary class are used.)
 
-_MODELS: dict[int, list] = {}  # id(model config) -> weakref.ref of each model built on it
-_ROTARY_OF = weakref.WeakKeyDictionary()  # attention module -> (weakref.ref(model), the rotary's name)
+_LINK = "_hf_dilated_rotary"
 
 
-def track_model(model) -> None:
-    """Records `model` (the load-time hook and `patch` call this) so that its layers find its rotary
-    module (model_rotary)."""
-    key = id(model.config)
-    alive = [ref for ref in _MODELS.get(key, ()) if ref() is not None and ref() is not model
-             and ref().config is model.config]
-    _MODELS[key] = alive + [weakref.ref(model)]
+def link_rotary(model) -> None:
+    """Gives every attention module of `model` its rotary module (model_rotary), where the model has
+    exactly one with an `inv_freq` buffer: the load-time hooks call it when a model is built (its
+    post_init) and when one of our names is chosen, and `patch` after it rebuilds the rotary."""
+    modules = list(model.modules())
+    rotary = [m for m in modules if type(m).__name__.endswith("RotaryEmbedding")
+              and isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if len(rotary) != 1:
+        return
+    for module in modules:
+        if type(module).__name__.endswith("Attention"):
+            module.__dict__[_LINK] = rotary[0]
 
 
 def model_rotary(module):
-    """The rotary module (with an `inv_freq` buffer) of the tracked model that holds attention
-    `module`, or None when no tracked model holds it."""
-    found = _ROTARY_OF.get(module)
-    if found is not None and found[0]() is not None:
-        try:
-            return found[0]().get_submodule(found[1])
-        except AttributeError:  # (the rotary module was replaced: patch rebuilds it on a new RoPE)
-            pass
-    for ref in _MODELS.get(id(module.config), ()):
-        model = ref()
-        if model is None or model.config is not module.config:
-            continue
-        named = dict(model.named_modules())
-        if not any(m is module for m in named.values()):
-            continue
-        rotary = [name for name, m in named.items() if type(m).__name__.endswith("RotaryEmbedding")
-                  and isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
-        if len(rotary) == 1:
-            _ROTARY_OF[module] = (ref, rotary[0])
-            return named[rotary[0]]
-    return None
+    """The rotary module linked to attention `module` (link_rotary), or None."""
+    return module.__dict__.get(_LINK)
 
 
 def rotary_frequencies(module, far_group: int, rotary=None) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from ..config import BAND_NAMES, CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int, far_keys
 from ..kinds import KINDS, TRANSFORMERS_NAMES
-from .rotary import check_fixed_frequencies, model_rotary, rotary_frequencies, track_model
+from .rotary import check_fixed_frequencies, link_rotary, model_rotary, rotary_frequencies
 from .model_inputs import (is_static_slots, kernel_inputs, static_rope_shift, padded_last_query_as_sdpa, padding_mask,
                            read_static_slots)
 
@@ -43,7 +43,7 @@ class _ModelEntry:
     config: DilatedConfig
     owner: object = None  # weakref.ref to the model config: an id is reused once its object is freed
     settings: dict = field(default_factory=dict)  # kind name -> the kind's settings
-    rope_frequencies: dict | None = None  # device -> (its source, inv_freq, the buffer's ref) (rope_frequencies_for)
+    rope_frequencies: dict | None = None  # device -> (its source, inv_freq, None), without a rotary module
 
 
 # id(model config) -> its _ModelEntry
@@ -96,28 +96,35 @@ def settings_for(module, kind) -> dict:
 
 def rope_frequencies_for(module, settings, device) -> torch.Tensor | None:
     """The inv_freq the kind needs for far keys at grouped positions (config.far_keys), those the
-    model's rotary module runs (rotary.model_rotary: a model cast to bfloat16 runs rounded ones), on
-    `device`; None when the settings have none. Kept per device and made again when that module's
-    buffer changes: a copy from the host inside a step would wait for the device (and a CUDA graph
-    cannot capture it)."""
+    model's rotary module runs (rotary.model_rotary: a model cast to bfloat16 runs rounded ones;
+    without one, its family's rotary class from the config), on `device`; None when the settings
+    have none. Kept per device with the rotary module (so models that share a config keep their
+    own), made again when its buffer changes: a copy from the host inside a step would wait for the
+    device (and a CUDA graph cannot capture it)."""
     if far_keys(settings) is None:
         return None
-    entry = _entry(module)
-    if entry.rope_frequencies is None:
-        entry.rope_frequencies = {}
-    held = entry.rope_frequencies.get(device)
+    rotary = model_rotary(module)
+    if rotary is None:
+        entry = _entry(module)
+        if entry.rope_frequencies is None:
+            entry.rope_frequencies = _LayerState()
+        held, buffer = entry.rope_frequencies.get(device), None
+    else:
+        if "_hf_dilated_frequencies" not in rotary.__dict__:
+            rotary.__dict__["_hf_dilated_frequencies"] = _LayerState()  # (copies and pickles take it empty)
+        held, buffer = rotary.__dict__["_hf_dilated_frequencies"].get(device), rotary.inv_freq
     if held is not None and torch.compiler.is_compiling():
         return held[1]  # (the eager calls before keep it current; a compiled graph cannot compare)
-    rotary = model_rotary(module)
-    buffer = None if rotary is None else rotary.inv_freq
-    source = None if buffer is None else (buffer.dtype, buffer.device, None if buffer.is_inference() else buffer._version)
-    if held is None or held[0] != source or (buffer is not None and held[2]() is not buffer):
+    source = None if buffer is None else (id(buffer), buffer.dtype, buffer.device,
+                                          None if buffer.is_inference() else buffer._version)
+    if held is None or held[0] != source:
         # made outside inference mode: an inference tensor has no version counter, and a GPU's compiled
         # DynamicCache step keeps its turn table by the frequencies' version (made again every step without)
         with torch.inference_mode(False):
             frequencies = rotary_frequencies(module, settings["far_group"], rotary).to(device)
-        held = (source, frequencies, weakref.ref(buffer) if buffer is not None else (lambda: None))
-        entry.rope_frequencies[device] = held
+        # (the buffer is held, so that its id is not reused while it is compared)
+        held = (source, frequencies, buffer)
+        (entry.rope_frequencies if rotary is None else rotary.__dict__["_hf_dilated_frequencies"])[device] = held
     return held[1]
 
 
@@ -209,8 +216,7 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
             real = read_static_slots(attention_mask)[0]  # kernel_inputs kept the `seen` written slots: no read here
             kind.static_keep(cache_keys, settings, real=real, seen=key.shape[2], q_len=query.shape[2],
                              rope_frequencies=rope_frequencies,
-                             rope_shift=None if rope_offset is None else torch.tensor(rope_offset.per_row,
-                                                                                      device=query.device))
+                             rope_shift=None if rope_offset is None else rope_offset.per_key[:, -1])
     # (batch, heads, q_len, head_dim) -> (batch, q_len, heads, head_dim), as sdpa_attention_forward
     return out.transpose(1, 2).contiguous(), None
 
@@ -311,7 +317,9 @@ def _hook_attention_choice() -> None:
     - the context the model declares (`max_position_embeddings`) is the one it reads under the
       chosen attention (`declare_context`).
     And wraps `PretrainedConfig.save_pretrained` (which a model's save_pretrained calls), so that
-    config.json declares what the RoPE alone supports, whatever the attention in memory."""
+    config.json declares what the RoPE alone supports, whatever the attention in memory; and
+    `PreTrainedModel.post_init`, so that a built model's attention modules hold its rotary module
+    (rotary.link_rotary)."""
     from transformers import PretrainedConfig, PreTrainedModel
 
     current = PreTrainedModel._check_and_adjust_attn_implementation
@@ -325,7 +333,7 @@ def _hook_attention_choice() -> None:
             check_model_supported(self.config, attn_implementation)
         chosen = current(self, attn_implementation, *args, **kwargs)
         if chosen in NAMES:
-            track_model(self)
+            link_rotary(self)  # (a built model switched to our names; at construction, post_init links)
         record_choice(self.config, chosen)
         return chosen
 
@@ -349,6 +357,18 @@ def _hook_attention_choice() -> None:
             self.max_position_embeddings = declared
 
     PretrainedConfig.save_pretrained = save_pretrained
+
+    # Every model's attention modules find its rotary module (rotary.link_rotary) once it is built:
+    # post_init ends the construction of each transformers model.
+    post_init = PreTrainedModel.post_init
+
+    @functools.wraps(post_init)
+    def linked_post_init(self, *args, **kwargs):
+        out = post_init(self, *args, **kwargs)
+        link_rotary(self)
+        return out
+
+    PreTrainedModel.post_init = linked_post_init
 
 
 def record_choice(config, chosen) -> None:

@@ -21,10 +21,6 @@ from .sparse_far_static import CUT_CHECK_EVERY, KeptSummaries, build, kept_step,
 
 GRAPHED_ON = ("cuda",)
 _POOLS = {}  # device -> (memory pool, layers captured into it): one per round of captures
-# layer -> the count of ties cut (sparse_far_static: Ties) of its last ReservedStep, read when a new
-# one replaces it: a ReservedCache takes a new buffer each generation and as it grows, and the count
-# went unread with the old buffer (no rebuild comes to read it)
-_LAST_CUT: dict[int, torch.Tensor] = {}
 
 
 class ReservedStep:
@@ -126,11 +122,12 @@ def _buffer_of(view: torch.Tensor) -> tuple:
 
 
 def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection: FarSelection, scale: float,
-                  first: list[int], shift: list[int], rotation, layer: int):
+                  first: list[int], shift: list[int], rotation, layer: int, state: dict | None = None):
     """An eager one-query step on a cache whose keys and values are the filled start of larger
     buffers (hf_dilated.ReservedCache; StaticCache's slots): the ReservedStep kept on the key
     buffer (so two caches used in turn keep theirs; `layer` an id of the calling layer, which the
-    graphs' memory pools follow). None (nothing done) where it does not apply: other caches
+    graphs' memory pools follow; `state` the layer's, where the count of ties its last step cut is
+    kept). None (nothing done) where it does not apply: other caches
     (DynamicCache concatenates into a new tensor), positions other than the mask ranks (rows
     regular: ops/token_layout.regular_rows), and once a capture failed here (warned once)."""
     global _GRAPH_FAILED
@@ -151,9 +148,13 @@ def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection
         with torch.inference_mode(False):  # its tensors are written by steps in and out of inference mode alike
             runner = ReservedStep(key, layer, q, k_buffer, first, settings, capture=q.device.type == "cuda")
         setattr(k_buffer, _STEP_ATTRIBUTE, runner)
-        if layer in _LAST_CUT:
-            warn_ties_cut(_LAST_CUT[layer], stacklevel=4)  # (one read, where a rebuild reads anyway)
-        _LAST_CUT[layer] = runner.kept.cut
+        if state is not None:
+            # the count of ties the layer's last step cut (sparse_far_static: Ties), read as a new step
+            # replaces it: a ReservedCache takes a new buffer each generation and as it grows, and the
+            # count went unread with the old buffer (no rebuild comes to read it)
+            if "reserved_cut" in state:
+                warn_ties_cut(state["reserved_cut"], stacklevel=4)  # (one read, where a rebuild reads anyway)
+            state["reserved_cut"] = runner.kept.cut
     if runner.seen != seen - 1 or runner.version != version - 1:
         # not the last step's cache plus this token (a first step, a crop, a rewrite): summarise it again
         warn_ties_cut(runner.kept.cut, stacklevel=4)  # (one read, at a rebuild)
