@@ -5,7 +5,6 @@ glue caches them with the rest of the model's entry (transformers.py: rope_frequ
 from __future__ import annotations
 
 import sys
-import weakref
 
 import torch
 
