@@ -464,7 +464,14 @@ def test_cli_bench_refuses_unknown_settings(capsys):
                           (["kernels", "--search-timeout", "0"], "--search-timeout must be > 0 seconds, got 0"),
                           (["kernels", "--budget-gib", "-1"], "--budget-gib must be > 0, got -1"),
                           (["kernels", "--bisect-steps", "-1"], "--bisect-steps must be >= 0, got -1"),
-                          (["kernels", "--search-start", "0"], "--search-start must be >= 1, got 0")):
+                          (["kernels", "--search-start", "0"], "--search-start must be >= 1, got 0"),
+                          # options a subcommand took and did not read (its report said otherwise)
+                          (["e2e", "--heads", "2", "--head-dim", "32"], "--heads, --head-dim: `bench e2e` does not read"),
+                          (["e2e", "--dtypes", "float32,bfloat16"], "--dtypes: `bench e2e` runs one dtype"),
+                          (["block-sparse", "--kv-heads", "1", "--warmup", "0"],
+                           "--kv-heads, --warmup: `bench block-sparse` does not read them"),
+                          (["distributed", "--dilation-rates", "1,1,1"], "--dilation-rates: `bench distributed` does"),
+                          (["distributed", "--dtypes", "bfloat16"], "--dtypes: `bench distributed` does not read it")):
         assert main(["bench", *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv
     assert main(["bench", "decode", "--gen-fill", "random"]) == 2  # the static cache is in the default caches
