@@ -599,3 +599,29 @@ def test_packed_forward_compares_the_boundaries_once_not_in_every_layer():
         with torch.no_grad(), pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k differ"):
             model(**{**kwargs, "cu_seq_lens_k": other}, use_cache=False)
     assert counts == [1, 1], counts
+
+
+def test_eager_static_step_of_a_left_padded_row_copies_nothing_from_the_host():
+    """An eager step on a StaticCache at transformers' default position_ids (a left-padded row: its
+    RoPE offset kept with the summaries its compiled steps read) made the rows' offsets a tensor
+    from the host in every layer (a review of a first form: one lift_fresh a layer)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    from hf_dilated.bench.gpu_table import _model_entry
+    from hf_dilated.config import CONFIG_KEY
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
+                         intermediate_size=64, vocab_size=64, max_position_embeddings=256, pad_token_id=0)
+    setattr(config, CONFIG_KEY, {**_model_entry("default", 32, 256), "far_top_k": 2, "far_block_size": 4, "far_sinks": 1})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="dilated").eval()
+    ids = torch.randint(3, 64, (2, 72), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        cache = StaticCache(config=model.config, max_cache_len=100)
+        model(ids[:, :70], attention_mask=mask[:, :70], past_key_values=cache)
+        model(ids[:, 70:71], attention_mask=mask[:, :71], past_key_values=cache, cache_position=torch.tensor([70]))
+        counter, _ = count_syncs(lambda: model(ids[:, 71:72], attention_mask=mask[:, :72], past_key_values=cache,
+                                               cache_position=torch.tensor([71])))
+    assert not [site for site in counter.sites if "lift_fresh" in site], dict(counter.sites)
