@@ -335,13 +335,16 @@ class DilatedMultiheadAttention(nn.Module):
         mask = self._key_mask(key_padding_mask, batch, kv_len, query.device)
         self._check_attn_mask(attn_mask, is_causal, q_len, kv_len)
         if mask is not None and position_ids is None and q_len <= kv_len:
-            # Index-based pattern (as nn.MultiheadAttention): the mask only hides keys. (More queries
-            # than keys: cross-attention, which the dense kind computes without positions.)
+            # Index-based pattern (as nn.MultiheadAttention): the mask only hides keys.
             position_ids = torch.arange(kv_len, device=query.device).expand(batch, kv_len)
 
         q, k, v = self._project(query, key, value)
-        out = self.attention(q, k, v, is_causal=is_causal, attention_mask=mask, position_ids=position_ids,
-                             dropout_p=self.dropout if self.training else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        if q_len > kv_len:
+            out = self._cross_attention(q, k, v, mask, position_ids, is_causal, dropout_p)
+        else:
+            out = self.attention(q, k, v, is_causal=is_causal, attention_mask=mask, position_ids=position_ids,
+                                 dropout_p=dropout_p)
         out = out.permute(2, 0, 1, 3).reshape(q_len, batch, self.embed_dim)  # (seq, batch, embed)
         out = self.out_proj(out)
         if self.batch_first and batched:
@@ -349,6 +352,22 @@ class DilatedMultiheadAttention(nn.Module):
         if not batched:
             out = out.squeeze(1)
         return out, None
+
+    def _cross_attention(self, q, k, v, mask, position_ids, is_causal, dropout_p):
+        """More queries than keys (a decoder's target over a shorter memory, as nn.TransformerDecoderLayer
+        passes): the queries are not tokens of the key sequence, which no variant's pattern places
+        (docs/contract.md: q_len <= kv_len). Where the configured attention is dense over these keys,
+        this is plain attention over them, padding honoured, and computed here; else an error."""
+        kind = self.attention.choose(k.shape[2], k.device)[0]
+        if is_causal or position_ids is not None or kind != "dense":
+            raise ValueError(f"query: {q.shape[2]} queries over {k.shape[2]} keys is cross-attention, computed only "
+                             f"non-causal, without position_ids, where the attention is dense over the keys (this "
+                             f"module's {self.attention.kind!r} runs {kind!r} here)")
+        keep = None if mask is None else mask.bool()[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p,
+                                             enable_gqa=bool(q.shape[1] != k.shape[1]))
+        # a row without a real key reads nothing (0, as the kernels give it), where sdpa's softmax gives NaN
+        return out if keep is None else out.masked_fill(~keep.any(-1, keepdim=True), 0.0)
 
     def _project(self, query, key, value):
         e = self.embed_dim

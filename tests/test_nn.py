@@ -391,7 +391,7 @@ def test_dense_kind_traces_with_torch_jit():
 
 def test_masks_scales_and_positions_of_the_wrong_kind_are_refused():
     """A float attention_mask in torch's additive form (0 keep, -inf drop) was read as 0/1 marks:
-    the kept keys hidden, the rest read, nothing said. An infinite scale gave NaN, True passed as a
+    the kept keys hidden, the rest read, nothing said (a float mask of 0/1 marks is one). An infinite scale gave NaN, True passed as a
     scale, and bool position_ids were taken as integers."""
     from hf_dilated import dilated_attention
 
@@ -399,11 +399,12 @@ def test_masks_scales_and_positions_of_the_wrong_kind_are_refused():
     additive = torch.zeros(1, 6).masked_fill(torch.arange(6) >= 4, float("-inf"))
     for kind in ("dense", "dilated"):
         attention = create_attention(kind, **({} if kind == "dense" else dict(segment_lengths=[4], dilation_rates=[1])))
-        with pytest.raises(TypeError, match="attention_mask must be bool or integer .* pass attention_mask == 0"):
+        with pytest.raises(ValueError, match="attention_mask: a float mask must hold only 1 .* pass attention_mask == 0"):
             attention(q, k, v, attention_mask=additive)
     real = additive == 0
-    torch.testing.assert_close(dilated_attention(q, k, v, [4], [1], attention_mask=real.long()),
-                               dilated_attention(q, k, v, [4], [1], attention_mask=real))
+    for marks in (real.long(), real.double()):  # (1 marks a real token, whatever its dtype)
+        torch.testing.assert_close(dilated_attention(q, k, v, [4], [1], attention_mask=marks),
+                                   dilated_attention(q, k, v, [4], [1], attention_mask=real))
     for scale in (float("inf"), float("nan"), True, 0.0):
         with pytest.raises(ValueError, match="scale must be a positive finite number"):
             dilated_attention(q, k, v, [4], [1], scale=scale)

@@ -294,6 +294,47 @@ def test_kept_static_steps_match_reference(over):
     assert int(kept.cut) == 0
 
 
+@pytest.mark.parametrize("kept", (True, False), ids=("kept_summaries", "every_slot"))
+def test_static_steps_of_rows_rotated_further_than_their_ranks_match_reference(kept):
+    """q and k rotated `shift` positions further than their mask ranks (a left-padded row at
+    transformers' default position_ids: its padding): the compiled static steps given that shift
+    (rope_shift, one a row) equal the float64 reference of the rows at their ranks, with kept
+    summaries and without (every slot summarised in the step). Without the shift the far blocks
+    are chosen by bounds of keys moved from the wrong place."""
+    from hf_dilated.kinds import KINDS
+    from hf_dilated.ops.rope import rotate_by
+
+    s = _decode_settings()
+    g = torch.Generator().manual_seed(8)
+    batch, heads, kv_heads, slots, dim = 2, 4, 2, 80, 8
+    q = torch.randn(batch, heads, slots, dim, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(batch, kv_heads, slots, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    real = torch.ones(batch, slots, dtype=torch.bool)
+    real[1, :9] = False  # left-padded by 9: the model rotated it 9 further than its ranks
+    shift = torch.tensor([0, 9])
+    turned = [rotate_by(x, shift[:, None].expand(batch, slots), inv_freq) for x in (q, k)]
+    first, steps = 20, 50
+    seen_all = first + steps
+    ref = _decode_reference(q[:, :, :seen_all], k[:, :, :seen_all], v[:, :, :seen_all], s, inv_freq,
+                            real[:, :seen_all].long())
+    kind, positions = KINDS["dilated"], torch.arange(slots)
+
+    def outputs(rope_shift):
+        k_turned = turned[1].clone()  # (the summaries are kept on the cache's key tensor)
+        if kept:
+            kind.static_keep(k_turned, s, real=real & (positions < first), seen=first, q_len=first,
+                             rope_frequencies=inv_freq, rope_shift=rope_shift)
+        return [kind.static_decode(turned[0][:, :, seen - 1:seen], k_turned, v, s, real=real & (positions < seen),
+                                   seen=torch.tensor(seen), scale=None, rope_frequencies=inv_freq, rope_shift=rope_shift)
+                for seen in range(first + 1, seen_all + 1)]
+
+    errors = [(out - ref[:, :, first + t:first + t + 1]).abs().max().item() for t, out in enumerate(outputs(shift))]
+    assert max(errors) < TOL, errors
+    unshifted = [(out - ref[:, :, first + t:first + t + 1]).abs().max().item() for t, out in enumerate(outputs(None))]
+    assert max(unshifted) > 1e-3  # (the shift is what the steps need)
+
+
 def test_eager_calls_on_a_static_cache_fold_in_their_tokens(monkeypatch):
     """Eager calls on one static cache buffer, written in place once a call (StaticCache): each
     call after the first folds in its own tokens (no rebuild), and the summaries equal rebuilt ones;

@@ -198,8 +198,7 @@ def static_rope_shift(position_ids, real, seen, batch: int) -> torch.Tensor | No
     indices, give a left-padded row its padding; generate()'s ranks give 0); None without them."""
     if position_ids is None:
         return None
-    last = (seen - 1).reshape(1)
-    rank = (real.long().cumsum(-1) - 1).index_select(1, last)[:, 0]
+    rank = mask_ranks(real).index_select(1, (seen - 1).reshape(1))[:, 0]
     return position_ids[:, -1].to(torch.long).expand(batch) - rank
 
 

@@ -196,7 +196,8 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
     rope_frequencies = rope_frequencies_for(module, settings, query.device)
     key, value, mask, positions, rope_offset = kernel_inputs(
         query, key, value, attention_mask, kwargs.get("position_ids"), sequence_parallel=group is not None,
-        cu_seq_lens=kwargs.get("cu_seq_lens_q"), cu_seq_lens_k=kwargs.get("cu_seq_lens_k"), rope=rope_frequencies is not None)
+        cu_seq_lens=kwargs.get("cu_seq_lens_q"), cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
+        rope=rope_frequencies is not None)
     # The model's sliding window (Mistral, Qwen2 layers): every kernel keeps it (docs/contract.md 3.3).
     window = kwargs.get("sliding_window")
     device_type = query.device.type

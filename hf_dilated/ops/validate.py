@@ -16,9 +16,7 @@ __all__ = ["DILATED_MODES", "FLOAT_DTYPES", "check_dilated_config", "check_int",
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_qkv(q, k, v, attention_mask=None, position_ids=None, *, longer_queries: bool = False) -> None:
-    """longer_queries: q_len may exceed kv_len (non-causal attention of other tokens: cross-attention,
-    ops/dense.py); else the queries are the last q_len tokens of the key sequence."""
+def check_qkv(q, k, v, attention_mask=None, position_ids=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -40,9 +38,9 @@ def check_qkv(q, k, v, attention_mask=None, position_ids=None, *, longer_queries
         )
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})")
-    if q.shape[2] > k.shape[2] and not longer_queries:
+    if q.shape[2] > k.shape[2]:
         raise ValueError(f"q_len ({q.shape[2]}) must not exceed kv_len ({k.shape[2]}): the queries are the last q_len "
-                         "tokens of the key sequence (non-causal cross-attention of more queries: the 'dense' kind)")
+                         "tokens of the key sequence")
     batch, kv_len = k.shape[0], k.shape[2]
     for name, t in (("attention_mask", attention_mask), ("position_ids", position_ids)):
         if t is None:
@@ -55,10 +53,15 @@ def check_qkv(q, k, v, attention_mask=None, position_ids=None, *, longer_queries
             raise ValueError(f"{name} must be on {q.device}, got {t.device}")
     if position_ids is not None and (position_ids.is_floating_point() or position_ids.dtype == torch.bool):
         raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
-    if attention_mask is not None and (attention_mask.is_floating_point() or attention_mask.is_complex()):
-        # (1 marks a real token; torch's additive float masks use 0 for a kept key: read as 0/1 they were inverted)
-        raise TypeError(f"attention_mask must be bool or integer (1 = a real token, 0 = padding), got "
-                        f"{attention_mask.dtype}: for an additive mask (0 = keep, -inf = drop) pass attention_mask == 0")
+    if attention_mask is not None and attention_mask.is_complex():
+        raise TypeError(f"attention_mask must be bool, integer or float (1 = a real token, 0 = padding), got "
+                        f"{attention_mask.dtype}")
+    # 1 marks a real token (docs/contract.md 3.1); torch's additive float masks use 0 for a kept key, and
+    # read as marks they were inverted. (One read back, for float masks alone: transformers passes bool.)
+    if attention_mask is not None and attention_mask.is_floating_point() and \
+            not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask: a float mask must hold only 1 (a real token) and 0 (padding): for an "
+                         "additive mask (0 = keep, -inf = drop) pass attention_mask == 0")
 
 
 def check_scale_dropout(scale, dropout_p) -> None:
