@@ -442,12 +442,15 @@ def test_sparse_far_decode_step_reads_back_a_constant_number_of_times(monkeypatc
     assert counts[0] == counts[1] == counts[2] > 0, counts
 
 
-def test_kept_static_step_reads_nothing_back():
+@pytest.mark.parametrize("position_ids", (None, "indices"))
+def test_kept_static_step_reads_nothing_back(position_ids):
     """A compiled StaticCache step of sparse far keys (ops/sparse_far_static.kept_step: fold in its
     token, select, gather by rank) synchronises nowhere, so CUDA graphs can capture it; its
-    static_decode entry as the compiled glue calls it, rotation to grouped positions included."""
-    from hf_dilated.kinds import KINDS
+    static_decode entry as the compiled glue calls it, rotation to grouped positions included, and
+    with the step's position_ids the rows' RoPE offset (integrations: static_rope_shift)."""
     from hf_dilated.config import field_defaults
+    from hf_dilated.integrations.model_inputs import static_rope_shift
+    from hf_dilated.kinds import KINDS
 
     s = {**field_defaults(*KINDS["dilated"].settings), "segment_lengths": [256], "dilation_rates": [1],
          "local_window": 32, "far_group": 2, "far_window": 8, "far_band": 16, "far_top_k": 2, "far_block_size": 8,
@@ -457,8 +460,11 @@ def test_kept_static_step_reads_nothing_back():
     real = torch.arange(256)[None].expand(k.shape[0], -1) < 200
     KINDS["dilated"].static_keep(k, s, real=real, seen=200, q_len=200, rope_frequencies=inv_freq)
     seen = torch.tensor(201)
-    step = lambda: KINDS["dilated"].static_decode(q, k, v, s, real=real | (torch.arange(256) == 200), seen=seen,
-                                                  scale=0.125, rope_frequencies=inv_freq)
+    real = real | (torch.arange(256) == 200)
+    ids = None if position_ids is None else torch.tensor([[200]])  # (the query's index: a default position)
+    step = lambda: KINDS["dilated"].static_decode(
+        q, k, v, s, real=real, seen=seen, scale=0.125, rope_frequencies=inv_freq,
+        rope_shift=None if ids is None else static_rope_shift(ids, real, seen, q.shape[0]))
     step()
     fwd, _ = count_syncs(step)
     assert_no_syncs(fwd, "kept static step")
