@@ -214,8 +214,8 @@ class DilatedMultiheadAttention(nn.Module):
     average_attn_weights=True, is_causal=False, *, position_ids=None) -> (output, None):
     - `is_causal=True` needs no `attn_mask` (one may be given if it is exactly the causal mask);
       with q_len < kv_len the queries are the last q_len tokens (decode alignment). A non-causal
-      call with more queries than keys is cross-attention (a decoder's target over its memory):
-      dense, padding honoured, no `position_ids`.
+      call with more queries than keys is cross-attention (a decoder's target over its memory),
+      computed where the attention is dense over the keys: padding honoured, no `position_ids`.
     - `key_padding_mask` (batch, kv_len), True (or -inf) = ignore that key, as in PyTorch. The
       pattern is laid over token indices, as nn.MultiheadAttention's causal mask is; pass
       `position_ids` (batch, kv_len) to lay it over real-token positions or packed documents.
