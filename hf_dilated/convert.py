@@ -450,7 +450,10 @@ def describe(directory) -> str:
         f"attn_implementation:  {recorded_name(raw) or '(not set: transformers default, sdpa)'}",
         f"context:              {context}",
         f"rope:                 {rope.get('rope_type', 'default')}"
-        + (f" (factor {rope['factor']:g})" if "factor" in rope else ""),
+        + (f" (factor {rope['factor']:g})" if "factor" in rope else "")
+        + {True: "; written by hf_dilated's conversion (scaled_rope: a later conversion scales it again)",
+           False: "; the checkpoint's own, kept by hf_dilated's conversion (scaled_rope: a later conversion keeps it)",
+           None: ""}[cfg.scaled_rope],
         f"hf_dilated entry:     {'stored in config.json' if stored else 'absent: the default derived from the config'}",
         f"  original / target:  {cfg.original_length} / {cfg.target_length} tokens",
         f"  dilated:            mode={cfg.mode} segment_lengths={cfg.segment_lengths} "

@@ -176,7 +176,7 @@ def test_cli_convert_and_info(source, tmp_path, capsys):
     assert "exists; pass --force" in capsys.readouterr().err
     assert cli(["info", str(dst)]) == 0
     out = capsys.readouterr().out
-    assert "attn_implementation:  dilated" in out and "yarn (factor 8)" in out
+    assert "attn_implementation:  dilated" in out and "yarn (factor 8); written by hf_dilated's conversion" in out
     assert "segment_lengths=[32, 64, 128, 256] dilation_rates=[1, 2, 4, 8]" in out
     assert "decode keys/query:  <= 128" in out
     assert cli(["info", str(source)]) == 0
@@ -198,6 +198,7 @@ def test_cli_convert_with_sparse_far_keys_and_info(source, tmp_path, capsys):
     assert "16 positions for a query at a position >= 32 (far_band)" in out
     assert "the first 1 block(s) of the document and the 2 blocks of 4 positions" in out
     assert "decode keys/query:  <= 32 (blocks tied" in out  # a query inside the band reads 32; past it 16 + 3 * 4
+    assert "rope:                 default; the checkpoint's own, kept by hf_dilated's conversion" in out
     assert cli(["convert", str(source), str(tmp_path / "bad"), "--context", "128", "--far-band", "64"]) == 2
     assert "far_band: at most local_window (32)" in capsys.readouterr().err
 
