@@ -576,6 +576,8 @@ def _expected_table_rows(s):
     """The measure column of every row the settings define, with its count."""
     from collections import Counter
 
+    from hf_dilated.bench import gpu_table
+
     rows = Counter()
     for label in ("fwd", "fwd+bwd"):
         rows[f"kernel pair rate, {label}"] = len(s["kernel_shapes"]) * len(s["kernel_lengths"]) * len(s["kernel_modes"])
@@ -585,7 +587,8 @@ def _expected_table_rows(s):
         # the default conversion and union levels at every length; every far key at the first
         rows[label] = 2 * len(s["prefill_lengths"]) + 1
     rows["decode step, StaticCache + torch.compile"] = 2
-    rows["training step (fwd+bwd)"] = len(s["train_lengths"])
+    # union levels at each length; the default conversion at the shortest past the original context
+    rows["training step (fwd+bwd)"] = len(s["train_lengths"]) + (gpu_table.default_train_length(s) is not None)
     rows["union forward: extra memory / (q, k, v, out)"] = 1
     rows["CUDA tests (pytest -m cuda, every one)"] = 1
     return rows
@@ -709,7 +712,7 @@ def test_gpu_table_measures_every_row_on_cpu_at_tiny_sizes(tmp_path):
     sdpa's (FlexAttention's backward has no CPU version: that row says so)."""
     from hf_dilated.bench import gpu_table
 
-    s = dict(gpu_table.settings(smoke=True), kernel_lengths=[128], prefill_lengths=[128], train_lengths=[64],
+    s = dict(gpu_table.settings(smoke=True), kernel_lengths=[128], prefill_lengths=[128], train_lengths=[128],
              million=dict(n=1024, heads=2, head_dim=16))
     for part in gpu_table.PARTS:
         data = gpu_table.run_part(part, s, tmp_path, budget_s=300, log=lambda *_: None)
@@ -717,6 +720,7 @@ def test_gpu_table_measures_every_row_on_cpu_at_tiny_sizes(tmp_path):
     text = gpu_table.render(s, tmp_path)
     counts, lines = _table_rows(text)
     assert counts == _expected_table_rows(s)
+    assert any(line.startswith("| training step (fwd+bwd) |") and "default conversion from 64" in line for line in lines)
     rows = json.loads((tmp_path / "table.json").read_text())["rows"]
     for row in rows:
         if row.get("kind") == "memory":

@@ -528,6 +528,13 @@ def block_sparse_case(spec: dict, own_process: bool = False) -> dict:
     return result
 
 
+def default_train_length(s: dict) -> int | None:
+    """The training part's length for the default conversion: the shortest beyond the original
+    context (within it the default conversion reads as sdpa does), or None where there is none."""
+    longer = [n for n in s["train_lengths"] if n > s["original"]]
+    return min(longer) if longer else None
+
+
 # --------------------------------------------------------------------------------------------
 # The plan: every case of a part, in the order it runs (sdpa before ours; cheap first, but training)
 # --------------------------------------------------------------------------------------------
@@ -571,6 +578,8 @@ def plan(part: str, s: dict, device: str) -> list[tuple[str, dict]]:
         cases = [(conv, n) for n in lengths for conv in conversions]
         if part == "model":  # last, at the shortest length only: what reading every far key costs
             cases.append(("every_far", min(lengths)))  # beside the sparse default (no compile: seconds)
+        elif default_train_length(s) is not None:  # last: the default conversion's fine-tuning past L
+            cases.append(("default", default_train_length(s)))
         for conv, n in cases:
             out.append((f"{conv}|{n}", dict(common, kind=_kind(f"{part}_case"), n=n, conversion=conv,
                                             original=s["original"], model=s["model"], backends=backends,
@@ -1052,6 +1061,17 @@ def build_rows(s: dict, parts: dict, device: str) -> list[dict]:
         last = n == max(s["train_lengths"])
         row = _row("training step (fwd+bwd)", f"{model_cfg}, {conv_label['union']}", n, "dilated", t, bname, bt,
                    why=why, target=">= 2x" if last else None, check=(lambda sp, pr: sp >= 2.0) if last else None)
+        row["note"] = _path_note(ours)
+        rows.append(row)
+    n = default_train_length(s)
+    if n is not None:  # no target: what fine-tuning the default conversion past L costs (local_band's masked calls)
+        sdpa, ours = res("train", f"sdpa|{n}"), res("train", f"default|{n}")
+        t, _, terr = _best(ours, "train", ["ours"])
+        bt, bname, berr = _best(sdpa, "train", backends)
+        why = None if (t and bt) else _why("train", parts, ("ours", f"default|{n}", ours, terr),
+                                            ("sdpa", f"sdpa|{n}", sdpa, berr))
+        row = _row("training step (fwd+bwd)", f"{model_cfg}, {conv_label['default']}", n, "dilated", t, bname, bt,
+                   why=why)
         row["note"] = _path_note(ours)
         rows.append(row)
     b = s["block_sparse"]
