@@ -271,6 +271,31 @@ def test_report_is_written_without_matplotlib(smoke_all, tmp_path):
     assert json.loads((out / "results.json").read_text()) == json.loads((smoke_all / "results.json").read_text())
 
 
+def test_a_report_stopped_while_written_keeps_the_last_complete_one(tmp_path, monkeypatch):
+    """The report is rewritten after every section: a run stopped in the middle of a write (Ctrl-C,
+    a full disk) left half a results.json where the previous sections' complete one had been."""
+    import pathlib
+
+    from hf_dilated.bench.report import machine_info, write_report
+
+    report = {"command": "bench kernels", "settings": {"device": "cpu", "profile": "quick", "dtypes": ["float32"]},
+              "machine": machine_info("cpu", 1), "kernels": {"rows": [1]}}
+    write_report(report, tmp_path, [], plots=False)
+    before = {name: (tmp_path / name).read_text() for name in ("results.json", "report.md")}
+    real = pathlib.Path.write_text
+
+    def stopped(self, text, *args, **kwargs):  # half of it written, then the run is stopped
+        real(self, text[:len(text) // 2], *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pathlib.Path, "write_text", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        write_report(dict(report, kernels={"rows": [1, 2, 3]}), tmp_path, [], plots=False)
+    monkeypatch.undo()
+    assert {name: (tmp_path / name).read_text() for name in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.json"]  # no file left aside
+
+
 def test_block_sparse_bench_interleaves_variants_and_reports_failures():
     """Each round times every variant once, in turn (a slow spell of the machine then falls on all
     of them), after one warm-up call each; a variant that raises is reported, not timed."""

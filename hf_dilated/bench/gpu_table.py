@@ -774,9 +774,9 @@ def _warmed(case: dict) -> str:
 
 
 def _write(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
+    from .report import write_text
+
+    write_text(path, json.dumps(data, indent=1, default=str))
 
 
 def run_part(part: str, s: dict, out: Path, budget_s: float, runner=None, log=None) -> dict:
@@ -1235,7 +1235,9 @@ def render(s: dict, out: Path, tests_xml: Path | None = None, tests_log: Path | 
     tests = cuda_tests(tests_xml, tests_log)
     rows = build_rows(s, parts, device)
     text = markdown(s, rows, tests, env, parts)
-    (out / "table.md").write_text(text)
+    from .report import write_text
+
+    write_text(out / "table.md", text)
     _write(out / "table.json", {"settings": s, "rows": rows, "tests": tests, "env": env})
     return text
 

@@ -16,6 +16,17 @@ PASS_LABEL = {"forward": "fwd", "backward": "fwd+bwd"}
 PLOTS = ("time_vs_length.png", "memory_vs_length.png")
 
 
+def write_text(path: Path, text: str) -> None:
+    """path's new text, written beside it and moved into place: a run stopped while writing (a
+    report is rewritten after every section) leaves the last complete file, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -138,7 +149,7 @@ def write_report(report: dict, out: Path, sections: list[tuple[str, object]],
     """Writes results.json, report.md and (with `plots`) the plots; `sections` lists (report key,
     markdown function) in report order. Returns the markdown and the files written."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=1, default=str))
+    write_text(out / "results.json", json.dumps(report, indent=1, default=str))
     plots, note = _plots_or_note(report, out) if plots else ([], None)
     lines = _header(report)
     for key, markdown in sections:
@@ -149,5 +160,5 @@ def write_report(report: dict, out: Path, sections: list[tuple[str, object]],
     elif plots:
         lines.append("Plots: " + ", ".join(plots))
     text = "\n".join(lines).rstrip() + "\n"
-    (out / "report.md").write_text(text)
+    write_text(out / "report.md", text)
     return text, [out / "report.md", out / "results.json"] + [out / p for p in plots]
