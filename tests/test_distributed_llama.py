@@ -195,3 +195,43 @@ def test_generate_under_a_sequence_parallel_group_is_refused_by_name(checkpoint)
         assert sorted(messages["result"]) == sorted(NAMES), messages
         assert all("a call against a KV cache" in m and "sequence-parallel group" in m
                    for m in messages["result"].values())
+
+
+def _packed_by_boundaries(rank, world, path):
+    """Per ring name: (logits of three documents packed with cu_seq_lens only, as
+    DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=False) gives them,
+    each document's logits alone), under a group of `world` processes; or the error raised."""
+    from transformers import AutoModelForCausalLM
+
+    import hf_dilated.distributed as hd
+
+    hd.setup_sequence_parallel(world)
+    lengths = [7, 13, 20]
+    ids = torch.randint(3, 256, (1, sum(lengths)), generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, 7, 20, 40], dtype=torch.int32)
+    out = {}
+    for name in NAMES:
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name).eval()
+        try:
+            with torch.no_grad():
+                packed = model(ids, cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=20, max_length_k=20,
+                               use_cache=False).logits
+                starts = [0, 7, 20]
+                alone = [model(ids[:, s:s + n], use_cache=False).logits for s, n in zip(starts, lengths)]
+            out[name] = max((a[0] - packed[0, s:s + n]).abs().max().item() for a, s, n in zip(alone, starts, lengths))
+        except ValueError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_ring_names_under_a_group_honour_or_refuse_cu_seq_lens(checkpoint):
+    """cu_seq_lens (without position_ids) were dropped under a sequence-parallel group: the packed
+    documents read each other (0.52 off each alone with a group of one process). A group of one
+    holds the whole row and takes the single-process rules; on several processes each rank
+    refuses them, naming them (position_ids carry a shard's documents)."""
+    one = launch(_packed_by_boundaries, 1, checkpoint, join_s=300)[0]["result"]
+    for name in NAMES:
+        assert isinstance(one[name], float) and one[name] < 1e-4, (name, one[name])
+    for outcome in launch(_packed_by_boundaries, 2, checkpoint, join_s=300):
+        for name in NAMES:
+            assert "cu_seq_lens_q/cu_seq_lens_k: under a sequence-parallel group" in outcome["result"][name], name

@@ -126,6 +126,29 @@ def test_flattened_batches_without_position_ids_keep_documents_apart(saved, name
         torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("use_cache", (False, True))
+def test_boundaries_that_are_not_one_packed_row_are_refused(saved, use_cache):
+    """cu_seq_lens beside position_ids that restart (packing transformers detected, use_cache=False)
+    were not read at all: boundaries past the row, or of other documents than the position_ids'
+    (which then decide, so the documents changed with use_cache: 0.49 apart), passed in silence, as
+    cu_seq_lens_k without cu_seq_lens_q did. Each now raises, naming them."""
+    model = AutoModelForCausalLM.from_pretrained(saved["llama"], attn_implementation="dilated").eval()
+    x = ids(1, 30, seed=3)
+    positions = torch.cat([torch.arange(10), torch.arange(20)])[None]
+    cases = [(dict(position_ids=positions, cu_seq_lens_q=torch.tensor([0, 10, 25]), cu_seq_lens_k=torch.tensor([0, 10, 25])),
+              "cu_seq_lens_q must be the cumulative lengths"),
+             (dict(position_ids=positions, cu_seq_lens_q=torch.tensor([0, 12, 30]), cu_seq_lens_k=torch.tensor([0, 12, 30])),
+              "cu_seq_lens_q and position_ids describe different documents"),
+             (dict(cu_seq_lens_k=torch.tensor([0, 10, 30])), "cu_seq_lens_k without cu_seq_lens_q")]
+    for kwargs, message in cases:
+        with torch.no_grad(), pytest.raises(ValueError, match=message):
+            model(x, use_cache=use_cache, **kwargs)
+    cu = torch.tensor([0, 10, 30])  # the same documents as the position_ids: taken
+    with torch.no_grad():
+        both = model(x, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu, use_cache=False).logits
+        torch.testing.assert_close(both, model(x, position_ids=positions, use_cache=False).logits)
+
+
 @pytest.mark.parametrize("name", ("dilated", "dilated_ring"))
 def test_flattened_batches_keep_documents_apart_with_sparse_far_keys(saved, name, tmp_path):
     """The default conversion (far keys at grouped positions, far_top_k) on a flattened batch without

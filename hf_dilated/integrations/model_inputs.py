@@ -163,7 +163,12 @@ def kernel_inputs(query, key, value, attention_mask, position_ids, *, sequence_p
                 raise ValueError(f"attention_mask covers {seen} tokens, fewer than the {q_len} queries")
             key, value = key[:, :, :seen], value[:, :, :seen]
     if sequence_parallel:  # local shards: the distributed kernels derive the global layout
-        _check_same_boundaries(cu_seq_lens, cu_seq_lens_k)
+        if cu_seq_lens is not None or cu_seq_lens_k is not None:
+            raise ValueError(
+                "cu_seq_lens_q/cu_seq_lens_k: under a sequence-parallel group of several processes the documents "
+                "come from position_ids (each shard's global positions, restarting at 0 per document: "
+                "hf_dilated.distributed.shard_batch); boundaries of a whole row are not split across the ranks. "
+                "Pass position_ids instead (DataCollatorWithFlattening(return_flash_attn_kwargs=False))")
         if attention_mask is not None and attention_mask.dtype == torch.bool:
             return key, value, attention_mask, None, None
         return key, value, None, position_ids, None
@@ -203,6 +208,9 @@ def static_rope_shift(position_ids, real, seen, batch: int) -> torch.Tensor | No
 
 
 def _check_same_boundaries(cu_q, cu_k) -> None:
+    if cu_q is None and cu_k is not None:
+        raise ValueError("cu_seq_lens_k without cu_seq_lens_q: pass both (the same boundaries), as "
+                         "DataCollatorWithFlattening(return_flash_attn_kwargs=True) does")
     if cu_q is not None and cu_k is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k.to(cu_q.device)):
         raise ValueError("cu_seq_lens_q and cu_seq_lens_k differ; only causal self-attention over packed "
                          "sequences is supported")
@@ -269,10 +277,12 @@ def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int
     if mask is not None:  # packed sequences, as transformers detected them from position_ids
         if position_ids is None or q_len != kv_len:
             raise ValueError("packed sequences need position_ids covering the whole key sequence")
+        if cu_seq_lens is not None:  # they define the documents here, and must be the same ones (one read back)
+            _positions_from_boundaries(cu_seq_lens, batch, kv_len, device, position_ids)
         return None, position_ids, None
     if cu_seq_lens is not None and q_len == kv_len:
         rotated = torch.arange(kv_len, device=device).expand(batch, kv_len) if position_ids is None else position_ids
-        return None, _positions_from_boundaries(cu_seq_lens, batch, kv_len, device), rotated
+        return None, _positions_from_boundaries(cu_seq_lens, batch, kv_len, device, position_ids, True), rotated
     if position_ids is None or q_len != kv_len:
         return None, None, None  # one document; with a cache the keys are 0..kv_len-1
     steps = position_ids[:, 1:] - position_ids[:, :-1]
@@ -287,19 +297,33 @@ def from_model_inputs(mask, position_ids, *, batch: int, q_len: int, kv_len: int
     return None, None, None if consecutive else position_ids
 
 
-def _positions_from_boundaries(cu_seq_lens, batch, kv_len, device) -> torch.Tensor:
+def _positions_from_boundaries(cu_seq_lens, batch, kv_len, device, position_ids=None,
+                               or_indices: bool = False) -> torch.Tensor:
+    """Positions 0, 1, ... per document of cu_seq_lens (checked: the boundaries of one row of kv_len
+    tokens), and, given position_ids beside them, checked equal to those (or, with or_indices, to
+    the indices 0..n-1, transformers' own position_ids: the same documents, or none said)."""
     cu = cu_seq_lens.to(device=device, dtype=torch.long).reshape(-1)
-    # (the three facts in one read back, once per forward: the call is cached by the tensor's identity)
-    first, last, falls = torch.stack([cu[0], cu[-1], (cu[1:] < cu[:-1]).any().long()]).tolist() if cu.numel() >= 2 \
-        else (None, None, None)
-    if batch != 1 or cu.numel() < 2 or first != 0 or last != kv_len or falls:
+    valid = batch == 1 and cu.numel() >= 2
+    if valid:
+        index = torch.arange(kv_len, device=device)
+        positions = (index - cu[:-1][torch.searchsorted(cu[1:], index, right=True).clamp(max=cu.numel() - 2)])[None]
+        differ = torch.zeros((), dtype=torch.bool, device=device) if position_ids is None else \
+            (positions != position_ids).any()
+        if or_indices and position_ids is not None:
+            differ = differ & (position_ids != index).any()
+        differ = differ.long()
+        # (the facts in one read back, once per forward: the call is cached by the tensor's identity)
+        first, last, falls, differ = torch.stack([cu[0], cu[-1], (cu[1:] < cu[:-1]).any().long(), differ]).tolist()
+        valid = first == 0 and last == kv_len and not falls
+    if not valid:
         raise ValueError(
             f"cu_seq_lens_q must be the cumulative lengths 0 <= ... <= {kv_len} of the packed sequences of one "
             f"row of {kv_len} tokens, got {cu.tolist()[:8]} for batch {batch}"
         )
-    index = torch.arange(kv_len, device=device)
-    starts = cu[:-1][torch.searchsorted(cu[1:], index, right=True)]
-    return (index - starts).unsqueeze(0)
+    if differ:
+        raise ValueError("cu_seq_lens_q and position_ids describe different documents (position_ids must restart "
+                         "at 0 at each boundary of cu_seq_lens_q, as DataCollatorWithFlattening makes them)")
+    return positions
 
 
 def padded_last_query_as_sdpa(out, query, key, value, mask, scale, window=None):

@@ -195,7 +195,9 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
     settings = settings_for(module, kind)
     rope_frequencies = rope_frequencies_for(module, settings, query.device)
     key, value, mask, positions, rope_offset = kernel_inputs(
-        query, key, value, attention_mask, kwargs.get("position_ids"), sequence_parallel=group is not None,
+        # (a group of one process holds the whole row: the single-process rules, as its kernels equal those)
+        query, key, value, attention_mask, kwargs.get("position_ids"),
+        sequence_parallel=group is not None and torch.distributed.get_world_size(group) > 1,
         cu_seq_lens=kwargs.get("cu_seq_lens_q"), cu_seq_lens_k=kwargs.get("cu_seq_lens_k"),
         rope=rope_frequencies is not None)
     # The model's sliding window (Mistral, Qwen2 layers): every kernel keeps it (docs/contract.md 3.3).
