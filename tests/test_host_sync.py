@@ -631,3 +631,81 @@ def test_eager_static_step_of_a_left_padded_row_copies_nothing_from_the_host():
         counter, _ = count_syncs(lambda: model(ids[:, 71:72], attention_mask=mask[:, :72], past_key_values=cache,
                                                cache_position=torch.tensor([71])))
     assert not [site for site in counter.sites if "lift_fresh" in site], dict(counter.sites)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training with sparse far keys on the GPU's path (ops/sparse_far_train.py)
+
+
+@pytest.fixture
+def unwatched_training_flex(monkeypatch):
+    """sparse_far_train taken on the CPU; FlexAttention's calls (FlexAttention's definition where
+    they are differentiated: tests/test_sparse_far_train.py) run outside the counter, as in
+    test_sparse_far_flex_prefill_steady_state_has_no_sync. What autograd then does with the
+    definition's operations is counted."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from hf_dilated.ops import sparse_far_flex, sparse_far_train
+    from test_sparse_far_train import flex_definition
+
+    real = sparse_far_flex._flex_call
+
+    def flex_call(q, k, v, block_mask, scale, kind="by_query"):
+        with _disable_current_modes():
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+                return flex_definition(q, k, v, block_mask, scale, kind)
+            return real(q, k, v, block_mask, scale, kind)
+
+    monkeypatch.setattr(sparse_far_flex, "_flex_call", flex_call)
+    monkeypatch.setattr(sparse_far_train, "DEVICES", ("cuda", "cpu"))
+
+
+def test_sparse_far_training_step_has_no_sync(unwatched_training_flex, flash_band):
+    """A forward and backward with sparse far keys (prefill's calls with the merged log-sum-exp; then
+    flash's causal and sliding-window backward and each chunk's FlexAttention calls again under
+    autograd) read nothing back in a second call. The masked calls that served training before
+    read each 128-query chunk's width back."""
+    from hf_dilated.ops.far_selection import FarSelection
+
+    q, k, v = _qkv(n=1024)
+    call = lambda: dilated_attention(q, k, v, [2048], [1], local_window=256, far_band=128,
+                                     far_selection=FarSelection(2, 16, 1))
+    fwd, bwd = steady_state(call)
+    assert type(call().grad_fn).__name__ == "_SparseFarBackward"  # (the path under test)
+    assert_no_syncs(fwd, "sparse far training forward")
+    assert_no_syncs(bwd, "sparse far training backward")
+    assert flash_band  # (the band came from "flash")
+
+
+def _default_conversion_training_counts(attn_implementation):
+    """Syncs of a second forward and backward of the default conversion's tiny Llama trained past
+    its original context (700 tokens, from 256)."""
+    from conftest import tiny_default_llama
+    from transformers import LlamaForCausalLM
+
+    model, config, ids = tiny_default_llama(700, 256)
+    if attn_implementation != "dilated":
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation)
+    model.train()
+    model(ids, labels=ids).loss.backward()  # plans, once
+    forward, out = count_syncs(lambda: model(ids, labels=ids))
+    backward, _ = count_syncs(lambda: out.loss.backward())
+    return forward, backward
+
+
+def test_default_conversion_training_past_its_context_syncs_as_sdpa(unwatched_training_flex, monkeypatch):
+    """The issue's proxy for a training step of the default conversion beyond its original context
+    (gpu_table's row): no read back beyond sdpa's, but the positions' one (as every forward:
+    test_model_forward_reads_back_at_most_once_more_than_sdpa). Through local_band's masked calls
+    (the CPU's path) this model's forward reads 13 times and its backward 8 (sdpa: 4 and 0)."""
+    from hf_dilated.ops import sparse_far_train
+
+    taken = []
+    real = sparse_far_train.sparse_far_attention
+    monkeypatch.setattr(sparse_far_train, "sparse_far_attention", lambda *a: taken.append(1) or real(*a))
+    sdpa_forward, sdpa_backward = _default_conversion_training_counts("sdpa")
+    forward, backward = _default_conversion_training_counts("dilated")
+    assert len(taken) == 4  # (both layers, both forwards: the path under test)
+    assert forward.total <= sdpa_forward.total + 1, dict(forward.sites)
+    assert backward.total <= sdpa_backward.total, dict(backward.sites)

@@ -238,6 +238,39 @@ def band_forward(q, k, v, *, window: int, scale: float):
     return out.transpose(1, 2), lse
 
 
+def band_backward(dout, q, k, v, out, lse, *, window: int, scale: float):
+    """Gradients (dq, dk, dv) of band_forward's rows, given their merged out and lse: flash's
+    sliding-window backward on CUDA where flash serves the call; elsewhere one call with the band
+    as a bias (the CPU, where only tests take it: its training takes local_band's calls). dk and
+    dv come back with k's heads."""
+    n, m = q.shape[2], k.shape[2]
+    if n > m:
+        raise ValueError(f"band_backward: the queries are the last of the keys (q_len {n} > kv_len {m})")
+    if q.device.type == "cuda" and n and _choose(q, k, is_causal=False, attn_bias=None, needs_grad=True) == CUDA_FLASH:
+        b, h = q.shape[:2]
+        qt, kt, vt = (_flash_operand(t.transpose(1, 2)) for t in (q, k, v))
+        dot, ot = (_flash_operand(t.to(q.dtype).transpose(1, 2)) for t in (dout, out))
+        lse = lse.to(torch.float32).reshape(b, h, n).contiguous()  # (as _flash_backward)
+        rng, unused = _flash_rng(q.device)
+        grads = _aten._flash_attention_backward(dot, qt, kt, vt, ot, lse, None, None, n, m, 0.0, True, rng, unused,
+                                                scale=scale, window_size_left=window - 1, window_size_right=0)
+        return tuple(g.transpose(1, 2) for g in grads)
+    i = torch.arange(m - n, m, device=q.device)[:, None]
+    j = torch.arange(m, device=q.device)[None, :]
+    bias = torch.zeros(n, m, dtype=q.dtype, device=q.device).masked_fill_((j > i) | (j <= i - window), float("-inf"))
+    dq, dk, dv = attention_backward(dout.to(q.dtype), q, k, v, out.to(q.dtype), lse, is_causal=False, scale=scale,
+                                    attn_bias=bias[None, None])
+    return dq, kv_head_grads(dk, k.shape[1]), kv_head_grads(dv, k.shape[1])
+
+
+def kv_head_grads(g, kv_heads: int):
+    """A key or value gradient with k's heads: one with a head per query head (from a kernel that
+    repeats K/V) summed per kv head."""
+    if g.shape[1] == kv_heads:
+        return g
+    return g.unflatten(1, (kv_heads, g.shape[1] // kv_heads)).sum(2)
+
+
 def forward_with(kernel: str, q, k, v, *, is_causal: bool, scale: float, attn_bias=None):
     """attention_forward on a named kernel (tests force each path with it)."""
     if kernel == CUDA_FLASH:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .backend import attention_backward, attention_forward
-from . import sparse_far_plain
+from . import sparse_far_plain, sparse_far_train
 from .local_band import local_band_attention
 from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
@@ -48,7 +48,8 @@ from .dilated_decode import dilated_decode
 from .head_groups import head_groups
 from .strided import as_strided_within
 from .token_layout import TokenLayout, first_key_within, token_layout
-from .validate import check_dilated_config, check_far_reading, check_local_band, check_qkv, check_scale_dropout
+from .validate import (check_dilated_config, check_far_reading, check_local_band, check_qkv, check_scale_dropout,
+                       records_grad)
 
 # Upper bound on the elements of one explicit bias block; larger ones are cut into row chunks.
 _BIAS_BUDGET = 1 << 24
@@ -157,7 +158,14 @@ def dilated_attention(
             token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids).plain, q, k, seg, dil,
             is_causal, sliding_window) and dropout_p == 0.0:
         q_far, k_far = (q, k) if q_far is None else (q_far, k_far)
-        return sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, local_window, far_band, far_selection, scale)
+        if not records_grad(q, k, v, q_far, k_far):
+            return sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, local_window, far_band, far_selection,
+                                                       scale)
+        if q.shape[2] > local_window and sparse_far_train.applies(q, v):
+            out = sparse_far_train.sparse_far_attention(q, k, v, q_far, k_far, local_window, far_band, far_selection,
+                                                        scale)
+            if out is not None:
+                return out
     if local_window is not None:
         return local_band_attention(q, k, v, seg, dil, local_window=local_window, q_far=q_far, k_far=k_far,
                                     is_causal=is_causal, scale=scale, dropout_p=dropout_p,

@@ -26,6 +26,7 @@ from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
 from .strided import canonical
 from .token_layout import TokenLayout, first_key_within, token_layout, visible_pairs
+from .validate import records_grad
 
 _CHUNK = 512  # queries per call: a (heads x chunk x keys) mask stays a few hundred MB at 16K keys
 # Queries per call with sparse far keys (4.2): the far call reads the union of its queries' selected
@@ -76,7 +77,8 @@ def local_band_attention(q, k, v, segment_lengths, dilation_rates, *, local_wind
         far_band = None
     every_key = any(w >= k.shape[2] and r == 1 for w, r in zip(segment_lengths, dilation_rates))
     if far_band is None and far_selection is None and (every_key or not pair_count.TALLY.active) and \
-            plain_forward_applies(layout, q, k, segment_lengths, dilation_rates, is_causal, sliding_window):
+            plain_forward_applies(layout, q, k, segment_lengths, dilation_rates, is_causal, sliding_window) and \
+            not records_grad(q, k, v, q_far, k_far):
         if pair_count.TALLY.active:  # a level holds every earlier key: dense causal attention's pairs
             pair_count.TALLY.pairs += q.shape[0] * q.shape[1] * q.shape[2] * (q.shape[2] + 1) // 2
             pair_count.add_call()
@@ -287,19 +289,12 @@ class _LocalBand(torch.autograd.Function):
                 grads["k_far"].view(-1, k.shape[-1]).index_add_(0, flat, g_k.reshape(-1, k.shape[-1]).to(acc))
                 grads["v"].view(-1, v.shape[-1]).index_add_(0, flat, g_v.reshape(-1, v.shape[-1]).to(acc))
                 continue
-            grads["k_far" if call.far else "k"][:, :, call.keys] += _sum_groups(g_k, k.shape[1])
-            grads["v"][:, :, call.keys] += _sum_groups(g_v, k.shape[1])
+            grads["k_far" if call.far else "k"][:, :, call.keys] += backend.kv_head_grads(g_k, k.shape[1])
+            grads["v"][:, :, call.keys] += backend.kv_head_grads(g_v, k.shape[1])
         dq, dk, dv = grads["q"].to(q.dtype), grads["k"].to(k.dtype), grads["v"].to(v.dtype)
         if ctx.shared:  # one projection: its far use adds to the same gradients
             return (dq + grads["q_far"].to(q.dtype), dk + grads["k_far"].to(k.dtype), dv, None, None, None, None)
         return dq, dk, dv, grads["q_far"].to(q.dtype), grads["k_far"].to(k.dtype), None, None
-
-
-def _sum_groups(g, kv_heads):
-    """A key gradient with one head per query head (a backend that repeats K/V) summed per kv head."""
-    if g.shape[1] == kv_heads:
-        return g
-    return g.unflatten(1, (kv_heads, g.shape[1] // kv_heads)).sum(2)
 
 
 # --- plain layouts: no masks ---------------------------------------------------------------------
@@ -311,7 +306,7 @@ def _sum_groups(g, kv_heads):
 
 def plain_forward_applies(layout: TokenLayout, q, k, segment_lengths, dilation_rates, is_causal,
                           sliding_window) -> bool:
-    """plain_forward's rows: plain, causal, no autograd, and each level's segments tile the row, or
+    """plain_forward's rows (it serves them without autograd): plain, causal, and each level's segments tile the row, or
     one segment holds it (a level at least as long as the row whose rate divides it: the default
     conversion's single level of dilation 1 covering the target, which a prompt shorter than the
     target never filled, took the masked calls); and each level's rate divides the segments (within
@@ -321,8 +316,7 @@ def plain_forward_applies(layout: TokenLayout, q, k, segment_lengths, dilation_r
     within = [min(w, n) for w in segment_lengths]
     return (layout.plain and is_causal and sliding_window is None and q.shape[2] == n
             and all(n % w == 0 or (w >= n and n % r == 0) for w, r in zip(segment_lengths, dilation_rates))
-            and all(prev % r == 0 for prev, r in zip(within, dilation_rates[1:]))
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
+            and all(prev % r == 0 for prev, r in zip(within, dilation_rates[1:])))
 
 
 def _offset_causal(q, k, v, d: int, scale: float):
@@ -390,17 +384,19 @@ def band_rows(q, k, v, s: int, e: int, band: int, scale: float):
     return canonical(out[:, :, s - lo:].transpose(1, 2)), canonical(lse[:, :, s - lo:])
 
 
-def merge_band(band_out, band_lse, far_out, far_lse, dtype):
+def merge_band(band_out, band_lse, far_out, far_lse, dtype, with_lse: bool = False):
     """Rows of the output, (batch, rows, heads, d) in `dtype`: the band's (band_rows': band_out
     (batch, rows, heads, d), band_lse (batch, heads, rows)), merged with the far keys' (far_out,
     far_lse: (batch, heads, rows, d) / (batch, heads, rows); both None where no far key is read) by
-    merge_partial. sparse_far_flex.prefill's merge: compiled there on CUDA (alone, or inside its
-    merge of the entries), one pass over the rows."""
+    merge_partial; with_lse: (rows, their merged log-sum-exp (batch, heads, rows) in float32 or
+    float64), which a backward takes. sparse_far_flex.prefill's merge: compiled there on CUDA
+    (alone, or inside its merge of the entries), one pass over the rows."""
     acc = merge_dtype(dtype)
-    out = band_out.transpose(1, 2).to(acc)
+    out, lse = band_out.transpose(1, 2).to(acc), band_lse.to(acc)
     if far_out is not None:
-        out = merge_partial(out, band_lse.to(acc), far_out, far_lse.to(acc))[0]
-    return out.to(dtype).transpose(1, 2).contiguous()
+        out, lse = merge_partial(out, lse, far_out, far_lse.to(acc))
+    rows = out.to(dtype).transpose(1, 2).contiguous()
+    return (rows, lse) if with_lse else rows
 
 
 def _every_far(q, q_far, k_far, v, band, window: int, scale: float):

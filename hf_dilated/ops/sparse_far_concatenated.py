@@ -24,6 +24,7 @@ from .far_selection import FarSelection, bound_dtype
 from .rope import far_queries_static, far_turn_table, rotate_with
 from . import sparse_far_static
 from .sparse_far_static import BUILD_SLOTS, CUT_CHECK_EVERY, kept_step, warn_ties_cut
+from .validate import records_grad
 
 COMPILED_ON = ("cuda",)
 BACKEND = "inductor"  # torch.compile's backend for it (tests on the CPU may take a lighter one)
@@ -174,7 +175,7 @@ def concatenated_step(q, k, v, *, local_window: int, far_band: int | None, selec
     global _COMPILE_FAILED
     if (_COMPILE_FAILED is not None or torch._dynamo.config.disable or torch.compiler.is_compiling()
             or k._base is not None or v._base is not None or any(s != -f for f, s in zip(first, shift))
-            or q.requires_grad or k.requires_grad):
+            or records_grad(q, k, v)):
         return None
     if k.shape[2] - 1 - min(first) < local_window:
         # No query has a far key yet (a context within the original one): the eager step reads the band

@@ -32,6 +32,7 @@ import inspect
 import re
 import types
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -49,8 +50,8 @@ from .strided import canonical
 
 AVAILABLE = _flex is not None
 # A BlockMask's query-block lists (its key-block lists transposed: a sort and a few passes each) serve
-# FlexAttention's backward alone; this path runs without gradients (sparse_far_plain.applies), so
-# they are skipped where torch can (compute_q_blocks, torch >= 2.7).
+# FlexAttention's backward alone; the forward's masks skip them where torch can (compute_q_blocks,
+# torch >= 2.7), the backward's (sparse_far_train) have them.
 _FORWARD_ONLY = ({"compute_q_blocks": False} if AVAILABLE
                  and "compute_q_blocks" in inspect.signature(_flex.BlockMask.from_kv_blocks).parameters else {})
 TILE = 128  # FlexAttention's default tile (queries x keys) of a BlockMask
@@ -199,13 +200,15 @@ def listed_tiles(chosen: torch.Tensor, n_tiles: int, block_size: int) -> torch.T
     return (chosen.float() @ _tile_overlap(chosen.shape[-1], n_tiles, block_size, chosen.device)) > 0
 
 
-def prefill(q, k, v, q_far, k_far, start: int, band: int, selection: FarSelection, scale: float):
+def prefill(q, k, v, q_far, k_far, start: int, band: int, selection: FarSelection, scale: float,
+            with_lse: bool = False):
     """The output (shaped like q, in q's dtype) of sparse_far_plain's rows on FlexAttention, or None
     (nothing computed) where FlexAttention does not take heads this narrow here (takes_head_dim) or
     failed to build its kernel in this process (warned once): the caller then takes the block-by-block
     path. Queries before `start` (> 0) read every key before them (one causal call); each later query
     its band (keys j > i - band) and the far keys it selects: keys j <= i - band in its sink blocks and
-    its top_k blocks by Quest's bound from the blocks' summaries (far_selection).
+    its top_k blocks by Quest's bound from the blocks' summaries (far_selection). with_lse: (output,
+    its log-sum-exp (batch, heads, n) in float32 or float64), what sparse_far_train's backward takes.
 
     Per chunk of queries: the band's call (flash's sliding window on CUDA), the far keys' calls, and
     one compiled merge of both by log-sum-exp, written once into the output, in the memory layout
@@ -219,57 +222,41 @@ def prefill(q, k, v, q_far, k_far, start: int, band: int, selection: FarSelectio
         return None
     batch, n_heads, n = q_far.shape[:3]
     dim = v.shape[-1]
-    # Every call has one shape per power of two of the length (one compile for all the lengths in
-    # it, where one per length would recompile at each new prompt): the keys are padded to it (no
-    # query reaches a padded key, and no tile of them is listed: they cost memory, not work), the
-    # blocks' summaries to a bucket of their own (below; empty ones: never chosen), every call takes
-    # `chunk` query rows, the last chunk moved back to end at n (writing only the rows not written
-    # yet), a row shorter than a chunk padded with queries that read nothing. Every operand has a
-    # contiguous tensor's strides (canonical): a compiled call specialises on strides too, a size-1
-    # dimension's included, and a slice of a longer row has others.
-    n_keys = length_bucket(n)
-    size = selection.block_size
-    slots = selection.top_k + selection.sinks
-    n_blocks = scored_blocks(n, band, size)
-    if slots:
-        product = far_selection.product_dtype(k_far.device, k_far.dtype)  # bounds on the tensor cores where exact
-        summaries = far_selection.plain_summaries(k_far[:, :, :n_blocks * size], size, n_blocks, product)
-        operands = far_selection.bound_operands(*summaries, n_heads // k_far.shape[1])
-        k_far, v_far = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else canonical(t)
-                        for t in (k_far, v))
-    entry_elements = batch * n_heads * slots * q_far.shape[-1] if LAYOUT == "by_block" else 0
-    chunk = min(query_chunk(batch * n_heads, n_blocks, entry_elements), max(TILE, n_keys))
-    # each query's last far key (i - band), made once; the rows past n pad a short row and read nothing
-    position = torch.arange(n + chunk, device=q_far.device)
-    lasts = torch.where(position < n, position - band, -1)
+    rows_of = RowPlan.of(q_far, k_far, v, band, selection)
     out = torch.empty(batch, n, n_heads, dim, dtype=q.dtype, device=q.device)  # (the layout transformers returns)
-    out[:, :start] = attention_forward(q[:, :, :start], k[:, :, :start], v[:, :, :start], is_causal=True,
-                                       scale=scale)[0].transpose(1, 2)
+    lse = torch.empty(batch, n_heads, n, dtype=merge_dtype(q.dtype), device=q.device) if with_lse else None
+    head_out, head_lse = attention_forward(q[:, :, :start], k[:, :, :start], v[:, :, :start], is_causal=True,
+                                           scale=scale)
+    out[:, :start] = head_out.transpose(1, 2)
+    if with_lse:
+        lse[:, :, :start] = head_lse
+    size, slots, chunk = selection.block_size, rows_of.slots, rows_of.chunk
     lo = start
     while lo < n:
-        e = min(n, lo + chunk)
-        s = max(start, e - chunk)
-        q_chunk = canonical(q_far[:, :, s:e])
+        s, e = rows_of.chunk_rows(lo, start, n)
+        q_chunk = rows_of.query_rows(q_far, s, e)
         band_out, band_lse = band_rows(q, k, v, s, e, band, scale)
         if e - s < chunk:
-            q_chunk = torch.nn.functional.pad(q_chunk, (0, 0, 0, chunk - (e - s)))
             band_out = torch.nn.functional.pad(band_out, (0, 0, 0, 0, 0, chunk - (e - s)))
             band_lse = torch.nn.functional.pad(band_lse, (0, chunk - (e - s)))
-        last = lasts[s:s + chunk]
+        last = rows_of.lasts[s:s + chunk]
         pairs = None
         if slots and (pair_count.TALLY.active or LAYOUT != "by_block"):
-            chosen = far_selection.plain_choice(q_chunk[:, :, :e - s], None, None, s, band, selection, operands)
+            chosen = far_selection.plain_choice(q_chunk[:, :, :e - s], None, None, s, band, selection,
+                                                rows_of.operands)
             chosen = torch.nn.functional.pad(chosen, (0, 0, 0, chunk - (e - s)), value=False)
             if pair_count.TALLY.active:
                 pairs = pairs_read(chosen, s, band, size, lo - s)
         try:
             if not slots:  # no far key is read
-                rows = _fused(merge_band, n_keys)(band_out, band_lse, None, None, q.dtype)
+                rows = _fused(merge_band, rows_of.n_keys)(band_out, band_lse, None, None, q.dtype, with_lse)
             elif LAYOUT == "by_block":
-                rows = _by_block_call(q_chunk, k_far, v_far, operands, last, selection, scale, band_out, band_lse)
+                rows = _by_block_call(q_chunk, rows_of.k_far, rows_of.v_far, rows_of.operands, last, selection, scale,
+                                      band_out, band_lse, with_lse)
             else:
-                far = _flex_call(q_chunk, k_far, v_far, by_query_mask(chosen, last, n_keys, size), scale)
-                rows = _fused(merge_band, n_keys)(band_out, band_lse, *far, q.dtype)
+                far = _flex_call(q_chunk, rows_of.k_far, rows_of.v_far,
+                                 by_query_mask(chosen, last, rows_of.n_keys, size), scale)
+                rows = _fused(merge_band, rows_of.n_keys)(band_out, band_lse, *far, q.dtype, with_lse)
         except _KeyTilesFailed as exc:  # the by-block call, with key tiles of a far block: first without them
             if lo != start:
                 raise
@@ -287,11 +274,67 @@ def prefill(q, k, v, q_far, k_far, start: int, band: int, selection: FarSelectio
             warnings.warn(f"hf_dilated: FlexAttention failed here ({_FAILED[:500]}); sparse far keys take the "
                           "block-by-block path from now on (correct, but slow on a GPU)", RuntimeWarning, stacklevel=2)
             return None
+        if with_lse:
+            rows, rows_lse = rows
+            lse[:, :, lo:e] = rows_lse[:, :, lo - s:e - s]
         out[:, lo:e] = rows[:, lo - s:e - s]
         if pairs is not None:  # counted once written: a fallback counts its own
             pair_count.TALLY.pairs += pairs
         lo = e
-    return out.transpose(1, 2)
+    return (out.transpose(1, 2), lse) if with_lse else out.transpose(1, 2)
+
+
+@dataclass
+class RowPlan:
+    """What every chunk of one prefill shares, from shapes alone (prefill, and sparse_far_train's
+    backward, which walks the same chunks). Every call has one shape per power of two of the length
+    (one compile for all the lengths in it, where one per length would recompile at each new
+    prompt): the keys are padded to it (no query reaches a padded key, and no tile of them is
+    listed: they cost memory, not work), the blocks' summaries to a bucket of their own
+    (scored_blocks; empty ones: never chosen), every call takes `chunk` query rows, the last chunk
+    moved back to end at n (writing only the rows not written yet), a row shorter than a chunk
+    padded with queries that read nothing. Every operand has a contiguous tensor's strides
+    (canonical): a compiled call specialises on strides too, a size-1 dimension's included, and a
+    slice of a longer row has others."""
+
+    n_keys: int  # the length bucket
+    slots: int  # sinks + top_k
+    chunk: int  # query rows per call
+    operands: tuple | None  # the far blocks' bound_operands (None without slots)
+    k_far: torch.Tensor  # padded to n_keys (with slots)
+    v_far: torch.Tensor
+    lasts: torch.Tensor  # each query's last far key (i - band); -1 on the rows past n
+
+    @classmethod
+    def of(cls, q_far, k_far, v, band: int, selection: FarSelection) -> "RowPlan":
+        batch, n_heads, n = q_far.shape[:3]
+        n_keys = length_bucket(n)
+        size = selection.block_size
+        slots = selection.top_k + selection.sinks
+        n_blocks = scored_blocks(n, band, size)
+        operands = None
+        v_far = v
+        if slots:
+            product = far_selection.product_dtype(k_far.device, k_far.dtype)  # bounds on the tensor cores where exact
+            summaries = far_selection.plain_summaries(k_far[:, :, :n_blocks * size], size, n_blocks, product)
+            operands = far_selection.bound_operands(*summaries, n_heads // k_far.shape[1])
+            k_far, v_far = (torch.nn.functional.pad(t, (0, 0, 0, n_keys - n)) if n_keys > n else canonical(t)
+                            for t in (k_far, v))
+        entry_elements = batch * n_heads * slots * q_far.shape[-1] if LAYOUT == "by_block" else 0
+        chunk = min(query_chunk(batch * n_heads, n_blocks, entry_elements), max(TILE, n_keys))
+        position = torch.arange(n + chunk, device=q_far.device)
+        lasts = torch.where(position < n, position - band, -1)
+        return cls(n_keys, slots, chunk, operands, k_far, v_far, lasts)
+
+    def chunk_rows(self, lo: int, start: int, n: int) -> tuple[int, int]:
+        """(s, e): the rows of the call that writes rows lo .. e - 1 (s <= lo: a last chunk moved back)."""
+        e = min(n, lo + self.chunk)
+        return max(start, e - self.chunk), e
+
+    def query_rows(self, q_far, s: int, e: int):
+        """The call's query rows s .. e - 1, padded to `chunk` rows, with a contiguous tensor's strides."""
+        rows = canonical(q_far[:, :, s:e])
+        return rows if e - s == self.chunk else torch.nn.functional.pad(rows, (0, 0, 0, self.chunk - (e - s)))
 
 
 def check_choices() -> None:
@@ -335,13 +378,14 @@ def by_query_lists(chosen, last, n: int, size: int):
     return (chosen, last, *tile_lists(listed_tiles(per_tile, n_tiles, size)))
 
 
-def by_query_block_mask(chosen, last, kv_count, kv_indices, size: int, n: int, rows: int):
-    """The BlockMask over n keys of by_query_lists' tensors for `rows` queries (before padding)."""
+def by_query_block_mask(chosen, last, kv_count, kv_indices, size: int, n: int, rows: int, grad: bool = False):
+    """The BlockMask over n keys of by_query_lists' tensors for `rows` queries (before padding);
+    grad: with the query-tile lists FlexAttention's backward reads."""
     def mask_mod(b, h, q_idx, kv_idx):
         return chosen[b, h, q_idx, kv_idx // size] & (kv_idx <= last[q_idx])
 
     return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=TILE, mask_mod=mask_mod,
-                                          seq_lengths=(rows, n), **_FORWARD_ONLY)
+                                          seq_lengths=(rows, n), **({} if grad else _FORWARD_ONLY))
 
 
 # --- by block: FlexAttention's rows are (query, head, chosen block), sorted by block ----------
@@ -414,11 +458,12 @@ def sort_key_dtype(n_blocks: int) -> torch.dtype:
 
 
 def merge_entries(o, part, inverse, heads: int, rows: int, tied_out, tied_lse, band_out, band_lse,
-                  by_slot: bool = False):
-    """A chunk's rows of the output, as merge_band returns them (o's dtype): each query's entries
-    (FlexAttention rows `inverse` of o / part) and its tied blocks' part (tied_out, tied_lse) in one
-    softmax by their log-sum-exp, then merged with its band (band_out, band_lse). Compiled on CUDA
-    (_fused): the gather, the weights and the sums are one pass over o."""
+                  by_slot: bool = False, with_lse: bool = False):
+    """A chunk's rows of the output, as merge_band returns them (o's dtype; with_lse, and their
+    log-sum-exp): each query's entries (FlexAttention rows `inverse` of o / part) and its tied
+    blocks' part (tied_out, tied_lse) in one softmax by their log-sum-exp, then merged with its band
+    (band_out, band_lse). Compiled on CUDA (_fused): the gather, the weights and the sums are one
+    pass over o."""
     batch, kv_heads, _, dim = o.shape
     acc = merge_dtype(o.dtype)
     lse_e = part.gather(2, inverse).view(batch, heads, rows, -1).to(acc)
@@ -435,15 +480,17 @@ def merge_entries(o, part, inverse, heads: int, rows: int, tied_out, tied_lse, b
     else:
         o_e = o.gather(2, inverse[..., None].expand(-1, -1, -1, dim)).view(batch, heads, rows, -1, dim).to(acc)
         far_out = far_out + (weight[..., :-1, None] * o_e).sum(-2)
-    return merge_band(band_out, band_lse, far_out, far_lse, o.dtype)
+    return merge_band(band_out, band_lse, far_out, far_lse, o.dtype, with_lse)
 
 
-def merge_entries_by_slot(o, part, inverse, heads: int, rows: int, tied_out, tied_lse, band_out, band_lse):
+def merge_entries_by_slot(o, part, inverse, heads: int, rows: int, tied_out, tied_lse, band_out, band_lse,
+                          with_lse: bool = False):
     """merge_entries summing slot by slot (MERGE "by_slot"): compiled apart from it."""
-    return merge_entries(o, part, inverse, heads, rows, tied_out, tied_lse, band_out, band_lse, by_slot=True)
+    return merge_entries(o, part, inverse, heads, rows, tied_out, tied_lse, band_out, band_lse, True, with_lse)
 
 
-def _by_block_call(q_chunk, k_far, v, operands, last, selection: FarSelection, scale: float, band_out, band_lse):
+def _by_block_call(q_chunk, k_far, v, operands, last, selection: FarSelection, scale: float, band_out, band_lse,
+                   with_lse: bool = False):
     """One chunk's rows of the output (merge_band's), from FlexAttention over by_block_plan's rows,
     merged per (query, head) by merge_entries with the blocks tied beyond the slots (one more call,
     by query: its tiles are those some query has a tied block in, usually none, which cost nothing)
@@ -464,7 +511,7 @@ def _by_block_call(q_chunk, k_far, v, operands, last, selection: FarSelection, s
         raise
     o2, part2 = _flex_call(q_chunk, k_far, v, by_query_block_mask(*tied_lists, size, n, rows), scale)
     merge = merge_entries if MERGE == "reduce" else merge_entries_by_slot  # (a compiled function each)
-    return _fused(merge, n)(o, part, inverse, n_heads, rows, o2, part2, band_out, band_lse)
+    return _fused(merge, n)(o, part, inverse, n_heads, rows, o2, part2, band_out, band_lse, with_lse)
 
 
 class _KeyTilesFailed(Exception):
@@ -479,17 +526,19 @@ def key_tile(block_size: int) -> int:
     return block_size if block_size in (32, 64, 128) and _BLOCK_TILES_FAILED is None else TILE
 
 
-def by_block_mask(row_block, row_last, kv_count, kv_indices, full_count, size: int, n: int, kv_tile: int | None = None):
+def by_block_mask(row_block, row_last, kv_count, kv_indices, full_count, size: int, n: int, kv_tile: int | None = None,
+                  grad: bool = False):
     """The BlockMask of by_block_plan's rows over n keys: row r reads the keys of block row_block[r]
     up to row_last[r], in the key tiles listed for its tile (tiles of key_tile(size) keys), and
-    every key of a full tile (full_count: one, or None where a key tile is not a block)."""
+    every key of a full tile (full_count: one, or None where a key tile is not a block); grad: with
+    the query-tile lists FlexAttention's backward reads."""
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx // size == row_block[b, h, q_idx]) & (kv_idx <= row_last[b, h, q_idx])
 
     full = {} if full_count is None else {"full_kv_num_blocks": full_count, "full_kv_indices": kv_indices}
     return _flex.BlockMask.from_kv_blocks(kv_count, kv_indices, BLOCK_SIZE=(TILE, kv_tile or key_tile(size)),
                                           mask_mod=mask_mod, seq_lengths=(row_block.shape[-1], n), **full,
-                                          **_FORWARD_ONLY)
+                                          **({} if grad else _FORWARD_ONLY))
 
 
 # The selection and the entries' plan and merge (elementwise passes and row reductions over

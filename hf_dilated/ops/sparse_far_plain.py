@@ -13,7 +13,7 @@ Queries before `window` read every key exactly (one causal call); the band of th
 local_band.near_plain's. On CUDA the row goes to sparse_far_flex.prefill instead (per chunk of
 queries the band's flash call, one FlexAttention call and one compiled merge; same set): there a
 launch per block is the cost. Used for prefill without autograd (inference); training takes
-local_band's masked calls, which compute the same set.
+sparse_far_train on a GPU and local_band's masked calls elsewhere, which compute the same set.
 """
 from __future__ import annotations
 
@@ -43,10 +43,11 @@ def pair_chunk(n_heads: int, selection: FarSelection, dim: int) -> int:
 
 
 def applies(plain: bool, q, k, segment_lengths, dilation_rates, is_causal, sliding_window) -> bool:
+    """Whether a call's rows are this module's (its forward serves them without autograd; with it,
+    sparse_far_train on a GPU)."""
     n = k.shape[2]
     return (plain and is_causal and sliding_window is None and q.shape[2] == n
-            and any(w >= n and r == 1 for w, r in zip(segment_lengths, dilation_rates))
-            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)))
+            and any(w >= n and r == 1 for w, r in zip(segment_lengths, dilation_rates)))
 
 
 def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None, selection: FarSelection,

@@ -18,6 +18,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .far_selection import FarSelection
 from .rope import far_queries_static
 from .sparse_far_static import CUT_CHECK_EVERY, KeptSummaries, build, kept_step, settings_of, warn_ties_cut
+from .validate import records_grad
 
 GRAPHED_ON = ("cuda",)
 _POOLS = {}  # device -> (memory pool, layers captured into it): one per round of captures
@@ -136,7 +137,7 @@ def reserved_step(q, k, v, *, local_window: int, far_band: int | None, selection
             or v_buffer.shape != k_buffer.shape or k_buffer.shape[:2] + k_buffer.shape[3:] != k.shape[:2] + k.shape[3:]
             or k.data_ptr() != k_buffer.data_ptr() or v.data_ptr() != v_buffer.data_ptr()
             or k.stride() != k_buffer.stride() or v.stride() != v_buffer.stride()
-            or any(s != -f for f, s in zip(first, shift)) or q.requires_grad or k.requires_grad):
+            or any(s != -f for f, s in zip(first, shift)) or records_grad(q, k, v)):
         return None
     seen = k.shape[2]
     settings = dict(local_window=local_window, far_band=far_band, selection=selection, scale=scale, rotation=rotation)

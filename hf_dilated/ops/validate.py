@@ -11,9 +11,16 @@ import torch
 from ..config import DILATED_MODES, check_dilated_config, check_int
 
 __all__ = ["DILATED_MODES", "FLOAT_DTYPES", "check_dilated_config", "check_int", "check_local_band", "check_qkv",
-           "check_scale_dropout"]
+           "check_scale_dropout", "records_grad"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def records_grad(*tensors) -> bool:
+    """Whether autograd records a call on these tensors: the paths without a backward serve the
+    others. Any of them counts: v alone requires grad where LoRA adapts v_proj only (the first
+    layer's q and k then come from frozen weights on frozen embeddings)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def check_qkv(q, k, v, attention_mask=None, position_ids=None) -> None:

@@ -1,0 +1,204 @@
+"""Training with sparse far keys on the GPU's path (ops/sparse_far_train.py) against the independent
+float64 reference (tests/reference.py), run on the CPU.
+
+FlexAttention has no backward on the CPU, so these tests stand in for its call with its definition
+(`flex_definition`: every pair of a listed full tile, and the pairs of a listed partial tile that its
+mask_mod keeps, in float64 torch operations that autograd differentiates); the forward runs torch's
+own eager FlexAttention. FlexAttention's backward itself runs in tests/test_cuda_models.py."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_dilated.config import CONFIG_KEY
+from hf_dilated.ops import dilated_attention, sparse_far_flex, sparse_far_train
+from hf_dilated.ops.far_selection import FarSelection
+from reference import local_band_reference
+from test_dilated import make_inputs
+from test_sparse_far import BASE, far_inputs, sparse
+
+TOL = 1e-10
+
+
+def _listed(count, indices, q_tiles, k_tiles):
+    """bool (batch, heads, q_tiles, k_tiles) of a BlockMask's (count, indices) lists."""
+    taken = torch.arange(indices.shape[-1], device=indices.device) < count[..., None]
+    index = torch.where(taken, indices.long(), k_tiles)[..., :k_tiles]
+    dense = torch.zeros((*indices.shape[:-1], k_tiles + 1), dtype=torch.bool, device=indices.device)
+    return dense.scatter_(-1, index, True)[..., :k_tiles][:, :, :q_tiles]
+
+
+def flex_definition(q, k, v, block_mask, scale, kind="by_query"):
+    """(out, lse) of a FlexAttention call by its definition, differentiable (float64 inside)."""
+    batch, heads, rows, _ = q.shape
+    n = k.shape[2]
+    q_tile, k_tile = block_mask.BLOCK_SIZE
+    q_tiles, k_tiles = -(-rows // q_tile), -(-n // k_tile)
+    b = torch.arange(batch)[:, None, None, None]
+    h = torch.arange(heads)[None, :, None, None]
+    i = torch.arange(rows)[None, None, :, None]
+    j = torch.arange(n)[None, None, None, :]
+    mask_heads = block_mask.kv_num_blocks.shape[1]  # 1 or the query heads
+    tiles = (b, h % mask_heads, i // q_tile, j // k_tile)
+    partial = _listed(block_mask.kv_num_blocks, block_mask.kv_indices, q_tiles, k_tiles)[tiles]
+    read = partial & block_mask.mask_mod(b, h, i, j)
+    if block_mask.full_kv_num_blocks is not None:
+        read = read | _listed(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, q_tiles, k_tiles)[tiles]
+    group = heads // k.shape[1]
+    keys, values = (t.to(torch.float64).repeat_interleave(group, 1) for t in (k, v))
+    scores = scale * q.to(torch.float64) @ keys.transpose(-1, -2)
+    empty = ~read.any(-1)
+    top = torch.where(read, scores, float("-inf")).amax(-1, keepdim=True).detach()
+    top = torch.where(empty[..., None], 0.0, top)
+    weights = torch.where(read, torch.exp(scores - top), 0.0)
+    total = weights.sum(-1)
+    total = torch.where(empty, 1.0, total)
+    out = (weights / total[..., None]) @ values
+    lse = torch.where(empty, float("-inf"), torch.log(total) + top[..., 0])
+    return out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
+
+@pytest.fixture
+def gpu_training_path(monkeypatch):
+    """sparse_far_train taken on the CPU, with flex_definition where FlexAttention is differentiated."""
+    real = sparse_far_flex._flex_call
+
+    def flex_call(q, k, v, block_mask, scale, kind="by_query"):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return flex_definition(q, k, v, block_mask, scale, kind)
+        return real(q, k, v, block_mask, scale, kind)
+
+    monkeypatch.setattr(sparse_far_flex, "_flex_call", flex_call)
+    monkeypatch.setattr(sparse_far_train, "DEVICES", ("cuda", "cpu"))
+
+
+# (far_band, far_top_k, far_block_size, far_sinks) with a local_window of 64 over rows of 300 keys
+TRAIN_SETTINGS = [(None, 2, 16, 1), (24, 3, 16, 1), (48, 2, 48, 2), (None, 1, 64, 0), (20, 0, 8, 1), (32, 50, 32, 1),
+                  (24, 0, 16, 0)]
+
+
+def _inputs(heads, seed=3):
+    case = replace(BASE, layout="plain", kv_len=300, q_heads=heads[0], kv_heads=heads[1], batch=2, seed=seed)
+    q, k, v, _, _, _ = make_inputs(case, torch.float64)
+    q_far, k_far = far_inputs(q, k, seed + 1)
+    return [t.detach().requires_grad_() for t in (q, k, v, q_far, k_far)]
+
+
+@pytest.mark.parametrize("setting", TRAIN_SETTINGS, ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
+@pytest.mark.parametrize("heads", ((4, 2), (3, 1)), ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("far", (True, False), ids=("far_projections", "same_projections"))
+@pytest.mark.parametrize("chunked", (False, True), ids=("one_call", "calls_of_128"))
+def test_training_path_matches_reference(setting, heads, far, chunked, gpu_training_path, monkeypatch):
+    """Output and the gradients of q, k, v, q_far and k_far, in one call of every query row or in
+    calls of 128 (the last moved back over rows the one before wrote: they take no cotangent twice)."""
+    if chunked:
+        monkeypatch.setattr(sparse_far_flex, "_BOUND_ELEMENTS", 1)  # 128 queries per call
+    q, k, v, q_far, k_far = _inputs(heads)
+    if not far:
+        q_far, k_far = q, k
+    kernel, ref_kw = sparse(setting)
+    out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, **kernel)
+    assert type(out.grad_fn).__name__ == "_SparseFarBackward"  # (the path under test)
+    leaves = [q, k, v] + ([q_far, k_far] if far else [])
+    refs = [t.detach().clone().requires_grad_() for t in leaves]
+    ref = local_band_reference(*refs[:3], [512], [1], 64, q_far=refs[3] if far else None,
+                               k_far=refs[4] if far else None, **ref_kw)
+    assert (out - ref).abs().max().item() < TOL
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    mine = torch.autograd.grad((out * grad).sum(), leaves)
+    theirs = torch.autograd.grad((ref * grad).sum(), refs)
+    for name, a, b in zip(("q", "k", "v", "q_far", "k_far"), mine, theirs):
+        assert (a - b).abs().max().item() < TOL, name
+
+
+def test_training_path_in_half_precision_is_as_close_as_the_masked_calls(gpu_training_path):
+    """float32 inputs: the gradients within float32's rounding of the reference's."""
+    q, k, v, q_far, k_far = (t.detach().float().requires_grad_() for t in _inputs((4, 2)))
+    kernel, ref_kw = sparse((24, 3, 16, 1))
+    out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, **kernel)
+    assert type(out.grad_fn).__name__ == "_SparseFarBackward"
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v, q_far, k_far)]
+    ref = local_band_reference(*refs[:3], [512], [1], 64, q_far=refs[3], k_far=refs[4], **ref_kw)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    mine = torch.autograd.grad((out * grad).sum(), (q, k, v, q_far, k_far))
+    theirs = torch.autograd.grad((ref * grad.double()).sum(), refs)
+    for name, a, b in zip(("q", "k", "v", "q_far", "k_far"), mine, theirs):
+        assert ((a.double() - b).abs().max() / b.abs().max()).item() < 1e-5, name
+
+
+@pytest.mark.parametrize("far_selection", (FarSelection(2, 16, 1), None), ids=("sparse_far", "every_far_key"))
+def test_gradients_reach_v_alone(far_selection):
+    """LoRA on v_proj alone: the first layer's q and k come from frozen weights on frozen embeddings
+    and do not require grad, v does. The paths without a backward took such calls (they looked at q
+    and k alone): the sparse far keys' raised ("functions with out=... arguments don't support
+    automatic differentiation")."""
+    q, k, v, q_far, k_far = _inputs((4, 2))
+    q, k, q_far, k_far = (t.detach() for t in (q, k, q_far, k_far))
+    band = None if far_selection is None else 24  # (every far key, no far band: local_band.plain_forward's rows)
+    out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, far_band=band,
+                            far_selection=far_selection)
+    ref_v = v.detach().clone().requires_grad_()
+    ref = local_band_reference(q, k, ref_v, [512], [1], 64, q_far=q_far, k_far=k_far, far_band=band,
+                               **({} if far_selection is None else dict(far_top_k=2, far_block_size=16, far_sinks=1)))
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    (mine,) = torch.autograd.grad((out * grad).sum(), (v,))
+    (theirs,) = torch.autograd.grad((ref * grad).sum(), (ref_v,))
+    assert (out - ref).abs().max().item() < TOL
+    assert (mine - theirs).abs().max().item() < TOL
+
+
+def test_rows_within_the_window_are_refused_by_name():
+    q = torch.randn(1, 2, 40, 8)
+    with pytest.raises(ValueError, match="no far key within window 64"):
+        sparse_far_train.sparse_far_attention(q, q[:, :1], q[:, :1], q, q[:, :1], 64, None, FarSelection(2, 16, 1),
+                                              0.3)
+
+
+# --- on CUDA: FlexAttention's own backward (compiled), flash's windowed backward ----------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("setting", TRAIN_SETTINGS[:4], ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
+def test_cuda_training_path_matches_reference(setting):
+    """float32 on CUDA (FlexAttention compiled, with the gradient of its log-sum-exp) against the
+    float64 reference on the CPU."""
+    q, k, v, q_far, k_far = (t.detach().float().cuda().requires_grad_() for t in _inputs((4, 2)))
+    kernel, ref_kw = sparse(setting)
+    out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, **kernel)
+    assert type(out.grad_fn).__name__ == "_SparseFarBackward"
+    refs = [t.detach().double().cpu().requires_grad_() for t in (q, k, v, q_far, k_far)]
+    ref = local_band_reference(*refs[:3], [512], [1], 64, q_far=refs[3], k_far=refs[4], **ref_kw)
+    assert ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    mine = torch.autograd.grad((out * grad.cuda()).sum(), (q, k, v, q_far, k_far))
+    theirs = torch.autograd.grad((ref * grad.double()).sum(), refs)
+    for name, a, b in zip(("q", "k", "v", "q_far", "k_far"), mine, theirs):
+        assert ((a.double().cpu() - b).abs().max() / b.abs().max()).item() < 1e-4, name
+
+
+@pytest.mark.cuda
+def test_cuda_default_conversion_training_step_at_16k_tokens(monkeypatch):
+    """The default conversion from 4,096 tokens (band 4,096, far band 2,048, sparse far keys) in
+    bfloat16, a Llama of 8 query / 2 kv heads of 64: one forward and backward at 16,384 tokens takes
+    this path in both layers, with a finite loss and finite gradients."""
+    from hf_dilated.bench.gpu_table import _model_entry
+
+    taken = []
+    real = sparse_far_train.sparse_far_attention
+    monkeypatch.setattr(sparse_far_train, "sparse_far_attention", lambda *a: taken.append(1) or real(*a))
+    n = 16384
+    config = LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2,
+                         intermediate_size=1024, vocab_size=1024, max_position_embeddings=4096)
+    setattr(config, CONFIG_KEY, _model_entry("default", 4096, n))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM._from_config(config, attn_implementation="dilated", dtype=torch.bfloat16).cuda().train()
+    ids = torch.randint(0, 1024, (1, n), generator=torch.Generator().manual_seed(0)).cuda()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    torch.cuda.synchronize()
+    assert len(taken) == 2
+    assert torch.isfinite(loss).item()
+    assert all(torch.isfinite(p.grad).all().item() for p in model.parameters() if p.grad is not None)
