@@ -150,6 +150,55 @@ def test_gradients_reach_v_alone(far_selection):
     assert (mine - theirs).abs().max().item() < TOL
 
 
+def test_autocast_changes_nothing_in_either_pass(gpu_training_path):
+    """Under autocast the backward (run where autocast may be off) must select the forward's blocks
+    from operations in the same dtypes: both passes run with autocast off, in the inputs' dtype."""
+    leaves = [t.detach().float().requires_grad_() for t in _inputs((4, 2))]
+    kernel, _ = sparse(TRAIN_SETTINGS[1])
+    runs = []
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = dilated_attention(*leaves[:3], [512], [1], local_window=64, q_far=leaves[3], k_far=leaves[4],
+                                    **kernel)
+            grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+            runs.append((out, *torch.autograd.grad((out * grad).sum(), leaves)))
+    assert type(out.grad_fn).__name__ == "_SparseFarBackward"
+    for plain, under_autocast in zip(*runs):
+        assert torch.equal(plain, under_autocast)
+
+
+def test_the_cpu_trains_through_the_masked_calls():
+    """FlexAttention has no backward on the CPU: training there keeps local_band's calls."""
+    q, k, v, q_far, k_far = _inputs((4, 2))
+    kernel, _ = sparse(TRAIN_SETTINGS[1])
+    out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, **kernel)
+    assert type(out.grad_fn).__name__ == "_LocalBandBackward"
+
+
+def test_a_backward_that_fails_to_build_falls_back_to_the_masked_calls(gpu_training_path, monkeypatch):
+    """FlexAttention's backward compiles at its first call: where that fails, the step's gradients
+    come from the masked calls over the same set (warned once), and later calls take them."""
+    def fails(*args):
+        raise RuntimeError("no kernel configuration")
+
+    monkeypatch.setattr(sparse_far_train, "_chunk_grads", fails)
+    monkeypatch.setattr(sparse_far_train, "_BACKWARD_FAILED", None)
+    q, k, v, q_far, k_far = _inputs((4, 2))
+    kernel, ref_kw = sparse(TRAIN_SETTINGS[1])
+    out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, **kernel)
+    assert type(out.grad_fn).__name__ == "_SparseFarBackward"
+    refs = [t.detach().clone().requires_grad_() for t in (q, k, v, q_far, k_far)]
+    ref = local_band_reference(*refs[:3], [512], [1], 64, q_far=refs[3], k_far=refs[4], **ref_kw)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="no kernel configuration"):
+        mine = torch.autograd.grad((out * grad).sum(), (q, k, v, q_far, k_far))
+    theirs = torch.autograd.grad((ref * grad).sum(), refs)
+    for name, a, b in zip(("q", "k", "v", "q_far", "k_far"), mine, theirs):
+        assert (a - b).abs().max().item() < TOL, name
+    again = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, **kernel)
+    assert type(again.grad_fn).__name__ == "_LocalBandBackward"
+
+
 def test_rows_within_the_window_are_refused_by_name():
     q = torch.randn(1, 2, 40, 8)
     with pytest.raises(ValueError, match="no far key within window 64"):
@@ -160,26 +209,42 @@ def test_rows_within_the_window_are_refused_by_name():
 # --- on CUDA: FlexAttention's own backward (compiled), flash's windowed backward ----------------------
 
 
+# top_k 50: every candidate block chosen (no near tie of bfloat16 bounds decides a block); far bands
+# below and at the window (flash's sliding window of 32 and of 64 in the backward)
+CUDA_SETTINGS = [(32, 50, 32, 1), (None, 50, 64, 0), (24, 50, 16, 2)]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("setting", TRAIN_SETTINGS[:4], ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
+@pytest.mark.parametrize("setting", CUDA_SETTINGS, ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
 def test_cuda_training_path_matches_reference(setting):
-    """float32 on CUDA (FlexAttention compiled, with the gradient of its log-sum-exp) against the
-    float64 reference on the CPU."""
-    q, k, v, q_far, k_far = (t.detach().float().cuda().requires_grad_() for t in _inputs((4, 2)))
+    """bfloat16 on CUDA (FlexAttention compiled, with the gradient of its log-sum-exp; flash's
+    causal and sliding-window backward) against the float64 reference of the same rounded inputs."""
+    q, k, v, q_far, k_far = (t.detach().bfloat16().cuda().requires_grad_() for t in _inputs((4, 2)))
     kernel, ref_kw = sparse(setting)
     out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, **kernel)
     assert type(out.grad_fn).__name__ == "_SparseFarBackward"
     refs = [t.detach().double().cpu().requires_grad_() for t in (q, k, v, q_far, k_far)]
     ref = local_band_reference(*refs[:3], [512], [1], 64, q_far=refs[3], k_far=refs[4], **ref_kw)
-    assert ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    assert ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item() < 2e-2
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
-    mine = torch.autograd.grad((out * grad.cuda()).sum(), (q, k, v, q_far, k_far))
-    theirs = torch.autograd.grad((ref * grad.double()).sum(), refs)
+    mine = torch.autograd.grad((out * grad.bfloat16().cuda()).sum(), (q, k, v, q_far, k_far))
+    theirs = torch.autograd.grad((ref * grad.bfloat16().double()).sum(), refs)
     for name, a, b in zip(("q", "k", "v", "q_far", "k_far"), mine, theirs):
-        assert ((a.double().cpu() - b).abs().max() / b.abs().max()).item() < 1e-4, name
+        assert ((a.double().cpu() - b).abs().max() / b.abs().max()).item() < 5e-2, name
 
 
 @pytest.mark.cuda
+def test_cuda_float32_training_takes_the_masked_calls():
+    """Flash takes no float32: its sliding window would not serve the band's backward, which would
+    then be one call over every pair (band_backward's bias). The masked calls serve it."""
+    q, k, v, q_far, k_far = (t.detach().float().cuda().requires_grad_() for t in _inputs((4, 2)))
+    kernel, _ = sparse(CUDA_SETTINGS[0])
+    out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, **kernel)
+    assert type(out.grad_fn).__name__ == "_LocalBandBackward"
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
 def test_cuda_default_conversion_training_step_at_16k_tokens(monkeypatch):
     """The default conversion from 4,096 tokens (band 4,096, far band 2,048, sparse far keys) in
     bfloat16, a Llama of 8 query / 2 kv heads of 64: one forward and backward at 16,384 tokens takes

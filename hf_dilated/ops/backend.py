@@ -226,9 +226,7 @@ def band_forward(q, k, v, *, window: int, scale: float):
     last q_len of the kv_len keys (bottom-right aligned, q_len <= kv_len) and query i reads the keys
     j with i - window < j <= i. On CUDA flash's sliding window (window_size_left = window - 1, and
     is_causal, which sets window_size_right to 0)."""
-    if q.device.type != "cuda" or q.shape[2] > k.shape[2] or q.shape[2] == 0:
-        return None
-    if _choose(q, k, is_causal=False, attn_bias=None, needs_grad=False) != CUDA_FLASH:
+    if q.shape[2] > k.shape[2] or not band_on_flash(q, k, needs_grad=False):
         return None
     n, m = q.shape[2], k.shape[2]
     qt, kt, vt = (_flash_operand(t.transpose(1, 2)) for t in (q, k, v))
@@ -238,15 +236,23 @@ def band_forward(q, k, v, *, window: int, scale: float):
     return out.transpose(1, 2), lse
 
 
+def band_on_flash(q, k, *, needs_grad: bool) -> bool:
+    """Whether flash's sliding window serves a band of q over k here (a CUDA device, half precision,
+    a head size flash takes, the flags: choose_kernel)."""
+    return (q.device.type == "cuda" and q.shape[2] > 0
+            and _choose(q, k, is_causal=False, attn_bias=None, needs_grad=needs_grad) == CUDA_FLASH)
+
+
 def band_backward(dout, q, k, v, out, lse, *, window: int, scale: float):
     """Gradients (dq, dk, dv) of band_forward's rows, given their merged out and lse: flash's
-    sliding-window backward on CUDA where flash serves the call; elsewhere one call with the band
-    as a bias (the CPU, where only tests take it: its training takes local_band's calls). dk and
-    dv come back with k's heads."""
+    sliding-window backward on CUDA where flash serves the call (band_on_flash); elsewhere one call
+    with the band as a dense bias (queries x keys: the CPU, where only tests take it; training there
+    takes local_band's calls, as on a GPU where flash does not serve the band). dk and dv come back
+    with k's heads."""
     n, m = q.shape[2], k.shape[2]
     if n > m:
         raise ValueError(f"band_backward: the queries are the last of the keys (q_len {n} > kv_len {m})")
-    if q.device.type == "cuda" and n and _choose(q, k, is_causal=False, attn_bias=None, needs_grad=True) == CUDA_FLASH:
+    if band_on_flash(q, k, needs_grad=True):
         b, h = q.shape[:2]
         qt, kt, vt = (_flash_operand(t.transpose(1, 2)) for t in (q, k, v))
         dot, ot = (_flash_operand(t.to(q.dtype).transpose(1, 2)) for t in (dout, out))

@@ -161,7 +161,7 @@ def dilated_attention(
         if not records_grad(q, k, v, q_far, k_far):
             return sparse_far_plain.sparse_far_forward(q, k, v, q_far, k_far, local_window, far_band, far_selection,
                                                        scale)
-        if q.shape[2] > local_window and sparse_far_train.applies(q, v):
+        if q.shape[2] > local_window and sparse_far_train.applies(q, k, v):
             out = sparse_far_train.sparse_far_attention(q, k, v, q_far, k_far, local_window, far_band, far_selection,
                                                         scale)
             if out is not None:

@@ -109,6 +109,20 @@ def _flex_by_query(*args, **kwargs):
     return _flex.flex_attention(*args, **kwargs)
 
 
+# sparse_far_train's calls under autograd: compiled apart (another graph each, forward and backward,
+# which would otherwise count against the inference calls' recompile limit)
+def _flex_by_block_grad(*args, **kwargs):
+    return _flex.flex_attention(*args, **kwargs)
+
+
+def _flex_by_query_grad(*args, **kwargs):
+    return _flex.flex_attention(*args, **kwargs)
+
+
+_KINDS = {"by_block": _flex_by_block, "by_query": _flex_by_query, "by_block_grad": _flex_by_block_grad,
+          "by_query_grad": _flex_by_query_grad}
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_for_bucket(fn, bucket):
     """fn compiled (dynamic=False) for the calls of one length bucket, as a code object of its own:
@@ -125,11 +139,11 @@ def compiled_for_bucket(fn, bucket):
 
 
 def _kernel(device: torch.device, kind: str, bucket: int):
-    """FlexAttention compiled on CUDA, one function per kind ("by_block", "by_query") and length
-    bucket; eager elsewhere (the CPU's compiled form returns no lse)."""
+    """FlexAttention compiled on CUDA, one function per kind (_KINDS) and length bucket; eager
+    elsewhere (the CPU's compiled form returns no lse)."""
     if device.type not in COMPILED_ON:
         return _flex.flex_attention
-    return compiled_for_bucket(_flex_by_block if kind == "by_block" else _flex_by_query, bucket)
+    return compiled_for_bucket(_KINDS[kind], bucket)
 
 
 def _flex_call(q, k, v, block_mask, scale, kind: str = "by_query"):
@@ -430,24 +444,31 @@ def by_block_plan(q_chunk, summary, empty, last, top_k: int, sinks: int, size: i
     source = torch.nn.functional.pad(order // slots, (0, padded - entries))  # padding rows: query 0, read nothing
     q_entries = q_chunk.reshape(batch, kv_heads, -1, dim).gather(2, source[..., None].expand(-1, -1, -1, dim))
     inverse = torch.empty_like(order).scatter_(-1, order, torch.arange(entries, device=device).expand_as(order))
-    # Per 128-row tile: its entries' blocks are a sorted run lo .. hi; list the key tiles they overlap.
+    tied_lists = by_query_lists(tied, last, n, size)
+    return (q_entries, row_block, row_last, *by_block_tiles(row_block, row_last, n_blocks, size, n, kv_tile), inverse,
+            tied_lists)
+
+
+def by_block_tiles(row_block, row_last, n_blocks: int, size: int, n: int, kv_tile: int | None = None):
+    """by_block_plan's tile lists (kv_count, kv_indices, full_count) of its rows over n keys in key
+    tiles of kv_tile (key_tile(size) unless given): per 128-row tile its entries' blocks are a
+    sorted run lo .. hi, and the key tiles they overlap are listed."""
     kv_tile = kv_tile or key_tile(size)
     n_tiles = -(-n // kv_tile)
-    per_tile = row_block.unflatten(-1, (padded // TILE, TILE))
+    per_tile = row_block.unflatten(-1, (row_block.shape[-1] // TILE, TILE))
     hi = per_tile.amax(-1)
     lo = torch.where(per_tile >= 0, per_tile, n_blocks).amin(-1)
     first = (lo * size // kv_tile).clamp(max=n_tiles - 1)
     last_tile = (((hi + 1) * size - 1) // kv_tile).clamp(max=n_tiles - 1)
     kv_count = torch.where(hi >= 0, last_tile - first + 1, 0).to(torch.int32)
-    kv_indices = (first[..., None] + torch.arange(n_tiles, device=device)).clamp(max=n_tiles - 1).to(torch.int32)
+    kv_indices = (first[..., None] + torch.arange(n_tiles, device=row_block.device)).clamp(max=n_tiles - 1).to(torch.int32)
     full_count = None
     if kv_tile == size:  # a row tile of one block whose rows all reach its last key reads every key of it
-        full = (hi >= 0) & (per_tile.amin(-1) == hi) & (
-            row_last.unflatten(-1, (padded // TILE, TILE)).amin(-1) >= (hi + 1) * size - 1)
+        full = (hi >= 0) & (per_tile.amin(-1) == hi) & (row_last.unflatten(-1, per_tile.shape[-2:]).amin(-1)
+                                                        >= (hi + 1) * size - 1)
         full_count = full.to(torch.int32)
         kv_count = kv_count.masked_fill(full, 0)  # listed as full, where FlexAttention skips the mask_mod
-    tied_lists = by_query_lists(tied, last, n, size)
-    return q_entries, row_block, row_last, kv_count, kv_indices, full_count, inverse, tied_lists
+    return kv_count, kv_indices, full_count
 
 
 def sort_key_dtype(n_blocks: int) -> torch.dtype:
