@@ -10,6 +10,9 @@ keep NVIDIA's tracing library attached (pytorch/pytorch#144455), which slows eve
   decode: one step after a prefill of N tokens (ReservedCache, and DynamicCache), beside sdpa's,
     timed in turn (7 rounds), each with its host's and its GPU's time apart (hf_dilated.measure.host_and_device); ours
     profiled with each cache, after how its layers' steps ran (graphed, compiled, eager).
+  train: one training step (forward and backward, the loss over every token) beside sdpa's kernels;
+    with the default conversion past its context, ops/sparse_far_train's path (and whether its
+    backward fell back to the masked calls).
 
     python scripts/profile_model.py [--steps prefill,decode] [--lengths 16384,65536] [--conversion default|union] [--top 25]
     python scripts/profile_model.py --lengths 16384 --layouts by_block --picks maxima,sort --merges reduce,by_slot
@@ -81,10 +84,10 @@ def main() -> None:
     from hf_dilated import measure
     from hf_dilated.bench import gpu_table
     from hf_dilated.integrations.cache import ReservedCache
-    from hf_dilated.ops import sparse_far_flex
+    from hf_dilated.ops import sparse_far_flex, sparse_far_train
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", default="prefill", help="prefill, decode or both (comma-separated)")
+    parser.add_argument("--steps", default="prefill", help="prefill, decode, train (comma-separated)")
     parser.add_argument("--lengths", default="16384")
     parser.add_argument("--conversion", default="default", choices=("default", "union"))
     parser.add_argument("--top", type=int, default=25)
@@ -104,6 +107,8 @@ def main() -> None:
         if set(given) - set(allowed):
             raise SystemExit(f"{option}: {','.join(given)!r}: each one of {', '.join(allowed)}")
     steps = args.steps.split(",")
+    if set(steps) - {"prefill", "decode", "train"}:
+        raise SystemExit(f"--steps: {args.steps!r}: each one of prefill, decode, train")
     s = gpu_table.settings(args.smoke)
     device = gpu_table._device(s)
     print(torch.cuda.get_device_name(0) if device == "cuda" else device, "torch", torch.__version__)
@@ -158,6 +163,22 @@ def main() -> None:
 
             profiles.append((f"prefill, N {n}: {args.conversion} {' '.join(filter(None, variants[0]))}",
                              profile_prefill))
+        if "train" in steps:
+            def train_step(model, ids=ids):
+                model.zero_grad(set_to_none=True)
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+            sdpa = {}
+            for b in gpu_table.sdpa_backends(device, s):
+                with gpu_table._sdpa_context(b):
+                    sdpa[b] = timed(lambda: train_step(base))
+            ms = timed(lambda: train_step(ours))
+            print(f"\n== training step, N {n}: sdpa " + ", ".join(f"{b} {t:.2f} ms" for b, t in sdpa.items())
+                  + f"; {args.conversion} {ms:.2f} ms, speed {min(sdpa.values()) / ms:.2f}x of sdpa's best"
+                  + (f"; its backward fell back: {sparse_far_train._BACKWARD_FAILED}"
+                     if sparse_far_train._BACKWARD_FAILED else ""))
+            profiles.append((f"training step, N {n}: {args.conversion}",
+                             lambda ours=ours, train_step=train_step: profile(lambda: train_step(ours), device, args.top)))
         if "decode" in steps:
             token = ids[:, -1:]
             print(f"\n== decode step after N {n}")

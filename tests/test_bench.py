@@ -945,6 +945,23 @@ def test_profile_model_times_everything_before_its_first_profile():
         assert prompts[title] and f"[1, {n}]" in prompts[title][0], (title, prompts[title])
 
 
+def test_profile_model_times_a_training_step_and_refuses_an_unknown_step():
+    """--steps train: one forward and backward beside sdpa's, timed before its profile; a step
+    outside prefill, decode and train is refused by name."""
+    root = Path(__file__).resolve().parent.parent
+    script = [sys.executable, str(root / "scripts" / "profile_model.py"), "--smoke", "--lengths", "128"]
+    done = subprocess.run(script + ["--steps", "train", "--top", "5"], capture_output=True, text=True, timeout=600,
+                          cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    timing = next(i for i, line in enumerate(lines) if line.startswith("== training step, N 128: sdpa"))
+    assert "of sdpa's best" in lines[timing]
+    assert timing < next(i for i, line in enumerate(lines) if line.startswith("== profile: training step, N 128"))
+    refused = subprocess.run(script + ["--steps", "prefill,backward"], capture_output=True, text=True, timeout=600,
+                             cwd=root)
+    assert refused.returncode != 0 and "--steps: 'prefill,backward'" in refused.stderr
+
+
 @pytest.mark.cuda
 def test_cuda_host_and_device_tells_a_step_that_waits_for_the_gpu():
     """measure.host_and_device on a GPU: a step that reads a value back waits for the GPU's spin in
