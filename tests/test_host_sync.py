@@ -709,3 +709,44 @@ def test_default_conversion_training_past_its_context_syncs_as_sdpa(unwatched_tr
     assert len(taken) == 4  # (both layers, both forwards: the path under test)
     assert forward.total <= sdpa_forward.total + 1, dict(forward.sites)
     assert backward.total <= sdpa_backward.total, dict(backward.sites)
+
+
+def _packed_counts(layers, attn_implementation, train):
+    """Syncs of a second forward (and, with `train`, backward) of the default conversion's tiny Llama
+    on a DataCollatorWithFlattening row of two documents of 250 and 350 tokens (from 128)."""
+    from transformers import DataCollatorWithFlattening, LlamaForCausalLM
+
+    from conftest import tiny_default_llama
+
+    model, config, ids = tiny_default_llama(600, 128, layers=layers)
+    if attn_implementation != "dilated":
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation)
+    model.train(train)
+    batch = DataCollatorWithFlattening()([{"input_ids": ids[0, :250].tolist()}, {"input_ids": ids[0, 250:].tolist()}])
+    kwargs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                  use_cache=False)
+    with torch.set_grad_enabled(train):
+        first = model(**kwargs)
+        if train:
+            first.loss.backward()
+        forward, out = count_syncs(lambda: model(**kwargs))
+        backward = count_syncs(lambda: out.loss.backward())[0] if train else None
+    return forward, backward
+
+
+@pytest.mark.parametrize("train", (False, True), ids=("inference", "training"))
+def test_packed_documents_read_back_once_a_forward_not_per_layer(train, unwatched_training_flex, flash_band,
+                                                                monkeypatch):
+    """Packed documents each at positions 0, 1, ... go document by document to the plain paths (on a
+    GPU: FlexAttention's prefill and sparse_far_train): the reads back are the layout's, once a
+    forward, whatever the layers (the masked calls over the packed row read back per chunk of
+    queries: 34 times in this forward with 2 layers, 42 with 4, before), and a backward reads none."""
+    from hf_dilated.ops import sparse_far_plain
+
+    monkeypatch.setattr(sparse_far_plain, "FLEX_DEVICES", ("cuda", "cpu"))
+    sdpa, _ = _packed_counts(2, "sdpa", train)
+    (two, back_two), (four, back_four) = (_packed_counts(layers, "dilated", train) for layers in (2, 4))
+    assert two.total == four.total <= sdpa.total + 5, (dict(two.sites), dict(sdpa.sites))
+    if train:
+        assert back_two.total == back_four.total == 0, dict(back_four.sites)

@@ -267,3 +267,30 @@ def test_cuda_default_conversion_training_step_at_16k_tokens(monkeypatch):
     assert len(taken) == 2
     assert torch.isfinite(loss).item()
     assert all(torch.isfinite(p.grad).all().item() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("lengths", ((120, 40, 140), (30, 270), (300,)), ids=("three_docs", "short_then_long",
+                                                                             "one_doc_by_positions"))
+def test_packed_documents_train_document_by_document(lengths, gpu_training_path, monkeypatch):
+    """Documents packed end to end, each at positions 0, 1, ... (DataCollatorWithFlattening's rows):
+    each is a plain row of its own, so a document past the window trains on this path (reading
+    nothing back) and a shorter one is causal attention; output and gradients against the
+    reference over the packed row."""
+    taken = []
+    real = sparse_far_train.sparse_far_attention
+    monkeypatch.setattr(sparse_far_train, "sparse_far_attention", lambda *a: taken.append(a[0].shape[2]) or real(*a))
+    q, k, v, q_far, k_far = (t[:1].detach().requires_grad_() for t in _inputs((4, 2)))
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    kernel, ref_kw = sparse(TRAIN_SETTINGS[1])
+    out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, position_ids=position_ids,
+                            **kernel)
+    assert taken == [n for n in lengths if n > 64]
+    refs = [t.detach().clone().requires_grad_() for t in (q, k, v, q_far, k_far)]
+    ref = local_band_reference(*refs[:3], [512], [1], 64, q_far=refs[3], k_far=refs[4], position_ids=position_ids,
+                               **ref_kw)
+    assert (out - ref).abs().max().item() < TOL
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    mine = torch.autograd.grad((out * grad).sum(), (q, k, v, q_far, k_far))
+    theirs = torch.autograd.grad((ref * grad).sum(), refs)
+    for name, a, b in zip(("q", "k", "v", "q_far", "k_far"), mine, theirs):
+        assert (a - b).abs().max().item() < TOL, name

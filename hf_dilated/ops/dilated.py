@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .backend import attention_backward, attention_forward
-from . import sparse_far_plain, sparse_far_train
+from . import pair_count, sparse_far_plain, sparse_far_train
 from .local_band import local_band_attention
 from .merge import merge_dtype, merge_into, merge_partial
 from .plan_cache import PlanCache
@@ -47,7 +47,7 @@ from ..config import DECODE_MAX_QUERIES, DEFAULT_MODE, check_int
 from .dilated_decode import dilated_decode
 from .head_groups import head_groups
 from .strided import as_strided_within
-from .token_layout import TokenLayout, first_key_within, token_layout
+from .token_layout import TokenLayout, first_key_within, packed_rows, token_layout
 from .validate import (check_dilated_config, check_far_reading, check_local_band, check_qkv, check_scale_dropout,
                        records_grad)
 
@@ -154,6 +154,11 @@ def dilated_attention(
                              q_far=q_far, k_far=k_far)
         if out is not None:
             return out
+    if (far_selection is not None and dropout_p == 0.0 and is_causal and sliding_window is None
+            and attention_mask is None and position_ids is not None and q.shape[2] == k.shape[2]):
+        starts = packed_rows(k.shape[0], k.shape[2], k.device, position_ids)
+        if starts is not None and any(len(row) > 1 for row in starts):
+            return _by_document(q, k, v, q_far, k_far, starts, seg, dil, local_window, far_band, far_selection, scale)
     if far_selection is not None and sparse_far_plain.applies(
             token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids).plain, q, k, seg, dil,
             is_causal, sliding_window) and dropout_p == 0.0:
@@ -184,6 +189,36 @@ def dilated_attention(
 
 
 _PLANS = PlanCache()
+
+
+def _by_document(q, k, v, q_far, k_far, starts, seg, dil, local_window, far_band, far_selection, scale):
+    """Sparse far keys (4.2) over rows of packed documents, each at positions 0, 1, ... (packed_rows'
+    `starts`): document by document, each a plain row of its own, so that it takes the plain paths
+    (prefill and, on a GPU, training on FlexAttention: sparse_far_plain, sparse_far_train), which
+    read nothing back, where the masked calls over the packed row read back per chunk of queries. A
+    document within the band (local_window tokens or fewer) reads every earlier key of its own:
+    causal attention (sdpa)."""
+    n = k.shape[2]
+    rows = []
+    for b, row in enumerate(starts):
+        parts = []
+        for s, e in zip(row, row[1:] + [n]):
+            take = (slice(b, b + 1), slice(None), slice(s, e))
+            if e - s <= local_window:
+                if pair_count.TALLY.active:
+                    pair_count.TALLY.pairs += q.shape[1] * (e - s) * (e - s + 1) // 2
+                    pair_count.add_call()
+                # (K/V repeated to the query heads: sdpa's enable_gqa needs torch 2.5; the document is short)
+                kd, vd = (t[take].repeat_interleave(q.shape[1] // k.shape[1], 1) for t in (k, v))
+                parts.append(torch.nn.functional.scaled_dot_product_attention(q[take], kd, vd, is_causal=True,
+                                                                              scale=scale))
+                continue
+            parts.append(dilated_attention(q[take], k[take], v[take], seg, dil, scale=scale, local_window=local_window,
+                                           q_far=None if q_far is None else q_far[take],
+                                           k_far=None if k_far is None else k_far[take], far_band=far_band,
+                                           far_selection=far_selection))
+        rows.append(torch.cat(parts, 2))
+    return torch.cat(rows, 0)
 
 
 @dataclass(frozen=True)

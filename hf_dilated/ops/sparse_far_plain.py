@@ -25,6 +25,7 @@ from .far_selection import FarSelection
 from .local_band import near_plain
 from .merge import merge_dtype, merge_into
 
+FLEX_DEVICES = ("cuda",)  # where the far keys take sparse_far_flex by default (tests widen it)
 _MIN_CHUNK = 64  # queries per selection at least
 _BOUND_ELEMENTS = 1 << 22  # bounds per selection (heads x queries x blocks) at most: they stay in cache
 _PAIR_ELEMENTS = 1 << 26  # chosen (query, head, block) rows x head_dim per chunk of queries at most
@@ -56,7 +57,7 @@ def sparse_far_forward(q, k, v, q_far, k_far, window: int, far_band: int | None,
     call per chunk of queries); None: flex on CUDA (where torch has it), blocks elsewhere. Both
     compute the same set."""
     if far_kernel is None:
-        far_kernel = "flex" if q.device.type == "cuda" and sparse_far_flex.AVAILABLE else "blocks"
+        far_kernel = "flex" if q.device.type in FLEX_DEVICES and sparse_far_flex.AVAILABLE else "blocks"
     if far_kernel not in ("blocks", "flex"):
         raise ValueError(f"far_kernel must be 'blocks' or 'flex', got {far_kernel!r}")
     batch, n_heads, n, dim = q.shape

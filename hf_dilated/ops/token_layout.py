@@ -161,6 +161,27 @@ def _regular_rows(batch: int, kv_len: int, device, attention_mask, position_ids)
     return first, shift
 
 
+def packed_rows(batch: int, kv_len: int, device, position_ids) -> list[list[int]] | None:
+    """Where every row (no padding) is documents packed end to end, each at positions 0, 1, ...:
+    per row the index each document starts at (0 first), as lists of ints. None for any other
+    layout. Each document is then a plain row of its own (one read back, once per position tensor:
+    every layer passes the same one)."""
+    key = ("packed", batch, kv_len, str(device))
+    held = _LAYOUTS.get(key, None, position_ids)
+    if held is None:
+        positions = position_ids.to(device=device, dtype=torch.long).expand(batch, kv_len)
+        restarts = positions[:, 1:] == 0
+        packed = ((positions[:, 0] == 0).all() & ((positions[:, 1:] == positions[:, :-1] + 1) | restarts).all())
+        flat = torch.nn.functional.pad(restarts, (1, 0), value=True).flatten().nonzero().flatten()
+        facts = torch.cat([packed.long()[None], flat]).tolist()  # (one read back)
+        starts = [[] for _ in range(batch)]
+        for at in facts[1:]:
+            starts[at // kv_len].append(at % kv_len)
+        held = (starts if facts[0] else None,)
+        _LAYOUTS.put(key, None, position_ids, held)
+    return held[0]
+
+
 def take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """values (batch, n) at the indices `index`, (m,) or per head (batch, heads, m): (batch, 1 or heads, m)."""
     if index.dim() == 1:
