@@ -215,16 +215,21 @@ CUDA_SETTINGS = [(32, 50, 32, 1), (None, 50, 64, 0), (24, 50, 16, 2)]
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("packed", (False, True), ids=("one_document", "packed_120_40_140"))
 @pytest.mark.parametrize("setting", CUDA_SETTINGS, ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
-def test_cuda_training_path_matches_reference(setting):
+def test_cuda_training_path_matches_reference(setting, packed):
     """bfloat16 on CUDA (FlexAttention compiled, with the gradient of its log-sum-exp; flash's
-    causal and sliding-window backward) against the float64 reference of the same rounded inputs."""
+    causal and sliding-window backward) against the float64 reference of the same rounded inputs;
+    rows of one document, or of three packed (document by document)."""
     q, k, v, q_far, k_far = (t.detach().bfloat16().cuda().requires_grad_() for t in _inputs((4, 2)))
+    position_ids = torch.cat([torch.arange(n) for n in (120, 40, 140)])[None].expand(2, -1) if packed else None
     kernel, ref_kw = sparse(setting)
-    out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, **kernel)
-    assert type(out.grad_fn).__name__ == "_SparseFarBackward"
+    out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far,
+                            position_ids=None if position_ids is None else position_ids.cuda(), **kernel)
+    assert type(out.grad_fn).__name__ == ("CatBackward0" if packed else "_SparseFarBackward")
     refs = [t.detach().double().cpu().requires_grad_() for t in (q, k, v, q_far, k_far)]
-    ref = local_band_reference(*refs[:3], [512], [1], 64, q_far=refs[3], k_far=refs[4], **ref_kw)
+    ref = local_band_reference(*refs[:3], [512], [1], 64, q_far=refs[3], k_far=refs[4], position_ids=position_ids,
+                               **ref_kw)
     assert ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item() < 2e-2
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     mine = torch.autograd.grad((out * grad.bfloat16().cuda()).sum(), (q, k, v, q_far, k_far))
