@@ -28,26 +28,44 @@ def patch(model, attn_implementation: str = DEFAULT_ATTN_IMPLEMENTATION, *, cont
     family = family_for(getattr(config, "model_type", None))
     updates = family.convert_config(config, context_length, rope, attn_implementation, **dilated_fields)
     warn_unread_settings(attn_implementation, dilated_fields)
+    before = {name: getattr(config, name, _MISSING) for name in updates}
     for name, value in updates.items():
         setattr(config, name, value)
+    try:  # the rotary modules from the new config first: where transformers cannot build them, nothing changed
+        rotary = _rotary_embeddings(model) if "rope_parameters" in updates or "max_position_embeddings" in updates else []
+    except Exception as exc:
+        for name, value in before.items():
+            if value is _MISSING:
+                delattr(config, name)
+            else:
+                setattr(config, name, value)
+        raise ValueError(f"rope: transformers could not build the model's rotary embedding with the converted RoPE "
+                         f"parameters {updates.get('rope_parameters')!r} ({type(exc).__name__}: {exc}); the model is "
+                         f"unchanged") from exc
     family.prepare_model(model)
-    if "rope_parameters" in updates or "max_position_embeddings" in updates:
-        _rebuild_rotary_embeddings(model)
+    for parent, attr, module in rotary:
+        setattr(parent, attr, module)
     model.set_attn_implementation(attn_implementation)
     record_choice(config, attn_implementation)  # (transformers skips the load-time hook for the same name)
     link_rotary(model)  # (a rebuilt rotary module, or a model built before hf_dilated was imported)
     return model
 
 
-def _rebuild_rotary_embeddings(model):
-    # Rotary modules compute their frequencies at construction: rebuild them from the new config.
+_MISSING = object()
+
+
+def _rotary_embeddings(model) -> list:
+    """(parent, attribute, module): each rotary module built again from its (new) config. Rotary
+    modules compute their frequencies at construction."""
+    rebuilt = []
     for name, module in list(model.named_modules()):
         if not type(module).__name__.endswith("RotaryEmbedding") or not hasattr(module, "config"):
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         device = module.inv_freq.device if hasattr(module, "inv_freq") else None
-        setattr(parent, attr, type(module)(config=module.config).to(device))
+        rebuilt.append((parent, attr, type(module)(config=module.config).to(device)))
+    return rebuilt
 
 
 # --- family-level patch -----------------------------------------------------------------------

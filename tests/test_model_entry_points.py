@@ -286,6 +286,36 @@ def test_patch_names_a_bad_rope_or_context_length_and_changes_nothing(saved, nam
         assert model.config.to_dict() == before, kwargs
 
 
+def test_patch_that_transformers_cannot_build_the_rotary_for_changes_nothing():
+    """GPT-NeoX rotating 5 dimensions of 20 (rotary_pct 0.25): transformers' YaRN initialisation
+    raises on the odd dimension. patch had written the converted RoPE scaling and its hf_dilated
+    entry into the config by then, and left the model's rotary and attention as they were (a
+    config that save_pretrained would write); now nothing changes and the error names rope."""
+    from hf_dilated.config import CONFIG_KEY
+
+    config = GPTNeoXConfig(vocab_size=99, hidden_size=80, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=128)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    before, rotary = model.config.to_dict(), model.gpt_neox.rotary_emb
+    with pytest.raises(ValueError, match="rope: transformers could not build .* the model is unchanged"):
+        hf_dilated.patch(model, "ring", context_length=512)
+    assert model.config.to_dict() == before and not hasattr(model.config, CONFIG_KEY)
+    assert model.gpt_neox.rotary_emb is rotary and model.config._attn_implementation == "sdpa"
+
+
+def test_attention_dropout_under_a_local_band_is_refused_naming_the_setting():
+    """The default conversion's band has no attention dropout: refused at a training forward, naming
+    the name and transformers' attention_dropout (the kernel's own message named neither)."""
+    from conftest import tiny_default_llama
+
+    model, _, ids = tiny_default_llama(300, 128)
+    for module in model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5
+    with pytest.raises(ValueError, match="attn_implementation='dilated' with a local band .* set attention_dropout=0"):
+        model.train()(ids)
+
+
 def test_dynamic_rope_under_far_keys_at_grouped_positions_is_refused_before_any_forward(saved, tmp_path):
     """Far keys at grouped positions (far_group > 1, the default conversion's) need fixed rotary
     frequencies. Re-converting with rope='dynamic' used to keep the earlier band, write the

@@ -155,6 +155,10 @@ def _check_call(kind, module, dropout, kwargs) -> float:
         is_causal = getattr(module, "is_causal", True)
     dropout_p = float(dropout) if getattr(module, "training", False) else 0.0
     kind.check_call(is_causal=is_causal, dropout_p=dropout_p, entry=f"attn_implementation={name!r}", causal_only=True)
+    if dropout_p and kind.name in BAND_NAMES and config_for(module).local_window is not None:
+        raise ValueError(f"dropout_p: attn_implementation={name!r} with a local band (the hf_dilated entry's "
+                         f"local_window: the default conversion's) has no attention dropout yet, got dropout_p="
+                         f"{dropout_p} (for a transformers model: set attention_dropout=0)")
     check_int("sliding_window", kwargs.get("sliding_window"), optional=True)
     return dropout_p
 
