@@ -750,3 +750,41 @@ def test_packed_documents_read_back_once_a_forward_not_per_layer(train, unwatche
     assert two.total == four.total <= sdpa.total + 5, (dict(two.sites), dict(sdpa.sites))
     if train:
         assert back_two.total == back_four.total == 0, dict(back_four.sites)
+
+
+def _padded_training_counts(attn_implementation):
+    """Syncs of a second forward and backward of the default conversion's tiny Llama (from 256) on
+    a right-padded batch (an SFT batch): rows of 700 and 560 real tokens."""
+    from transformers import LlamaForCausalLM
+
+    from conftest import tiny_default_llama
+
+    model, config, ids = tiny_default_llama(700, 256, batch=2)
+    if attn_implementation != "dilated":
+        torch.manual_seed(0)
+        model = LlamaForCausalLM._from_config(config, attn_implementation=attn_implementation)
+    model.train()
+    mask = torch.ones_like(ids)
+    mask[1, 560:] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), use_cache=False)
+    model(**kwargs).loss.backward()
+    forward, out = count_syncs(lambda: model(**kwargs))
+    backward, _ = count_syncs(lambda: out.loss.backward())
+    return forward, backward
+
+
+def test_padded_training_reads_back_once_a_forward(unwatched_training_flex, monkeypatch):
+    """An SFT batch (right padding) of the default conversion past its context: each row's run of
+    real tokens is a plain row of its own (ops/dilated.py: _by_document), which trains on the GPU's
+    path; the mask is read once a forward, the backward reads nothing. (Through the masked calls
+    this step's forward read back 36 times and its backward 8; sdpa's, 2 and 0.)"""
+    from hf_dilated.ops import sparse_far_train
+
+    taken = []
+    real = sparse_far_train.sparse_far_attention
+    monkeypatch.setattr(sparse_far_train, "sparse_far_attention", lambda *a: taken.append(1) or real(*a))
+    sdpa_forward, sdpa_backward = _padded_training_counts("sdpa")
+    forward, backward = _padded_training_counts("dilated")
+    assert len(taken) == 8  # (two rows, two layers, two forwards)
+    assert forward.total <= sdpa_forward.total + 2, (dict(forward.sites), dict(sdpa_forward.sites))
+    assert backward.total <= sdpa_backward.total, dict(backward.sites)

@@ -299,3 +299,38 @@ def test_packed_documents_train_document_by_document(lengths, gpu_training_path,
     theirs = torch.autograd.grad((ref * grad).sum(), refs)
     for name, a, b in zip(("q", "k", "v", "q_far", "k_far"), mine, theirs):
         assert (a - b).abs().max().item() < TOL, name
+
+
+@pytest.mark.parametrize("padding", ("left", "right", "a_row_of_padding"))
+def test_padded_rows_train_document_by_document(padding, gpu_training_path, monkeypatch):
+    """Rows whose real tokens are one run beside padding (an SFT batch): the run is a plain row of
+    its own (positions are the mask's ranks), so past the window it trains on this path; a shorter
+    run is causal attention. Real queries' outputs and every gradient against the reference; a
+    padded query slot (docs/contract.md 3.1 leaves it open) gets 0."""
+    taken = []
+    real_call = sparse_far_train.sparse_far_attention
+    monkeypatch.setattr(sparse_far_train, "sparse_far_attention",
+                        lambda *a: taken.append(a[0].shape[2]) or real_call(*a))
+    q, k, v, q_far, k_far = _inputs((4, 2))
+    mask = torch.ones(2, 300, dtype=torch.long)
+    if padding == "left":
+        mask[0, :40], mask[1, :250] = 0, 0
+    elif padding == "right":
+        mask[0, 260:], mask[1, 50:] = 0, 0
+    else:
+        mask[0, :40], mask[1] = 0, 0
+    kernel, ref_kw = sparse(TRAIN_SETTINGS[1])
+    out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, attention_mask=mask,
+                            **kernel)
+    assert taken == [260]
+    real = mask.bool()[:, None, :, None]
+    refs = [t.detach().clone().requires_grad_() for t in (q, k, v, q_far, k_far)]
+    ref = local_band_reference(*refs[:3], [512], [1], 64, q_far=refs[3], k_far=refs[4], attention_mask=mask,
+                               **ref_kw)
+    assert ((out - ref) * real).abs().max().item() < TOL
+    assert not (out * ~real).any()
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * real
+    mine = torch.autograd.grad((out * grad).sum(), (q, k, v, q_far, k_far))
+    theirs = torch.autograd.grad((ref * grad).sum(), refs)
+    for name, a, b in zip(("q", "k", "v", "q_far", "k_far"), mine, theirs):
+        assert (a - b).abs().max().item() < TOL, name

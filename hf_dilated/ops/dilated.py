@@ -47,7 +47,7 @@ from ..config import DECODE_MAX_QUERIES, DEFAULT_MODE, check_int
 from .dilated_decode import dilated_decode
 from .head_groups import head_groups
 from .strided import as_strided_within
-from .token_layout import TokenLayout, first_key_within, packed_rows, token_layout
+from .token_layout import TokenLayout, first_key_within, plain_documents, token_layout
 from .validate import (check_dilated_config, check_far_reading, check_local_band, check_qkv, check_scale_dropout,
                        records_grad)
 
@@ -155,10 +155,11 @@ def dilated_attention(
         if out is not None:
             return out
     if (far_selection is not None and dropout_p == 0.0 and is_causal and sliding_window is None
-            and attention_mask is None and position_ids is not None and q.shape[2] == k.shape[2]):
-        starts = packed_rows(k.shape[0], k.shape[2], k.device, position_ids)
-        if starts is not None and any(len(row) > 1 for row in starts):
-            return _by_document(q, k, v, q_far, k_far, starts, seg, dil, local_window, far_band, far_selection, scale)
+            and q.shape[2] == k.shape[2]):
+        documents = plain_documents(k.shape[0], k.shape[2], k.device, attention_mask, position_ids)
+        if documents is not None and any(row != [(0, k.shape[2])] for row in documents):
+            return _by_document(q, k, v, q_far, k_far, documents, seg, dil, local_window, far_band, far_selection,
+                                scale)
     if far_selection is not None and sparse_far_plain.applies(
             token_layout(k.shape[0], k.shape[2], k.device, attention_mask, position_ids).plain, q, k, seg, dil,
             is_causal, sliding_window) and dropout_p == 0.0:
@@ -191,18 +192,22 @@ def dilated_attention(
 _PLANS = PlanCache()
 
 
-def _by_document(q, k, v, q_far, k_far, starts, seg, dil, local_window, far_band, far_selection, scale):
-    """Sparse far keys (4.2) over rows of packed documents, each at positions 0, 1, ... (packed_rows'
-    `starts`): document by document, each a plain row of its own, so that it takes the plain paths
-    (prefill and, on a GPU, training on FlexAttention: sparse_far_plain, sparse_far_train), which
-    read nothing back, where the masked calls over the packed row read back per chunk of queries. A
-    document within the band (local_window tokens or fewer) reads every earlier key of its own:
-    causal attention (sdpa)."""
+def _by_document(q, k, v, q_far, k_far, documents, seg, dil, local_window, far_band, far_selection, scale):
+    """Sparse far keys (4.2) over rows whose documents are each a plain row of its own
+    (token_layout.plain_documents: packed end to end, or one run of real tokens beside padding):
+    document by document, so that each takes the plain paths (prefill and, on a GPU, training on
+    FlexAttention: sparse_far_plain, sparse_far_train), which read nothing back, where the masked
+    calls over the whole row read back per chunk of queries. A document within the band
+    (local_window tokens or fewer) reads every earlier key of its own: causal attention (sdpa). A
+    padded query slot, whose output docs/contract.md 3.1 leaves open, gets 0."""
     n = k.shape[2]
     rows = []
-    for b, row in enumerate(starts):
-        parts = []
-        for s, e in zip(row, row[1:] + [n]):
+    for b, row in enumerate(documents):
+        parts, at = [], 0
+        for s, e in row:
+            if s > at:  # padding before the document
+                parts.append(q.new_zeros(1, q.shape[1], s - at, v.shape[-1]))
+            at = e
             take = (slice(b, b + 1), slice(None), slice(s, e))
             if e - s <= local_window:
                 if pair_count.TALLY.active:
@@ -217,6 +222,8 @@ def _by_document(q, k, v, q_far, k_far, starts, seg, dil, local_window, far_band
                                            q_far=None if q_far is None else q_far[take],
                                            k_far=None if k_far is None else k_far[take], far_band=far_band,
                                            far_selection=far_selection))
+        if n > at:  # padding after the last document (or a row of padding)
+            parts.append(q.new_zeros(1, q.shape[1], n - at, v.shape[-1]))
         rows.append(torch.cat(parts, 2))
     return torch.cat(rows, 0)
 

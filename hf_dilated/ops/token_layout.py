@@ -161,25 +161,44 @@ def _regular_rows(batch: int, kv_len: int, device, attention_mask, position_ids)
     return first, shift
 
 
-def packed_rows(batch: int, kv_len: int, device, position_ids) -> list[list[int]] | None:
-    """Where every row (no padding) is documents packed end to end, each at positions 0, 1, ...:
-    per row the index each document starts at (0 first), as lists of ints. None for any other
-    layout. Each document is then a plain row of its own (one read back, once per position tensor:
-    every layer passes the same one)."""
-    key = ("packed", batch, kv_len, str(device))
-    held = _LAYOUTS.get(key, None, position_ids)
+def plain_documents(batch: int, kv_len: int, device, attention_mask=None, position_ids=None):
+    """Per row, the (start, end) index ranges of its documents where each is a plain row of its own
+    (real tokens at positions 0, 1, ... one after the other): rows of documents packed end to end
+    (position_ids restarting at 0, no mask), or rows whose real tokens are one run, left or right
+    padded (a mask, its ranks the positions; an empty list: a row of padding). None for any other
+    layout. One read back, once per mask or position tensor: every layer passes the same one."""
+    if (attention_mask is None) == (position_ids is None):
+        return None
+    key = ("documents", batch, kv_len, str(device))
+    held = _LAYOUTS.get(key, attention_mask, position_ids)
     if held is None:
-        positions = position_ids.to(device=device, dtype=torch.long).expand(batch, kv_len)
-        restarts = positions[:, 1:] == 0
-        packed = ((positions[:, 0] == 0).all() & ((positions[:, 1:] == positions[:, :-1] + 1) | restarts).all())
-        flat = torch.nn.functional.pad(restarts, (1, 0), value=True).flatten().nonzero().flatten()
-        facts = torch.cat([packed.long()[None], flat]).tolist()  # (one read back)
-        starts = [[] for _ in range(batch)]
-        for at in facts[1:]:
-            starts[at // kv_len].append(at % kv_len)
-        held = (starts if facts[0] else None,)
-        _LAYOUTS.put(key, None, position_ids, held)
+        held = (_plain_documents(batch, kv_len, device, attention_mask, position_ids),)
+        _LAYOUTS.put(key, attention_mask, position_ids, held)
     return held[0]
+
+
+def _plain_documents(batch, kv_len, device, attention_mask, position_ids):
+    index = torch.arange(kv_len, device=device)
+    if attention_mask is not None:  # one run of real tokens per row, at its mask ranks 0, 1, ...
+        real = attention_mask.to(device=device, dtype=torch.bool).expand(batch, kv_len)
+        count = real.sum(-1)
+        first = torch.where(real, index, kv_len).amin(-1)
+        run = (real == ((index >= first[:, None]) & (index < (first + count)[:, None]))).all()
+        facts = torch.cat([run.long()[None], first, count]).tolist()  # (one read back)
+        if not facts[0]:
+            return None
+        return [[(f, f + c)] if c else [] for f, c in zip(facts[1:1 + batch], facts[1 + batch:])]
+    positions = position_ids.to(device=device, dtype=torch.long).expand(batch, kv_len)
+    restarts = positions[:, 1:] == 0
+    packed = (positions[:, 0] == 0).all() & ((positions[:, 1:] == positions[:, :-1] + 1) | restarts).all()
+    flat = torch.nn.functional.pad(restarts, (1, 0), value=True).flatten().nonzero().flatten()
+    facts = torch.cat([packed.long()[None], flat]).tolist()  # (one read back, after nonzero's count)
+    if not facts[0]:
+        return None
+    starts = [[] for _ in range(batch)]
+    for at in facts[1:]:
+        starts[at // kv_len].append(at % kv_len)
+    return [list(zip(row, row[1:] + [kv_len])) for row in starts]
 
 
 def take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
