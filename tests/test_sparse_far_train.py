@@ -215,23 +215,33 @@ CUDA_SETTINGS = [(32, 50, 32, 1), (None, 50, 64, 0), (24, 50, 16, 2)]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("packed", (False, True), ids=("one_document", "packed_120_40_140"))
+@pytest.mark.parametrize("layout", ("one_document", "packed", "right_padded"))
 @pytest.mark.parametrize("setting", CUDA_SETTINGS, ids=lambda s: "band{}_k{}_B{}_s{}".format(*s))
-def test_cuda_training_path_matches_reference(setting, packed):
+def test_cuda_training_path_matches_reference(setting, layout):
     """bfloat16 on CUDA (FlexAttention compiled, with the gradient of its log-sum-exp; flash's
     causal and sliding-window backward) against the float64 reference of the same rounded inputs;
-    rows of one document, or of three packed (document by document)."""
+    rows of one document, of three packed (120, 40 and 140 tokens), or right-padded (260 and 50
+    real tokens): document by document."""
     q, k, v, q_far, k_far = (t.detach().bfloat16().cuda().requires_grad_() for t in _inputs((4, 2)))
-    position_ids = torch.cat([torch.arange(n) for n in (120, 40, 140)])[None].expand(2, -1) if packed else None
+    position_ids = torch.cat([torch.arange(n) for n in (120, 40, 140)])[None].expand(2, -1) \
+        if layout == "packed" else None
+    mask = None
+    if layout == "right_padded":
+        mask = torch.ones(2, 300, dtype=torch.long)
+        mask[0, 260:], mask[1, 50:] = 0, 0
     kernel, ref_kw = sparse(setting)
     out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far,
-                            position_ids=None if position_ids is None else position_ids.cuda(), **kernel)
-    assert type(out.grad_fn).__name__ == ("CatBackward0" if packed else "_SparseFarBackward")
+                            position_ids=None if position_ids is None else position_ids.cuda(),
+                            attention_mask=None if mask is None else mask.cuda(), **kernel)
+    assert type(out.grad_fn).__name__ == ("_SparseFarBackward" if layout == "one_document" else "CatBackward0")
     refs = [t.detach().double().cpu().requires_grad_() for t in (q, k, v, q_far, k_far)]
     ref = local_band_reference(*refs[:3], [512], [1], 64, q_far=refs[3], k_far=refs[4], position_ids=position_ids,
-                               **ref_kw)
+                               attention_mask=mask, **ref_kw)
+    real = torch.ones(2, 1, 300, 1, dtype=torch.bool) if mask is None else mask.bool()[:, None, :, None]
+    ref = ref * real
+    out = out * real.cuda()
     assert ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item() < 2e-2
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)) * real
     mine = torch.autograd.grad((out * grad.bfloat16().cuda()).sum(), (q, k, v, q_far, k_far))
     theirs = torch.autograd.grad((ref * grad.bfloat16().double()).sum(), refs)
     for name, a, b in zip(("q", "k", "v", "q_far", "k_far"), mine, theirs):
