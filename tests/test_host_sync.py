@@ -637,30 +637,7 @@ def test_eager_static_step_of_a_left_padded_row_copies_nothing_from_the_host():
 # Training with sparse far keys on the GPU's path (ops/sparse_far_train.py)
 
 
-@pytest.fixture
-def unwatched_training_flex(monkeypatch):
-    """sparse_far_train taken on the CPU; FlexAttention's calls (FlexAttention's definition where
-    they are differentiated: tests/test_sparse_far_train.py) run outside the counter, as in
-    test_sparse_far_flex_prefill_steady_state_has_no_sync. What autograd then does with the
-    definition's operations is counted."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from hf_dilated.ops import sparse_far_flex, sparse_far_train
-    from test_sparse_far_train import flex_definition
-
-    real = sparse_far_flex._flex_call
-
-    def flex_call(q, k, v, block_mask, scale, kind="by_query"):
-        with _disable_current_modes():
-            if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-                return flex_definition(q, k, v, block_mask, scale, kind)
-            return real(q, k, v, block_mask, scale, kind)
-
-    monkeypatch.setattr(sparse_far_flex, "_flex_call", flex_call)
-    monkeypatch.setattr(sparse_far_train, "DEVICES", ("cuda", "cpu"))
-
-
-def test_sparse_far_training_step_has_no_sync(unwatched_training_flex, flash_band):
+def test_sparse_far_training_step_has_no_sync(gpu_training_path, flash_band):
     """A forward and backward with sparse far keys (prefill's calls with the merged log-sum-exp; then
     flash's causal and sliding-window backward and each chunk's FlexAttention calls again under
     autograd) read nothing back in a second call. The masked calls that served training before
@@ -694,19 +671,14 @@ def _default_conversion_training_counts(attn_implementation):
     return forward, backward
 
 
-def test_default_conversion_training_past_its_context_syncs_as_sdpa(unwatched_training_flex, monkeypatch):
+def test_default_conversion_training_past_its_context_syncs_as_sdpa(gpu_training_path, training_calls):
     """The issue's proxy for a training step of the default conversion beyond its original context
     (gpu_table's row): no read back beyond sdpa's, but the positions' one (as every forward:
     test_model_forward_reads_back_at_most_once_more_than_sdpa). Through local_band's masked calls
     (the CPU's path) this model's forward reads 13 times and its backward 8 (sdpa: 4 and 0)."""
-    from hf_dilated.ops import sparse_far_train
-
-    taken = []
-    real = sparse_far_train.sparse_far_attention
-    monkeypatch.setattr(sparse_far_train, "sparse_far_attention", lambda *a: taken.append(1) or real(*a))
     sdpa_forward, sdpa_backward = _default_conversion_training_counts("sdpa")
     forward, backward = _default_conversion_training_counts("dilated")
-    assert len(taken) == 4  # (both layers, both forwards: the path under test)
+    assert len(training_calls) == 4  # (both layers, both forwards: the path under test)
     assert forward.total <= sdpa_forward.total + 1, dict(forward.sites)
     assert backward.total <= sdpa_backward.total, dict(backward.sites)
 
@@ -736,7 +708,7 @@ def _packed_counts(layers, attn_implementation, train):
 
 
 @pytest.mark.parametrize("train", (False, True), ids=("inference", "training"))
-def test_packed_documents_read_back_once_a_forward_not_per_layer(train, unwatched_training_flex, flash_band,
+def test_packed_documents_read_back_once_a_forward_not_per_layer(train, gpu_training_path, flash_band,
                                                                 monkeypatch):
     """Packed documents each at positions 0, 1, ... go document by document to the plain paths (on a
     GPU: FlexAttention's prefill and sparse_far_train): the reads back are the layout's, once a
@@ -773,18 +745,13 @@ def _padded_training_counts(attn_implementation):
     return forward, backward
 
 
-def test_padded_training_reads_back_once_a_forward(unwatched_training_flex, monkeypatch):
+def test_padded_training_reads_back_once_a_forward(gpu_training_path, training_calls):
     """An SFT batch (right padding) of the default conversion past its context: each row's run of
     real tokens is a plain row of its own (ops/dilated.py: _by_document), which trains on the GPU's
     path; the mask is read once a forward, the backward reads nothing. (Through the masked calls
     this step's forward read back 36 times and its backward 8; sdpa's, 2 and 0.)"""
-    from hf_dilated.ops import sparse_far_train
-
-    taken = []
-    real = sparse_far_train.sparse_far_attention
-    monkeypatch.setattr(sparse_far_train, "sparse_far_attention", lambda *a: taken.append(1) or real(*a))
     sdpa_forward, sdpa_backward = _padded_training_counts("sdpa")
     forward, backward = _padded_training_counts("dilated")
-    assert len(taken) == 8  # (two rows, two layers, two forwards)
+    assert len(training_calls) == 8  # (two rows, two layers, two forwards)
     assert forward.total <= sdpa_forward.total + 2, (dict(forward.sites), dict(sdpa_forward.sites))
     assert backward.total <= sdpa_backward.total, dict(backward.sites)

@@ -263,6 +263,19 @@ def _kept_steps(s, q, k, v, real, inv_freq, first_seen, steps, prefill_queries=0
     return outs, getattr(k, sparse_far_static.ATTRIBUTE)
 
 
+def _static_inputs(left_padding: int):
+    """(q, k, v, inv_freq, real) of the static-step tests, float64: 2 rows of 80 slots, 4 query / 2
+    kv heads of 8, row 1 left-padded by `left_padding` slots."""
+    g = torch.Generator().manual_seed(8)
+    batch, heads, kv_heads, slots, dim = 2, 4, 2, 80, 8
+    q = torch.randn(batch, heads, slots, dim, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(batch, kv_heads, slots, dim, generator=g, dtype=torch.float64) for _ in range(2))
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    real = torch.ones(batch, slots, dtype=torch.bool)
+    real[1, :left_padding] = False
+    return q, k, v, inv_freq, real
+
+
 @pytest.mark.parametrize("over", ({}, {"far_sinks": 0, "far_group": 1, "far_window": None}, {"far_sinks": 2}),
                          ids=("grouped", "own_positions", "two_sinks"))
 def test_kept_static_steps_match_reference(over):
@@ -272,13 +285,8 @@ def test_kept_static_steps_match_reference(over):
     from hf_dilated.ops import sparse_far_static
 
     s = _decode_settings(**over)
-    g = torch.Generator().manual_seed(8)
-    batch, heads, kv_heads, slots, dim = 2, 4, 2, 80, 8
-    q = torch.randn(batch, heads, slots, dim, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(batch, kv_heads, slots, dim, generator=g, dtype=torch.float64) for _ in range(2))
-    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    real = torch.ones(batch, slots, dtype=torch.bool)
-    real[1, :7] = False  # a left-padded row
+    q, k, v, inv_freq, real = _static_inputs(left_padding=7)
+    slots = q.shape[2]
     first, steps = 20, 50
     outs, kept = _kept_steps(s, q, k, v, real, inv_freq, first, steps)
     seen = first + steps
@@ -305,13 +313,8 @@ def test_static_steps_of_rows_rotated_further_than_their_ranks_match_reference(k
     from hf_dilated.ops.rope import rotate_by
 
     s = _decode_settings()
-    g = torch.Generator().manual_seed(8)
-    batch, heads, kv_heads, slots, dim = 2, 4, 2, 80, 8
-    q = torch.randn(batch, heads, slots, dim, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(batch, kv_heads, slots, dim, generator=g, dtype=torch.float64) for _ in range(2))
-    inv_freq = 1.0 / (100.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    real = torch.ones(batch, slots, dtype=torch.bool)
-    real[1, :9] = False  # left-padded by 9: the model rotated it 9 further than its ranks
+    q, k, v, inv_freq, real = _static_inputs(left_padding=9)  # the model rotated row 1 9 further than its ranks
+    batch, slots = q.shape[0], q.shape[2]
     shift = torch.tensor([0, 9])
     turned = [rotate_by(x, shift[:, None].expand(batch, slots), inv_freq) for x in (q, k)]
     first, steps = 20, 50

@@ -1,10 +1,11 @@
 """Training with sparse far keys on the GPU's path (ops/sparse_far_train.py) against the independent
 float64 reference (tests/reference.py), run on the CPU.
 
-FlexAttention has no backward on the CPU, so these tests stand in for its call with its definition
-(`flex_definition`: every pair of a listed full tile, and the pairs of a listed partial tile that its
-mask_mod keeps, in float64 torch operations that autograd differentiates); the forward runs torch's
-own eager FlexAttention. FlexAttention's backward itself runs in tests/test_cuda_models.py."""
+FlexAttention has no backward on the CPU, so these tests stand in for its differentiated calls with
+its definition (the `gpu_training_path` fixture and `flex_definition` of tests/conftest.py: every pair
+of a listed full tile, and the pairs of a listed partial tile that its mask_mod keeps, in float64
+torch operations that autograd differentiates); the forward runs torch's own eager FlexAttention.
+FlexAttention's backward itself runs in this file's CUDA tests, at the end."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -21,58 +22,6 @@ from test_dilated import make_inputs
 from test_sparse_far import BASE, far_inputs, sparse
 
 TOL = 1e-10
-
-
-def _listed(count, indices, q_tiles, k_tiles):
-    """bool (batch, heads, q_tiles, k_tiles) of a BlockMask's (count, indices) lists."""
-    taken = torch.arange(indices.shape[-1], device=indices.device) < count[..., None]
-    index = torch.where(taken, indices.long(), k_tiles)[..., :k_tiles]
-    dense = torch.zeros((*indices.shape[:-1], k_tiles + 1), dtype=torch.bool, device=indices.device)
-    return dense.scatter_(-1, index, True)[..., :k_tiles][:, :, :q_tiles]
-
-
-def flex_definition(q, k, v, block_mask, scale, kind="by_query"):
-    """(out, lse) of a FlexAttention call by its definition, differentiable (float64 inside)."""
-    batch, heads, rows, _ = q.shape
-    n = k.shape[2]
-    q_tile, k_tile = block_mask.BLOCK_SIZE
-    q_tiles, k_tiles = -(-rows // q_tile), -(-n // k_tile)
-    b = torch.arange(batch)[:, None, None, None]
-    h = torch.arange(heads)[None, :, None, None]
-    i = torch.arange(rows)[None, None, :, None]
-    j = torch.arange(n)[None, None, None, :]
-    mask_heads = block_mask.kv_num_blocks.shape[1]  # 1 or the query heads
-    tiles = (b, h % mask_heads, i // q_tile, j // k_tile)
-    partial = _listed(block_mask.kv_num_blocks, block_mask.kv_indices, q_tiles, k_tiles)[tiles]
-    read = partial & block_mask.mask_mod(b, h, i, j)
-    if block_mask.full_kv_num_blocks is not None:
-        read = read | _listed(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, q_tiles, k_tiles)[tiles]
-    group = heads // k.shape[1]
-    keys, values = (t.to(torch.float64).repeat_interleave(group, 1) for t in (k, v))
-    scores = scale * q.to(torch.float64) @ keys.transpose(-1, -2)
-    empty = ~read.any(-1)
-    top = torch.where(read, scores, float("-inf")).amax(-1, keepdim=True).detach()
-    top = torch.where(empty[..., None], 0.0, top)
-    weights = torch.where(read, torch.exp(scores - top), 0.0)
-    total = weights.sum(-1)
-    total = torch.where(empty, 1.0, total)
-    out = (weights / total[..., None]) @ values
-    lse = torch.where(empty, float("-inf"), torch.log(total) + top[..., 0])
-    return out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-
-
-@pytest.fixture
-def gpu_training_path(monkeypatch):
-    """sparse_far_train taken on the CPU, with flex_definition where FlexAttention is differentiated."""
-    real = sparse_far_flex._flex_call
-
-    def flex_call(q, k, v, block_mask, scale, kind="by_query"):
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            return flex_definition(q, k, v, block_mask, scale, kind)
-        return real(q, k, v, block_mask, scale, kind)
-
-    monkeypatch.setattr(sparse_far_flex, "_flex_call", flex_call)
-    monkeypatch.setattr(sparse_far_train, "DEVICES", ("cuda", "cpu"))
 
 
 # (far_band, far_top_k, far_block_size, far_sinks) with a local_window of 64 over rows of 300 keys
@@ -261,15 +210,12 @@ def test_cuda_float32_training_takes_the_masked_calls():
 
 @pytest.mark.cuda
 @pytest.mark.slow
-def test_cuda_default_conversion_training_step_at_16k_tokens(monkeypatch):
+def test_cuda_default_conversion_training_step_at_16k_tokens(training_calls):
     """The default conversion from 4,096 tokens (band 4,096, far band 2,048, sparse far keys) in
     bfloat16, a Llama of 8 query / 2 kv heads of 64: one forward and backward at 16,384 tokens takes
     this path in both layers, with a finite loss and finite gradients."""
     from hf_dilated.bench.gpu_table import _model_entry
 
-    taken = []
-    real = sparse_far_train.sparse_far_attention
-    monkeypatch.setattr(sparse_far_train, "sparse_far_attention", lambda *a: taken.append(1) or real(*a))
     n = 16384
     config = LlamaConfig(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2,
                          intermediate_size=1024, vocab_size=1024, max_position_embeddings=4096)
@@ -280,27 +226,24 @@ def test_cuda_default_conversion_training_step_at_16k_tokens(monkeypatch):
     loss = model(ids, labels=ids).loss
     loss.backward()
     torch.cuda.synchronize()
-    assert len(taken) == 2
+    assert len(training_calls) == 2
     assert torch.isfinite(loss).item()
     assert all(torch.isfinite(p.grad).all().item() for p in model.parameters() if p.grad is not None)
 
 
 @pytest.mark.parametrize("lengths", ((120, 40, 140), (30, 270), (300,)), ids=("three_docs", "short_then_long",
                                                                              "one_doc_by_positions"))
-def test_packed_documents_train_document_by_document(lengths, gpu_training_path, monkeypatch):
+def test_packed_documents_train_document_by_document(lengths, gpu_training_path, training_calls):
     """Documents packed end to end, each at positions 0, 1, ... (DataCollatorWithFlattening's rows):
     each is a plain row of its own, so a document past the window trains on this path (reading
     nothing back) and a shorter one is causal attention; output and gradients against the
     reference over the packed row."""
-    taken = []
-    real = sparse_far_train.sparse_far_attention
-    monkeypatch.setattr(sparse_far_train, "sparse_far_attention", lambda *a: taken.append(a[0].shape[2]) or real(*a))
     q, k, v, q_far, k_far = (t[:1].detach().requires_grad_() for t in _inputs((4, 2)))
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
     kernel, ref_kw = sparse(TRAIN_SETTINGS[1])
     out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, position_ids=position_ids,
                             **kernel)
-    assert taken == [n for n in lengths if n > 64]
+    assert training_calls == [n for n in lengths if n > 64]
     refs = [t.detach().clone().requires_grad_() for t in (q, k, v, q_far, k_far)]
     ref = local_band_reference(*refs[:3], [512], [1], 64, q_far=refs[3], k_far=refs[4], position_ids=position_ids,
                                **ref_kw)
@@ -313,15 +256,11 @@ def test_packed_documents_train_document_by_document(lengths, gpu_training_path,
 
 
 @pytest.mark.parametrize("padding", ("left", "right", "a_row_of_padding"))
-def test_padded_rows_train_document_by_document(padding, gpu_training_path, monkeypatch):
+def test_padded_rows_train_document_by_document(padding, gpu_training_path, training_calls):
     """Rows whose real tokens are one run beside padding (an SFT batch): the run is a plain row of
     its own (positions are the mask's ranks), so past the window it trains on this path; a shorter
     run is causal attention. Real queries' outputs and every gradient against the reference; a
     padded query slot (docs/contract.md 3.1 leaves it open) gets 0."""
-    taken = []
-    real_call = sparse_far_train.sparse_far_attention
-    monkeypatch.setattr(sparse_far_train, "sparse_far_attention",
-                        lambda *a: taken.append(a[0].shape[2]) or real_call(*a))
     q, k, v, q_far, k_far = _inputs((4, 2))
     mask = torch.ones(2, 300, dtype=torch.long)
     if padding == "left":
@@ -333,7 +272,7 @@ def test_padded_rows_train_document_by_document(padding, gpu_training_path, monk
     kernel, ref_kw = sparse(TRAIN_SETTINGS[1])
     out = dilated_attention(q, k, v, [512], [1], local_window=64, q_far=q_far, k_far=k_far, attention_mask=mask,
                             **kernel)
-    assert taken == [260]
+    assert training_calls == [260]
     real = mask.bool()[:, None, :, None]
     refs = [t.detach().clone().requires_grad_() for t in (q, k, v, q_far, k_far)]
     ref = local_band_reference(*refs[:3], [512], [1], 64, q_far=refs[3], k_far=refs[4], attention_mask=mask,
