@@ -3,6 +3,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # tests/ is not a package: make `import reference` work under every pytest import mode.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -151,3 +152,18 @@ def training_calls(monkeypatch):
 
     monkeypatch.setattr(sparse_far_train, "sparse_far_attention", counted)
     return calls
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most entries of a tensor any operation made."""
+
+    def __init__(self):
+        super().__init__()
+        self.entries = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.entries = max(self.entries, t.numel())
+        return out

@@ -610,3 +610,26 @@ def test_flex_path_takes_heads_its_cuda_kernel_takes(monkeypatch):
         assert not takes(8, 8, "cuda") and not takes(64, 8, "cuda") and not takes(8, 64, "cuda")
     monkeypatch.setattr(block_sparse_flex, "FLEX_ON", ("cuda", "cpu"))
     assert takes(8, 8, "cpu")
+
+
+@pytest.mark.parametrize("spec", [{"type": "local", "window": 2}, {"type": "hierarchical", "levels": [[1, 2], [2, 5]]}])
+def test_rows_at_large_positions_plan_from_their_blocks_not_every_block_number(spec):
+    """A document whose positions start far from 0 (contract 3.1 allows any start) has few blocks
+    at large block numbers: the plan built the (blocks x blocks) layout up to the largest number
+    (16 tokens at positions 40,000..: 100 M entries; at 10 M: an allocation of 50 TB that failed),
+    where the rows of its own blocks are all it reads. The result is the reference's (these patterns
+    depend on bq - bk alone, and the offsets are whole blocks: the layout of 4 blocks from 0)."""
+    from conftest import LargestTensor
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    d = torch.arange(4)[:, None] - torch.arange(4)[None, :]  # bq - bk
+    layout = ((d >= 0) & (d < 2) if spec["type"] == "local"
+              else (d == 0) | (d % 2 == 0) | ((d >= 0) & (d < 2)) | (d % 5 == 0))
+    for offset in (40_000, 10_000_000):
+        positions = torch.arange(16)[None] + offset
+        with LargestTensor() as largest:
+            out = block_sparse_attention(q, k, v, spec, block_size=4, position_ids=positions)
+        assert largest.entries <= 4 * (offset // 4 + 5)  # rows of the query blocks over the block numbers
+        want = block_sparse_reference(q, k, v, layout[None, None], block_size=4)
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)

@@ -35,14 +35,21 @@ def block_allowed(pattern, num_blocks: int, q_heads: int, device) -> torch.Tenso
         if layout.shape[0] not in (1, q_heads):
             raise ValueError(f"pattern: a custom layout needs 1 or q_heads ({q_heads}) heads, got {layout.shape[0]}")
         return layout[:, :num_blocks, :num_blocks]
-    return pattern.allowed(torch.arange(num_blocks, device=device), num_blocks)[None]
+    return pattern.block_layout(torch.arange(num_blocks, device=device), num_blocks)[0]
 
 
 def block_sparse_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, pattern, block_size: int,
                              q_heads: int, kv_heads: int) -> torch.Tensor:
     """bool (batch, kv_heads, seq_len): key j is needed for kv head hk when some real query i of
     `query_index` in j's document, not before j, has a block that may read j's block for some
-    query head of hk (j real)."""
+    query head of hk (j real).
+
+    Within a document positions grow with the index (ops/token_layout.py), so a query of a later
+    block of j's document comes after j, and one of j's own block may or may not: key j is needed
+    when its own block may read itself and that block's last query is not before j, or when a
+    block after it that holds a query may read it. The second is a product of (documents x blocks)
+    by the (blocks x blocks) layout, taken a slice of key blocks at a time: memory of the layout's
+    order, never of (tokens x blocks), which at a million tokens in blocks of 64 is 16 G entries."""
     p, real, doc = tokens.positions, tokens.real, tokens.doc
     batch, seq_len = p.shape
     device = p.device
@@ -52,23 +59,31 @@ def block_sparse_needed_keys(tokens: GlobalTokens, query_index: torch.Tensor, pa
     is_query = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
     is_query[:, query_index] = True
     is_query &= real
-    # last[b, d, bq]: the last query of block bq in document d of row b (-1: none).
+    # last[b * num_docs + d, bq]: the last query of block bq in document d of row b (-1: none).
     num_docs = int(doc.max()) + 1
-    last = torch.full((batch * num_docs * num_blocks,), -1, dtype=torch.long, device=device)
     cell = (torch.arange(batch, device=device)[:, None] * num_docs + doc) * num_blocks + block
+    last = torch.full((batch * num_docs * num_blocks,), -1, dtype=torch.long, device=device)
     last.scatter_reduce_(0, cell[is_query], index[is_query], reduce="amax")
-    last = last.view(batch, num_docs, num_blocks)
-    reach = last[torch.arange(batch, device=device)[:, None], doc] >= index[..., None]  # (batch, seq, bq)
+    own_block = last[cell] >= index  # (batch, seq): a query of the key's own block at or after it
+    holds_query = (last.view(batch * num_docs, num_blocks) >= 0).float()
     allowed = block_allowed(pattern, num_blocks, q_heads, device)  # (H or 1, bq, bk)
+    blocks = torch.arange(num_blocks, device=device)
+    cols = max(1, _LATER_BUDGET // num_blocks)
     need = torch.zeros(batch, kv_heads, seq_len, dtype=torch.bool, device=device)
     per_kv = q_heads // kv_heads
     for h in range(allowed.shape[0]):
-        reads = allowed[h].T[block]  # (batch, seq, bq): may block bq read the key's block
-        need_h = (reach & reads).any(-1) & real
+        later = torch.empty(batch * num_docs, num_blocks, dtype=torch.bool, device=device)
+        for c in range(0, num_blocks, cols):  # later[., bk]: a block bq > bk with a query may read bk
+            reads = allowed[h, :, c:c + cols] & (blocks[:, None] > blocks[None, c:c + cols])
+            later[:, c:c + cols] = (holds_query @ reads.float()) > 0
+        need_h = real & ((own_block & allowed[h].diagonal()[block]) | later.view(-1)[cell])
         heads = range(kv_heads) if allowed.shape[0] == 1 else [h // per_kv]
         for hk in heads:
             need[:, hk] |= need_h
     return need
+
+
+_LATER_BUDGET = 1 << 24  # entries of one slice of the layout in block_sparse_needed_keys
 
 
 def _blocks(tokens: GlobalTokens, pattern, block_size: int, q_heads: int):

@@ -27,6 +27,9 @@ import torch
 from ..checks import check_int
 
 
+_SLICE_ENTRIES = 1 << 22  # int64 offsets of one slice of block_layout's rows (32 MB)
+
+
 def _offsets(q_blocks: torch.Tensor, num_key_blocks: int):
     """(len(q_blocks), num_key_blocks) int64 tensors bq - bk and bk."""
     bk = torch.arange(num_key_blocks, device=q_blocks.device)
@@ -41,8 +44,14 @@ class _StaticPattern:
         raise NotImplementedError
 
     def block_layout(self, q_blocks: torch.Tensor, num_key_blocks: int) -> torch.Tensor:
-        """bool (1, 1, len(q_blocks), num_key_blocks)."""
-        return self.allowed(q_blocks, num_key_blocks)[None, None]
+        """bool (1, 1, len(q_blocks), num_key_blocks), made a slice of rows at a time: `allowed`
+        works on int64 offsets, 8 bytes an entry (2 GB for the 16K x 16K blocks of a million
+        tokens in blocks of 64), the layout on bools."""
+        out = torch.empty(len(q_blocks), num_key_blocks, dtype=torch.bool, device=q_blocks.device)
+        rows = max(1, _SLICE_ENTRIES // max(num_key_blocks, 1))
+        for r in range(0, len(q_blocks), rows):
+            out[r:r + rows] = self.allowed(q_blocks[r:r + rows], num_key_blocks)
+        return out[None, None]
 
     def to_dict(self) -> dict:
         return {"type": self.type, **{f.name: getattr(self, f.name) for f in fields(self)}}

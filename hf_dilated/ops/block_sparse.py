@@ -102,14 +102,17 @@ def block_sparse_attention(q, k, v, pattern, *, block_size, is_causal=True, scal
     cached = None if key is None else _PLANS.get(key, attention_mask, position_ids)
     if cached is None:
         st = _structure(q.shape[0], q.shape[2], k.shape[2], block_size, q.device, attention_mask, position_ids)
-        layout, rows = _layout(pattern, q, k, st)
+        # (the whole layout where a caller or FlexAttention reads it, a plain row's: else its
+        # (blocks x blocks) may be far larger than the rows the plan reads, as at large positions)
+        layout, rows = _layout(pattern, q, k, st, whole=return_layout or st.plain)
         plan = _plan(st, rows, is_causal, q.shape[1], k.shape[1], q.shape[3], sliding_window)
         plan.calls = [_on_device(call, q.device) for call in plan.calls]
         if key is not None:
             _PLANS.put(key, attention_mask, position_ids, (st, layout, plan))
     else:
         st, layout, plan = cached
-        layout = layout.clone() if return_layout else layout  # the caller may write into it
+        if return_layout:  # the caller may write into it
+            layout = _layout(pattern, q, k, st, whole=True)[0] if layout is None else layout.clone()
     if block_sparse_flex.applies(q, k, v, st.plain, is_causal, sliding_window, block_size):  # a plain prefill on CUDA
         out = block_sparse_flex.attention(q, k, v, layout, block_size, scale, key)
         if out is not None:
@@ -250,8 +253,9 @@ def _plain_structure(batch, q_len, kv_len, bs, device, real, bnum) -> _Structure
 # Layouts
 
 
-def _layout(pattern, q, k, st: _Structure):
-    """Returns (full layout to report, rows (I, heads or 1, num_blocks) for the query items)."""
+def _layout(pattern, q, k, st: _Structure, whole: bool):
+    """Returns (the whole layout to report, or None for a static pattern unless `whole`; rows (I,
+    heads or 1, num_blocks) for the query items)."""
     nb = st.num_blocks
     item_num = st.blk_num[st.item_blk]
     if isinstance(pattern, AdaptivePattern):
@@ -265,8 +269,8 @@ def _layout(pattern, q, k, st: _Structure):
                 f"has {nb} blocks of block_size={st.block_size}"
             )
         return full[None], full[:, item_num, :nb].transpose(0, 1)
-    all_blocks = torch.arange(nb, device=q.device)
-    return pattern.block_layout(all_blocks, nb), pattern.block_layout(item_num, nb)[0].transpose(0, 1)
+    rows = pattern.block_layout(item_num, nb)[0].transpose(0, 1)
+    return pattern.block_layout(torch.arange(nb, device=q.device), nb) if whole else None, rows
 
 
 def _adaptive_layout(pattern: AdaptivePattern, q, k, st: _Structure):
