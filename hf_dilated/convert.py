@@ -21,6 +21,7 @@ options say otherwise; valid but unusual requests print a warning saying what wa
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -84,7 +85,7 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--far-sinks", type=int, default=None, help=field_help("far_sinks"))
     p.add_argument("--copy", action="store_true", help="copy weight files instead of hard-linking them")
     p.add_argument("--force", action="store_true",
-                   help="replace DST if it exists (only an empty directory or a checkpoint hf-dilated wrote)")
+                   help="replace DST if it exists (only an empty directory or exactly what a conversion wrote there)")
 
 
 def _one_line(text) -> str:
@@ -235,18 +236,48 @@ def _check_dst(src: Path, dst: Path, files, force: bool) -> None:
     if dst.is_symlink() or not dst.is_dir():
         raise ValueError(f"dst: {dst} is not a directory (or is a symbolic link); --force replaces only an empty "
                          "directory or a checkpoint written by hf-dilated convert")
-    if any(dst.iterdir()) and not _written_by_us(dst):
-        raise ValueError(f"dst: {dst} is not a checkpoint written by hf-dilated convert (no '{CONFIG_KEY}' entry in "
-                         "its config.json); refusing to replace it even with --force: remove it yourself or choose "
-                         "another DST")
+    if any(dst.iterdir()):
+        changed = _changed_since_written(dst)
+        if changed is not None:
+            raise ValueError(f"dst: {dst} is not a checkpoint hf-dilated convert wrote as it is now ({changed}); "
+                             "refusing to replace it even with --force: remove it yourself or choose another DST")
 
 
-def _written_by_us(directory: Path) -> bool:
+# What a conversion wrote, file by file, so that --force replaces only that: a directory with an
+# hf_dilated entry may also be a fine-tuned model saved from a converted one (save_pretrained writes
+# the entry too), which --force must never destroy.
+MANIFEST = "hf_dilated_conversion.json"
+
+
+def _file_records(directory: Path) -> dict:
+    """{relative path: record} of every file under directory but the manifest: config.json by its
+    bytes' hash (written now), the others by size and modification time, which links and copy2 keep
+    from SRC (so the same SRC gives the same manifest, and no weight is read)."""
+    records = {}
+    for path in sorted(directory.rglob("*")):
+        rel = path.relative_to(directory).as_posix()
+        if rel == MANIFEST or path.is_dir() and not path.is_symlink():
+            continue
+        info = os.lstat(path)
+        if rel == "config.json":
+            records[rel] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+        else:
+            records[rel] = {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
+    return records
+
+
+def _changed_since_written(directory: Path) -> str | None:
+    """None when directory holds exactly what a conversion's manifest lists, else what differs."""
     try:
-        config = json.loads((directory / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and isinstance(config.get(CONFIG_KEY), dict)
+        manifest = json.loads((directory / MANIFEST).read_text())
+        listed = manifest["files"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return f"no readable {MANIFEST}"
+    found = _file_records(directory)
+    differ = sorted(set(found) ^ set(listed) | {rel for rel in set(found) & set(listed) if found[rel] != listed[rel]})
+    if differ:
+        return f"{len(differ)} file(s) added, removed or changed since, e.g. {differ[0]}"
+    return None
 
 
 # --- temporary directories: named after DST, process and host, so a later run knows whose they are
@@ -329,6 +360,8 @@ def _write(src: Path, dst: Path, files, config_text: str, link_weights: bool, fo
                 _place(real, target, link=link_weights and rel.name.endswith(WEIGHT_SUFFIXES))
         (tmp / "config.json").write_text(config_text)
         _verify_weights(tmp, files)
+        (tmp / MANIFEST).write_text(json.dumps({"written_by": "hf-dilated convert", "files": _file_records(tmp)},
+                                               indent=1, sort_keys=True) + "\n")
         if os.path.lexists(dst):
             if not force:  # appeared while this run was copying
                 raise FileExistsError(f"dst: {dst} exists; pass --force (force=True) to replace it")

@@ -243,4 +243,10 @@ def dilated_entry(config, context_length: int | None = None, **fields) -> dict:
                               "keep or choose levels)", ConversionWarning, stacklevel=3)
     base = {k: v for k, v in base.items() if k not in ("original_length", "target_length")}
     base.update(fields)
-    return DilatedConfig.default(original, target, **base).to_dict()
+    entry = DilatedConfig.default(original, target, **base).to_dict()
+    if "segment_lengths" in fields and max(entry["segment_lengths"]) < target:
+        # (the default levels always reach the target; a preset's are checked against it in convert)
+        raise ValueError(f"segment_lengths: the levels end at {max(entry['segment_lengths'])} tokens, so no key further "
+                         f"back than that is read at a context of {target}: make the last segment at least "
+                         f"{target} tokens, or leave segment_lengths and dilation_rates to the default")
+    return entry

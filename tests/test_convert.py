@@ -139,14 +139,58 @@ def test_convert_refuses_an_existing_dst_without_force_and_is_idempotent(source,
     text = (first / "config.json").read_text()
     with pytest.raises(FileExistsError, match="exists; pass --force"):
         convert_checkpoint(source, first, preset="tiny-llama")
-    (first / "stale.txt").write_text("from an older conversion")
     convert_checkpoint(source, first, preset="tiny-llama", force=True)
-    assert (first / "config.json").read_text() == text and not (first / "stale.txt").exists()
+    assert (first / "config.json").read_text() == text
     again = convert_checkpoint(source, tmp_path / "b", preset="tiny-llama")
     assert (again / "config.json").read_text() == text  # same inputs, same bytes
     twice = convert_checkpoint(first, tmp_path / "c", preset="tiny-llama")
     assert (twice / "config.json").read_text() == text  # converting a converted checkpoint changes nothing
     assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"]
+
+
+def test_force_replaces_only_what_a_conversion_wrote(source, tmp_path):
+    """--force replaced any directory whose config.json had an hf_dilated entry: a fine-tuned model
+    saved from a converted one has it too, and its weights and notes were destroyed (a review,
+    2026-11-28). Now only a directory that holds exactly what a conversion's manifest lists."""
+    first = convert_checkpoint(source, tmp_path / "a", context_length=128)
+    manifest = json.loads((first / "hf_dilated_conversion.json").read_text())
+    assert set(manifest["files"]) == {"config.json", "extra/notes.txt", "generation_config.json", "model.safetensors",
+                                      "tokenizer.json"}
+    tuned = tmp_path / "tuned"
+    model = AutoModelForCausalLM.from_pretrained(first)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    model.save_pretrained(tuned)
+    (tuned / "training_notes.txt").write_text("two days of fine-tuning\n")
+    before = _digest(tuned)
+    with pytest.raises(ValueError, match="no readable hf_dilated_conversion.json"):
+        convert_checkpoint(source, tuned, context_length=128, force=True)
+    assert _digest(tuned) == before
+    (first / "notes.md").write_text("mine\n")  # a file added to a conversion
+    with pytest.raises(ValueError, match="added, removed or changed since, e.g. notes.md"):
+        convert_checkpoint(source, first, context_length=128, force=True)
+    (first / "notes.md").unlink()
+    model.save_pretrained(first)  # weights rewritten in place (what the README warns against)
+    with pytest.raises(ValueError, match="changed since"):
+        convert_checkpoint(source, first, context_length=128, force=True)
+    again = convert_checkpoint(source, tmp_path / "b", context_length=128)
+    assert convert_checkpoint(source, again, context_length=128, force=True) == again  # untouched: replaced
+    twice = convert_checkpoint(again, tmp_path / "c", context_length=128)  # a converted SRC's manifest is its own
+    assert (twice / "hf_dilated_conversion.json").read_text() != "" and convert_checkpoint(
+        again, twice, context_length=128, force=True) == twice
+
+
+def test_levels_that_end_before_the_context_are_refused(source, tmp_path):
+    """Levels chosen by hand that end before the context (--segment-lengths 16,32 --context 128)
+    were written without a word (the preset path refused the same): queries past 32 read no key of
+    an earlier segment."""
+    with pytest.raises(ValueError, match="segment_lengths: the levels end at 32 tokens"):
+        convert_checkpoint(source, tmp_path / "x", context_length=128, segment_lengths=[16, 32],
+                           dilation_rates=[1, 2])
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match="segment_lengths: the levels end at 32 tokens"):
+        hf_dilated.patch(AutoModelForCausalLM.from_pretrained(source), "dilated", context_length=128,
+                         segment_lengths=[16, 32], dilation_rates=[1, 2])
 
 
 def test_failed_conversions_leave_nothing_behind(source, tmp_path):
@@ -353,8 +397,8 @@ def test_force_replaces_only_a_converted_checkpoint(source, tmp_path):
     plain = _copy_of(source, tmp_path / "plain")  # a checkpoint hf-dilated did not write
     (tmp_path / "file").write_text("a file\n")
     before = _digest(tmp_path)
-    for dst, match in ((work, "not a checkpoint written by hf-dilated convert"),
-                       (plain, "not a checkpoint written by hf-dilated convert"),
+    for dst, match in ((work, "not a checkpoint hf-dilated convert wrote"),
+                       (plain, "not a checkpoint hf-dilated convert wrote"),
                        (tmp_path / "file", "not a directory")):
         with pytest.raises(ValueError, match=match):
             convert_checkpoint(source, dst, context_length=128, force=True)
