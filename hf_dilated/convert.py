@@ -39,7 +39,7 @@ from .integrations.transformers import converted_context, supported_context
 from .kinds import TRANSFORMERS_NAMES as NAMES, check_transformers_name, warn_unread_settings
 from .patches import family_for
 from .patches.context import (MAX_CONTEXT_LENGTH, ROPE_CHOICES, ConversionWarning, check_context_length,
-                              converted_before)
+                              converted_before, original_length)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
@@ -183,8 +183,29 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
     if "rope_parameters" in updates:
         new.pop("rope_scaling", None)  # transformers reads a legacy rope_scaling before rope_parameters
     new["attn_implementation"] = attn_implementation  # from_pretrained(DST) uses it (after `import hf_dilated`)
-    _write(src, dst, files, json.dumps(new, indent=2, sort_keys=True) + "\n", link_weights=not copy, force=force)
+    written = {Path("config.json"): json.dumps(new, indent=2, sort_keys=True) + "\n"}
+    generation = _generation_config(src, files, config, before, updates[CONFIG_KEY]["target_length"])
+    if generation is not None:
+        written[Path("generation_config.json")] = generation
+    _write(src, dst, files, written, link_weights=not copy, force=force)
     return dst
+
+
+def _generation_config(src: Path, files, config, before: bool, target: int) -> str | None:
+    """SRC's generation_config.json with a `max_length` that is the checkpoint's context (Llama-2's
+    says 4096) raised to the converted one, which generate() would otherwise stop at (it reads
+    max_length when given no max_new_tokens); None where nothing changes."""
+    if (Path("generation_config.json"), (src / "generation_config.json").resolve()) not in files:
+        return None
+    raw = _read_config(src, "src", "generation_config.json")
+    length = raw.get("max_length")
+    contexts = {original_length(config)} | ({converted_context(config)} if before else set())
+    if not isinstance(length, int) or isinstance(length, bool) or length not in contexts or length == target:
+        return None
+    warnings.warn(f"generation_config.json: max_length {length} (the checkpoint's context) became {target}, the "
+                  "converted context, which generate() reads when given no max_new_tokens", ConversionWarning,
+                  stacklevel=3)
+    return json.dumps({**raw, "max_length": target}, indent=2, sort_keys=True) + "\n"
 
 
 # --- what SRC holds, and whether DST may be (re)placed ------------------------------------------
@@ -250,19 +271,19 @@ MANIFEST = "hf_dilated_conversion.json"
 
 
 def _file_records(directory: Path) -> dict:
-    """{relative path: record} of every file under directory but the manifest: config.json by its
-    bytes' hash (written now), the others by size and modification time, which links and copy2 keep
-    from SRC (so the same SRC gives the same manifest, and no weight is read)."""
+    """{relative path: record} of every file under directory but the manifest: weights by size and
+    modification time, which links and copy2 keep from SRC (no weight is read), the others (small;
+    config.json is written anew) by their bytes' hash: the same SRC gives the same manifest."""
     records = {}
     for path in sorted(directory.rglob("*")):
         rel = path.relative_to(directory).as_posix()
         if rel == MANIFEST or path.is_dir() and not path.is_symlink():
             continue
         info = os.lstat(path)
-        if rel == "config.json":
-            records[rel] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-        else:
+        if rel.endswith(WEIGHT_SUFFIXES):
             records[rel] = {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
+        else:
+            records[rel] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     return records
 
 
@@ -334,7 +355,8 @@ def _clean_leftovers(dst: Path) -> None:
 # --- writing ----------------------------------------------------------------------------------
 
 
-def _write(src: Path, dst: Path, files, config_text: str, link_weights: bool, force: bool) -> None:
+def _write(src: Path, dst: Path, files, written: dict, link_weights: bool, force: bool) -> None:
+    """DST: SRC's files, those in `written` ({relative path: text}) with that text instead."""
     created = []  # parents of dst this run made: removed again if it fails
     for parent in reversed([dst.parent, *dst.parent.parents]):
         if not parent.exists():
@@ -356,9 +378,10 @@ def _write(src: Path, dst: Path, files, config_text: str, link_weights: bool, fo
             target = tmp / rel
             if real is None:
                 target.mkdir()
-            elif rel != Path("config.json"):
+            elif rel not in written:
                 _place(real, target, link=link_weights and rel.name.endswith(WEIGHT_SUFFIXES))
-        (tmp / "config.json").write_text(config_text)
+        for rel, text in written.items():
+            (tmp / rel).write_text(text)
         _verify_weights(tmp, files)
         (tmp / MANIFEST).write_text(json.dumps({"written_by": "hf-dilated convert", "files": _file_records(tmp)},
                                                indent=1, sort_keys=True) + "\n")
@@ -422,9 +445,10 @@ def add_info_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="checkpoint directory")
 
 
-def _read_config(directory: Path, argument: str) -> dict:
-    """The checkpoint's config.json as a dict, or a ValueError naming the argument and the file."""
-    path = directory / "config.json"
+def _read_config(directory: Path, argument: str, name: str = "config.json") -> dict:
+    """The checkpoint's config.json (or another JSON file of it) as a dict, or a ValueError naming the
+    argument and the file."""
+    path = directory / name
     try:
         raw = json.loads(path.read_text())
     except ValueError as exc:

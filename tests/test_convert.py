@@ -180,6 +180,28 @@ def test_force_replaces_only_what_a_conversion_wrote(source, tmp_path):
         again, twice, context_length=128, force=True) == twice
 
 
+def test_a_generation_max_length_at_the_checkpoints_context_follows_the_conversion(source, tmp_path):
+    """Llama-2's generation_config.json says max_length 4096: copied as it was, generate() without
+    max_new_tokens refused a converted model's longer prompts ("Input length of input_ids is 100, but
+    max_length is set to 64", a review). A max_length at the checkpoint's context follows the
+    converted one; any other stays."""
+    src = _copy_of(source, tmp_path / "src")
+    (src / "generation_config.json").write_text(json.dumps({"max_length": 32, "do_sample": False}))
+    before = _digest(src)
+    with pytest.warns(UserWarning, match="max_length 32 .* became 128"):
+        dst = convert_checkpoint(src, tmp_path / "long", context_length=128)
+    assert _digest(src) == before
+    assert json.loads((dst / "generation_config.json").read_text()) == {"max_length": 128, "do_sample": False}
+    model = AutoModelForCausalLM.from_pretrained(dst)
+    out = model.generate(torch.randint(3, 100, (1, 60)))  # (the default band's name: 128 tokens declared)
+    assert out.shape[1] == 128
+    assert json.loads((convert_checkpoint(dst, tmp_path / "longer", context_length=256) / "generation_config.json")
+                      .read_text())["max_length"] == 256  # an earlier conversion's too
+    (src / "generation_config.json").write_text(json.dumps({"max_length": 20}))
+    assert json.loads((convert_checkpoint(src, tmp_path / "kept", context_length=128) / "generation_config.json")
+                      .read_text()) == {"max_length": 20}
+
+
 def test_levels_that_end_before_the_context_are_refused(source, tmp_path):
     """Levels chosen by hand that end before the context (--segment-lengths 16,32 --context 128)
     were written without a word (the preset path refused the same): queries past 32 read no key of
