@@ -41,11 +41,26 @@ def _earlier_target(config) -> int | None:
     return block.get("target_length") if isinstance(block, dict) else None
 
 
+def _kept_rope_for_far_keys(config) -> bool:
+    """Whether an earlier conversion lengthened `config` keeping its RoPE unscaled for far keys at
+    grouped positions (the default conversion), which only the names in BAND_NAMES read."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    return (converted_before(config) and params.get("rope_type", "default") == "default"
+            and (_earlier_target(config) or 0) > original_length(config)
+            and (getattr(config, CONFIG_KEY).get("far_group") or 1) > 1)
+
+
 def convert_config(config, context_length=None, rope=None, attn_implementation=None, **dilated_fields) -> dict:
     """The top-level config fields that configure `config` for hf_dilated at `context_length`, for
     `attn_implementation` (what an unset RoPE and band default to: `with_defaults`), shared by the
     families (a family adds what its own layers need)."""
     check_conversion_arguments(config, context_length, rope)
+    if context_length is None and rope is None and _kept_rope_for_far_keys(config) and attn_implementation not in (
+            None, *BAND_NAMES):
+        # A new name alone, for a conversion that kept the RoPE for far keys: at the earlier target,
+        # so that with_defaults scales the RoPE for a name that reads none, as it does given a context
+        # (kept, the name would read no further than the original context, and nothing said so).
+        context_length = _earlier_target(config)
     rope, dilated_fields = with_defaults(config, context_length, attn_implementation, rope, dilated_fields)
     updates = rope_updates(config, context_length, rope) if context_length is not None else {}
     updates[CONFIG_KEY] = dilated_entry(config, context_length, **dilated_fields)
@@ -112,10 +127,8 @@ def with_defaults(config, context_length: int | None, attn_implementation: str |
     conversion's choice, is kept."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     unscaled = params.get("rope_type", "default") == "default"
-    if (context_length is not None and rope is None and converted_before(config) and unscaled
-            and attn_implementation not in (None, *BAND_NAMES) and context_length > original_length(config)
-            and (_earlier_target(config) or 0) > original_length(config)
-            and (getattr(config, CONFIG_KEY).get("far_group") or 1) > 1):
+    if (context_length is not None and rope is None and _kept_rope_for_far_keys(config)
+            and attn_implementation not in (None, *BAND_NAMES) and context_length > original_length(config)):
         # The earlier conversion kept the RoPE for far keys at grouped positions, which this name does
         # not read: kept, it would give the new name no more than the original context.
         rope = default_conversion(original_length(config), context_length, attn_implementation)[0]
