@@ -157,7 +157,7 @@ def test_the_window_bounds_the_work():
     q = torch.randn(1, 4, n, 8)
     st = bs_mod._structure(1, n, n, 16, q.device, None, None)
     _, rows = bs_mod._layout(bs_mod.make_pattern({"type": "global_local", "global_blocks": 1, "window": 200}),
-                             q, q, st)
+                             q, q, st, whole=False)
     plan = bs_mod._plan(st, rows, True, 4, 4, 8, window)
     blocks = sum(c.blocks.numel() for c in plan.calls)
     assert blocks <= (n // 16) * (window // 16 + 2), blocks  # a global block outside the window is never read
