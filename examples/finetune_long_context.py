@@ -19,7 +19,9 @@ boundaries kept (see data.py).
 Output directory:
     checkpoints/step-NNNNNN/   trainable.safetensors, optimizer.safetensors, trainer_state.json
                                (--fsdp: sharded/, every rank's shards (torch.distributed.checkpoint),
-                               and trainer_state.json; resume with the same --fsdp, any process count)
+                               and trainer_state.json; resume with the same --fsdp). A resume takes the
+                               run's --sp-size and data-parallel size (each step's rows depend on it):
+                               the same process count
     adapter/                   the LoRA adapter (peft format; LoRA runs only)
     model/                     the full checkpoint (LoRA merged in) with the tokenizer; loads with
                                AutoModelForCausalLM.from_pretrained(path, attn_implementation=...)
@@ -167,6 +169,9 @@ def parse_args(argv=None):
                  if getattr(args, name) != parser.get_default(name)]
         if given:
             raise SystemExit(f"{', '.join(given)} configure LoRA, which --full-finetune does not use")
+    if args.sp_size == 1 and args.sp_layout != parser.get_default("sp_layout"):  # no group: it was ignored
+        raise SystemExit(f"--sp-layout {args.sp_layout} splits a row over a sequence-parallel group, which --sp-size 1 "
+                         "does not form")
     if args.timeout <= 0:
         raise SystemExit(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
@@ -268,7 +273,8 @@ def build_dataset(args, tokenizer):
 
 def rows_for(dataset, step: int, micro: int, args, dp_rank: int, dp_size: int, generator_seed: int):
     """The rows one data-parallel replica trains on at (step, micro-step): a function of those
-    numbers alone, so a resumed run sees exactly the data an uninterrupted one would have."""
+    numbers alone, so a resumed run sees exactly the data an uninterrupted one would have (with the
+    same dp_size, which sets the global batch and where each step starts: check_resumed_dp_size)."""
     start = (step * args.grad_accum + micro) * dp_size * args.batch_size + dp_rank * args.batch_size
     epoch_len = len(dataset)
     rows = []
@@ -283,7 +289,7 @@ def rows_for(dataset, step: int, micro: int, args, dp_rank: int, dp_size: int, g
 # --- checkpoints (all tensors as safetensors) ---------------------------------------------------
 
 
-def save_checkpoint(path: Path, model, optimizer, scheduler, step: int, args):
+def save_checkpoint(path: Path, model, optimizer, scheduler, step: int, args, dp_size: int):
     """Writes into a temporary directory and renames it into place: never a half-written checkpoint."""
     from safetensors.torch import save_file
 
@@ -300,7 +306,7 @@ def save_checkpoint(path: Path, model, optimizer, scheduler, step: int, args):
             tensors[f"state.{index}.{key}"] = value.detach().contiguous().cpu()
     metadata = {"param_groups": json.dumps(state["param_groups"]), "param_names": json.dumps(list(params))}
     save_file(tensors, str(tmp / "optimizer.safetensors"), metadata=metadata)
-    trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "args": vars(args)}
+    trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "args": vars(args), "dp_size": dp_size}
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str) + "\n")
     if path.exists():
         shutil.rmtree(path)
@@ -353,7 +359,8 @@ def save_sharded_checkpoint(path: Path, run, step: int) -> None:
     save_sharded_state(tmp / SHARDED_DIR, run.model, run.optimizer)
     run.accelerator.wait_for_everyone()
     if run.accelerator.is_main_process:
-        trainer_state = {"step": step, "scheduler": run.scheduler.state_dict(), "args": vars(run.args)}
+        trainer_state = {"step": step, "scheduler": run.scheduler.state_dict(), "args": vars(run.args),
+                         "dp_size": run.dp_size}
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2, default=str) + "\n")
         if path.exists():
             shutil.rmtree(path)
@@ -401,6 +408,20 @@ def check_resumed_options(path: Path, args) -> None:
         listed = ", ".join(f"--{n.replace('_', '-')} {saved.get(n)!r} -> {now.get(n)!r}" for n in changed[:6])
         raise SystemExit(f"--resume {path}: the run was started with other options ({listed}); resume it with "
                          "the same ones (or train anew from its model in another --output-dir)")
+
+
+def check_resumed_dp_size(path: Path, dp_size: int, sp_size: int) -> None:
+    """The data-parallel size is no option but the process count over --sp-size: a run resumed on
+    another one changed its global batch and skipped or repeated rows (rows_for) without a word. An
+    --fsdp checkpoint's shards would load on another process count; its data schedule would not.
+    (A checkpoint saved before dp_size was recorded: not checked.)"""
+    saved = json.loads((path / "trainer_state.json").read_text()).get("dp_size")
+    if saved is not None and saved != dp_size:
+        processes = saved * sp_size
+        raise SystemExit(f"--resume {path}: the run was trained with dp_size {saved} (data-parallel replicas: processes "
+                         f"/ --sp-size), this one has dp_size {dp_size}; each step's global batch and rows depend on it: "
+                         f"resume on {processes} process{'es' if processes > 1 else ''} (or train anew from its model "
+                         "in another --output-dir)")
 
 
 def find_resume(args) -> Path | None:
@@ -602,6 +623,7 @@ def resume(run: Run) -> int:
     if path is None:
         return 0
     check_resumed_options(path, run.args)
+    check_resumed_dp_size(path, run.dp_size, run.args.sp_size)
     load = load_sharded_checkpoint if run.args.fsdp else load_checkpoint
     step = load(path, run.model, run.optimizer, run.scheduler)
     run.accelerator.print(f"resumed from {path} at step {step}")
@@ -732,7 +754,8 @@ def save_step_checkpoint(run: Run, steps_done: int):
     if run.args.fsdp:  # every rank writes its shards
         save_sharded_checkpoint(path, run, steps_done)
     elif accelerator.is_main_process:
-        save_checkpoint(path, accelerator.unwrap_model(run.model), run.optimizer, run.scheduler, steps_done, run.args)
+        save_checkpoint(path, accelerator.unwrap_model(run.model), run.optimizer, run.scheduler, steps_done, run.args,
+                        run.dp_size)
     if accelerator.is_main_process:
         prune_checkpoints(run.args)
     accelerator.wait_for_everyone()

@@ -37,7 +37,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a hung peer becomes an error")
     p.add_argument("--out", default=None, help="write losses to OUT.json and weights to OUT.safetensors (rank 0)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.sp == 1 and args.layout != p.get_default("layout"):  # no group: it was ignored
+        raise SystemExit(f"--layout {args.layout} splits a row over a sequence-parallel group, which --sp 1 does not form")
+    return args
 
 
 def build_model(attn: str):

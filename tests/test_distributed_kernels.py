@@ -403,6 +403,60 @@ def test_grid_shard_batch_gather_and_loss_helpers():
         assert res["loss"] == 3.0  # 1 + 2 over the SP group
 
 
+def shard_batch_against_setup(rank, world):
+    """Child: shard_batch given a group or layout other than setup_sequence_parallel's."""
+    import warnings
+
+    import torch.distributed as dist
+
+    import hf_dilated.distributed as hd
+
+    ids = torch.arange(100, 130).view(1, 30)
+    out = {}
+    # No grid set: a group is for the kernels called with it; said once (the ring names ignore it).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["no_setup"] = hd.shard_batch(ids, labels=ids, group=dist.group.WORLD)["input_ids"]
+        hd.shard_batch(ids, labels=ids, group=dist.group.WORLD)
+    out["no_setup_warnings"] = [str(w.message) for w in caught]
+    errors = {}
+    # (sp_size 1: each rank its own group, the two-process group is another one)
+    for name, sp_size, kwargs in (("layout", world, dict(layout="contiguous")), ("group", 1, dict(group=dist.group.WORLD))):
+        hd.setup_sequence_parallel(sp_size, layout="zigzag")
+        try:
+            hd.shard_batch(ids, labels=ids, **kwargs)
+        except ValueError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    # The grid's own group and layout, given explicitly (the same ranks in another group object too): fine.
+    hd.setup_sequence_parallel(world, layout="zigzag")
+    out["same"] = [hd.shard_batch(ids, labels=ids, **kwargs)["input_ids"]
+                   for kwargs in ({}, dict(layout="zigzag"), dict(group=dist.group.WORLD))]
+    hd.destroy_sequence_parallel()
+    return out
+
+
+def test_shard_batch_refuses_a_group_or_layout_the_model_does_not_read():
+    """(review) The `*_ring` names read only setup_sequence_parallel's group and layout: shard_batch
+    with another layout (zigzag set, contiguous given) or with a group and no setup gave a wrong
+    loss without a word (4.149783 and 4.152371 against 4.151953 and 4.151654)."""
+    from hf_dilated.distributed.layout import shard
+
+    for o in launch(shard_batch_against_setup, 2):
+        r, res = o["rank"], o["result"]
+        ids = torch.cat([torch.arange(100, 130).view(1, 30), torch.zeros(1, 2, dtype=torch.long)], dim=1)
+        assert torch.equal(res["no_setup"], shard(ids, 2, r, "zigzag"))
+        assert len(res["no_setup_warnings"]) == 1, res["no_setup_warnings"]
+        assert "read only the group of setup_sequence_parallel" in res["no_setup_warnings"][0]
+        assert res["errors"]["layout"].startswith("layout='contiguous' differs from the layout set by "
+                                                  "setup_sequence_parallel ('zigzag')"), res["errors"]
+        assert res["errors"]["group"].startswith(f"group (ranks [0, 1]) is not the sequence-parallel group set by "
+                                                 f"setup_sequence_parallel (ranks [{r}])"), res["errors"]
+        assert "`*_ring` attention reads" in res["errors"]["layout"] and "`*_ring` attention reads" in res["errors"]["group"]
+        for got in res["same"]:
+            assert torch.equal(got, shard(ids, 2, r, "zigzag"))
+
+
 def traffic(rank, world):
     """Child: bytes sent per rank by one forward + backward of each kernel on 32 tokens."""
     import hf_dilated.distributed as hd

@@ -766,3 +766,46 @@ def test_a_mixture_reads_the_longer_parts_next_rows_each_epoch():
     assert len({x for x in seen if x >= 100}) == 100  # every passkey row read is a new one
     assert {x for x in seen if x < 100} == set(range(10))
     assert [int(data[i]["x"]) for i in range(4)] == [0, 100, 1, 101]  # (epoch 0 as before)
+
+
+def test_a_layout_without_a_sequence_parallel_group_is_refused():
+    """--sp-layout contiguous with --sp-size 1 (finetune_long_context.py) and --layout contiguous with
+    --sp 1 (sequence_parallel_demo.py) were accepted and ignored: no group, nothing split."""
+    import finetune_long_context
+    import sequence_parallel_demo
+
+    base = ["--model", "m", "--output-dir", "o", "--seq-len", "256", "--max-steps", "1"]
+    with pytest.raises(SystemExit, match="--sp-layout contiguous splits a row over a sequence-parallel group, which "
+                                         "--sp-size 1 does not form"):
+        finetune_long_context.parse_args([*base, "--sp-layout", "contiguous"])
+    assert finetune_long_context.parse_args([*base, "--sp-layout", "contiguous", "--sp-size", "2"]).sp_layout == "contiguous"
+    assert finetune_long_context.parse_args([*base, "--sp-layout", "zigzag"]).sp_size == 1  # the default: nothing changed
+    with pytest.raises(SystemExit, match="--layout contiguous splits a row over a sequence-parallel group, which --sp 1"):
+        sequence_parallel_demo.parse_args(["--layout", "contiguous"])
+    assert sequence_parallel_demo.parse_args(["--layout", "contiguous", "--sp", "2"]).layout == "contiguous"
+    assert sequence_parallel_demo.parse_args(["--layout", "zigzag"]).sp == 1
+
+
+def test_a_resume_on_another_data_parallel_size_is_refused(checkpoint):
+    """A run stopped on one process and resumed on two (--sp-size 1: dp_size 1 -> 2) doubled its global
+    batch and skipped rows without a word (rows_for starts step s at s * dp_size * batch_size). The
+    checkpoint now records dp_size; a checkpoint without it is resumed as before."""
+    out = checkpoint / "resume_dp"
+    run(finetune_cmd(checkpoint, out, "--stop-after-steps", 1, "--no-final-model"))
+    saved = out / "checkpoints/step-000001"
+    with pytest.raises(AssertionError) as failed:
+        run(["accelerate", "launch", "--config_file", EXAMPLES / "accelerate_configs/cpu_2proc.yaml",
+             "--main_process_port", free_port(), *finetune_cmd(checkpoint, out, "--resume", "auto", "--no-final-model",
+                                                               python=())])
+    assert (f"--resume {saved}: the run was trained with dp_size 1 (data-parallel replicas: processes / --sp-size), "
+            "this one has dp_size 2") in str(failed.value)
+    assert "resume on 1 process (or train anew" in str(failed.value)
+    assert [r["step"] for r in read_log(out / "log.jsonl")] == [1]  # nothing trained on
+    assert json.loads((saved / "trainer_state.json").read_text())["dp_size"] == 1
+    from finetune_long_context import check_resumed_dp_size
+
+    check_resumed_dp_size(saved, 1, 1)
+    state = json.loads((saved / "trainer_state.json").read_text())
+    del state["dp_size"]  # (saved before dp_size was recorded)
+    (saved / "trainer_state.json").write_text(json.dumps(state))
+    check_resumed_dp_size(saved, 2, 1)

@@ -20,6 +20,7 @@ dimensions' together.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -199,6 +200,40 @@ def resolve_group_layout(group=None, layout=None) -> tuple[object, str]:
     return group, layout
 
 
+_WARNED_GROUP_WITHOUT_SETUP = False
+
+
+def _check_against_setup(group, layout) -> None:
+    """shard_batch's `group` / `layout` against what a model's attention will read. The `*_ring`
+    attn_implementation names take the group and layout of `setup_sequence_parallel` (they have no
+    arguments of their own): a batch sharded another way gave a plausible, wrong loss."""
+    global _WARNED_GROUP_WITHOUT_SETUP
+    state = get_sequence_parallel_state()
+    ranks = dist.get_process_group_ranks
+    if state is not None:
+        # The same ranks in the same order shard alike, whichever group object holds them.
+        if group is not None and group is not state.sp_group and ranks(group) != ranks(state.sp_group):
+            raise ValueError(
+                f"group (ranks {ranks(group)}) is not the sequence-parallel group set by "
+                f"setup_sequence_parallel (ranks {ranks(state.sp_group)}), the only group a model's `*_ring` "
+                "attention reads: its shards would not be this batch's. Leave group unset (it defaults to that "
+                "group), or destroy_sequence_parallel() to shard for kernels called with your group")
+        if layout is not None and layout != state.layout:
+            raise ValueError(
+                f"layout={layout!r} differs from the layout set by setup_sequence_parallel ({state.layout!r}), the "
+                "only layout a model's `*_ring` attention reads: its shards would not be this batch's. Leave layout "
+                "unset (it defaults to that layout), or pass layout= to setup_sequence_parallel")
+    elif group is not None and group_size_rank(group)[0] > 1 and not _WARNED_GROUP_WITHOUT_SETUP:
+        # Allowed (the kernels take the group as an argument); a transformers model would attend
+        # within each rank's shard alone, with nothing said.
+        _WARNED_GROUP_WITHOUT_SETUP = True
+        warnings.warn(
+            "shard_batch(group=...) without setup_sequence_parallel: the batch is for kernels called with that "
+            "group (hf_dilated.distributed.ring_attention(..., group=...)); the `*_ring` attn_implementation names "
+            "of a transformers model read only the group of setup_sequence_parallel, and without one attend "
+            "within each rank's shard alone", stacklevel=3)
+
+
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, shift_labels=None,
                 attention_mask=None, position_ids=None, group=None, layout: str | None = None,
                 pad_token_id: int = 0, ignore_index: int = -100) -> dict:
@@ -222,8 +257,13 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
     labels, mask 0 when a mask is given, positions continuing). Causal attention never lets an
     earlier token see a later one, so the padding changes nothing for the real tokens.
     group defaults to the group of `setup_sequence_parallel`; with no group nothing is sharded.
+    Under `setup_sequence_parallel` a model's `*_ring` attention reads only its group and layout, so
+    a `group` or `layout` that differs from them is a ValueError; a group given with none set is for
+    the kernels called with that group (`ring_attention(..., group=...)`).
     """
+    given_group, given_layout = group, layout
     group, layout = resolve_group_layout(group, layout)
+    _check_against_setup(given_group, given_layout)
     world, rank = group_size_rank(group)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a 2-D tensor (batch, seq_len), got {getattr(input_ids, 'shape', input_ids)}")
