@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .config import (BAND_NAMES, CONFIG_KEY, DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_SCALED_ROPE, DILATED_MODES,
                      FAR_WINDOW_DIVISOR, RECORDED_NAME, DilatedConfig, far_keys, field_help)
-from .integrations.transformers import converted_context, supported_context
+from .integrations.transformers import converted_context, kept_rope_context
 from .kinds import TRANSFORMERS_NAMES as NAMES, check_transformers_name, warn_unread_settings
 from .patches import family_for
 from .patches.context import (MAX_CONTEXT_LENGTH, ROPE_CHOICES, ConversionWarning, check_context_length,
@@ -481,7 +481,7 @@ def describe(directory) -> str:
 
     directory = Path(directory)
     if not (directory / "config.json").is_file():
-        raise FileNotFoundError(f"{directory} is not a checkpoint directory (no config.json)")
+        raise FileNotFoundError(f"dir: {directory} is not a checkpoint directory (no config.json)")
     raw = _read_config(directory, "dir")
     config = AutoConfig.from_pretrained(directory)
     family_for(config.model_type)  # (a family convert refuses has no hf_dilated account either)
@@ -497,10 +497,11 @@ def describe(directory) -> str:
         band = cfg.local_window if cfg.far_band is None else cfg.far_band
         keys = min(keys, max(cfg.local_window, band + (cfg.far_top_k + cfg.far_sinks) * cfg.far_block_size))
     far = far_keys(cfg.to_dict())
-    grouped = supported_context(config, BAND_NAMES[0]) != supported_context(config, "sdpa")
-    context = (f"{cfg.target_length} tokens under {' and '.join(BAND_NAMES)} (far keys at grouped positions); "
-               f"{positions} under any other attention or engine (max_position_embeddings: its RoPE is unscaled, "
-               "longer inputs are read wrongly)" if grouped else f"{positions} tokens (max_position_embeddings)")
+    kept = kept_rope_context(config)
+    how = "far keys at grouped positions" if kept and kept[2] == BAND_NAMES else "the entry's attention"
+    context = (f"{kept[1]} tokens under {', '.join(kept[2])} ({how}); {kept[0]} under any other attention or "
+               "engine (max_position_embeddings: its RoPE is unscaled, longer inputs are read wrongly)" if kept
+               else f"{positions} tokens (max_position_embeddings)")
     lines = [
         f"checkpoint:           {directory}",
         f"model_type:           {config.model_type}",

@@ -875,6 +875,31 @@ def test_a_default_conversion_read_without_our_attention_declares_only_what_its_
     assert supported_context(AutoConfig.from_pretrained(yarn), "sdpa") == 128
 
 
+def test_a_conversion_that_keeps_the_rope_declares_its_target_under_our_names(source, tmp_path, capsys):
+    """rope="none" with levels of one's own (as the main job's preset): the entry's target is what
+    hf_dilated's attention reads, and config.json keeps the RoPE's own context, but in memory the
+    model declared that too under our names, so generate() without max_new_tokens stopped at it
+    ("max_length is set to 32") and `hf-dilated info` said 32 tokens (a review, 2026-11-28)."""
+    from hf_dilated.integrations.transformers import supported_context
+
+    dst = convert_checkpoint(source, tmp_path / "none", context_length=128, rope="none",
+                             segment_lengths=[32, 64, 128], dilation_rates=[1, 2, 4])
+    assert json.loads((dst / "config.json").read_text())["max_position_embeddings"] == 32
+    config = AutoConfig.from_pretrained(dst)
+    assert supported_context(config, "sdpa") == 32
+    assert all(supported_context(config, name) == 128 for name in ("dilated", "dilated_ring", "block_sparse", "ring"))
+    model = AutoModelForCausalLM.from_pretrained(dst)
+    assert model.config.max_position_embeddings == 128
+    assert model.generate(torch.randint(3, 100, (1, 60))).shape[1] == 80  # (transformers' default: 20 more)
+    model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["max_position_embeddings"] == 32
+    model.set_attn_implementation("sdpa")
+    assert model.config.max_position_embeddings == 32
+    assert cli(["info", str(dst)]) == 0
+    assert "context:              128 tokens under dilated, block_sparse, ring, dilated_ring, block_sparse_ring " \
+           "(the entry's attention); 32 under any other" in capsys.readouterr().out
+
+
 def test_an_older_conversion_that_raised_max_position_embeddings_is_put_back_on_reconversion(source, tmp_path):
     """Conversions before issue 33 declared the extended context in max_position_embeddings with
     the RoPE unscaled; re-converting one declares what its RoPE supports again."""

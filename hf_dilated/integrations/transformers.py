@@ -130,6 +130,20 @@ def rope_frequencies_for(module, settings, device) -> torch.Tensor | None:
 
 # --- the one shared adapter -------------------------------------------------------------------
 
+def _warn_one_process_name_under_a_group(name: str, group) -> None:
+    """A one-process name under setup_sequence_parallel attends within each process's tokens: fed
+    shard_batch's shards it computes another model, with nothing said (a review: loss 4.155742
+    against 4.154078). Said once; a process may also run whole rows on purpose."""
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) > 1:
+        _logger().warning_once(
+            f"attn_implementation={name!r} attends within this process's tokens, while a sequence-parallel group "
+            f"of {dist.get_world_size(group)} processes is set up (setup_sequence_parallel): batches of shard_batch "
+            "are shards of one sequence, which only the `*_ring` names attend across (dilated_ring, "
+            "block_sparse_ring, ring); whole rows on each process are computed as given")
+
+
 def _logger():
     """A logger under transformers' own namespace, so that its verbosity settings
     (`transformers.logging.set_verbosity_error()`, TRANSFORMERS_VERBOSITY) govern our lines too."""
@@ -166,7 +180,7 @@ def _check_call(kind, module, dropout, kwargs) -> float:
 def _attention(name, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """What every registered name runs: the kernel of hf_dilated.kinds.KINDS[name] on the inputs
     of transformers' rule, under the model's DilatedConfig."""
-    from ..distributed.groups import resolve_group_layout
+    from ..distributed.groups import get_sequence_parallel_group, resolve_group_layout
 
     kind = KINDS[name]
     dropout_p = _check_call(kind, module, dropout, kwargs)
@@ -181,6 +195,8 @@ def _attention(name, module, query, key, value, attention_mask, scaling=None, dr
             "and on sliding-window layers whose window has filled, are not supported yet")
     cfg = config_for(module)
     group, layout = resolve_group_layout() if kind.sequence_parallel else (None, None)
+    if not kind.sequence_parallel and get_sequence_parallel_group() is not None:
+        _warn_one_process_name_under_a_group(name, get_sequence_parallel_group())
     if group is not None:
         if key.shape[2] != query.shape[2]:
             raise NotImplementedError(
@@ -353,11 +369,11 @@ def _hook_attention_choice() -> None:
 
     @functools.wraps(save)
     def save_pretrained(self, *args, **kwargs):
-        far = _grouped_far_context(self)
-        if far is None or self.max_position_embeddings == far[0]:
+        kept = kept_rope_context(self)
+        if kept is None or self.max_position_embeddings == kept[0]:
             return save(self, *args, **kwargs)
         declared = self.max_position_embeddings
-        self.max_position_embeddings = far[0]  # what engines that ignore the entry may read
+        self.max_position_embeddings = kept[0]  # what engines that ignore the entry may read
         try:
             return save(self, *args, **kwargs)
         finally:
@@ -392,11 +408,14 @@ def record_choice(config, chosen) -> None:
         declare_context(config, chosen)
 
 
-def _grouped_far_context(config) -> tuple[int, int] | None:
-    """(the RoPE's own context L, the converted target T) when `config` reads keys beyond L only
-    through far keys at grouped positions with its RoPE left unscaled (the default conversion,
-    docs/contract.md 4.1), else None. Read off the entry as stored, never parsed: a model must load
-    under any attention whatever its entry holds."""
+def kept_rope_context(config) -> tuple[int, int, tuple[str, ...]] | None:
+    """(the RoPE's own context L, the converted target T, the names that read T) when `config` was
+    lengthened with its RoPE left unscaled (rope "none", and the default conversion), else None:
+    far keys at grouped positions (the default conversion, docs/contract.md 4.1) are read by the
+    names in BAND_NAMES alone; without them every hf_dilated name reads the entry's target, what the
+    conversion configured (its levels, band or blocks; config.json keeps L for other engines).
+    Read off the entry as stored, never parsed: a model must load under any attention whatever its
+    entry holds."""
     entry = getattr(config, CONFIG_KEY, None)
     if not isinstance(entry, dict):
         return None
@@ -404,18 +423,20 @@ def _grouped_far_context(config) -> tuple[int, int] | None:
     original, target, group = entry.get("original_length"), entry.get("target_length"), entry.get("far_group", 1)
     if rope_type != "default" or not all(isinstance(x, int) and not isinstance(x, bool) for x in (original, target, group)):
         return None
-    return (original, target) if group > 1 and target > original else None
+    if target <= original:
+        return None
+    return original, target, BAND_NAMES if group > 1 else NAMES
 
 
 def supported_context(config, attn_implementation: str) -> int | None:
-    """The tokens a model of `config` reads correctly under `attn_implementation`: with far keys at
-    grouped positions and the RoPE unscaled (the default conversion), the converted target under
-    the names that read far keys (config.BAND_NAMES) and the RoPE's own context L under any other
-    (sdpa is then silently wrong past L); else max_position_embeddings."""
-    far = _grouped_far_context(config)
-    if far is None:
+    """The tokens a model of `config` reads under `attn_implementation`: with its RoPE kept unscaled
+    by a conversion, the converted target under the names that read it (_kept_rope_context) and
+    the RoPE's own context L under any other (sdpa is then silently wrong past L); else
+    max_position_embeddings."""
+    kept = kept_rope_context(config)
+    if kept is None:
         return getattr(config, "max_position_embeddings", None)
-    return far[1] if attn_implementation in BAND_NAMES else far[0]
+    return kept[1] if attn_implementation in kept[2] else kept[0]
 
 
 def declare_context(config, attn_implementation: str) -> None:
@@ -424,15 +445,16 @@ def declare_context(config, attn_implementation: str) -> None:
     RoPE's own context for engines that ignore the hf_dilated entry (patches/context.py), and a
     model loaded under `dilated` reads the converted one. Under another attention it says once
     that inputs past L are silently wrong there."""
-    far = _grouped_far_context(config)
-    if far is None:
+    kept = kept_rope_context(config)
+    if kept is None:
         return
     config.max_position_embeddings = supported_context(config, attn_implementation)
-    if attn_implementation not in BAND_NAMES:
+    if attn_implementation not in kept[2]:
+        how = "far keys at grouped positions" if kept[2] == BAND_NAMES else "hf_dilated's attention"
         _logger().warning_once(
-            f"this checkpoint was converted for {far[1]} tokens of context, read through far keys at grouped "
-            f"positions by attn_implementation in {BAND_NAMES}; under {attn_implementation!r} it is valid for up to "
-            f"{far[0]} tokens (max_position_embeddings), and longer inputs are silently wrong")
+            f"this checkpoint was converted for {kept[1]} tokens of context with its RoPE unscaled, read through "
+            f"{how} (attn_implementation in {kept[2]}); under {attn_implementation!r} it is valid for up to "
+            f"{kept[0]} tokens (max_position_embeddings), and longer inputs are silently wrong")
 
 
 def converted_context(config) -> int | None:
