@@ -3,6 +3,8 @@
 long-context fine-tuning (`lora_config`)."""
 from __future__ import annotations
 
+import dataclasses
+
 from .config import DEFAULT_ATTN_IMPLEMENTATION, DilatedConfig, default_band
 from .integrations.rotary import link_rotary
 from .integrations.transformers import FAMILY_DEFAULTS, record_choice
@@ -105,7 +107,8 @@ def lora_config(model_or_model_type, *, r: int = 8, lora_alpha: int = 16, lora_d
                 long_context: bool = True, **kwargs):
     """A peft.LoraConfig for a supported family: LoRA on the attention projections and, with
     `long_context=True` (LongLoRA), the embeddings and normalisation layers fully trained and saved
-    with the adapter."""
+    with the adapter; given a model whose output head is its input embedding, the two stay tied
+    (peft's `ensure_weight_tying`). Any peft field passed wins."""
     from peft import LoraConfig
 
     model_type = model_or_model_type
@@ -115,4 +118,17 @@ def lora_config(model_or_model_type, *, r: int = 8, lora_alpha: int = 16, lora_d
     # the family's targets and extra trained modules unless the caller names others (peft's own fields)
     kwargs.setdefault("target_modules", list(family.LORA_TARGET_MODULES))
     kwargs.setdefault("modules_to_save", list(family.EXTRA_TRAINABLE_MODULES) if long_context else None)
+    if kwargs["modules_to_save"] and _ties_embeddings(model_or_model_type) and "ensure_weight_tying" in {
+            f.name for f in dataclasses.fields(LoraConfig)}:  # (peft >= 0.18)
+        # A model whose output head is its input embedding (SmolLM2, Qwen2-0.5B): trained apart, the
+        # embeddings left the head behind, peft said so, and the merged model came out untied (one
+        # matrix the size of the vocabulary more). Kept tied, both train as the model was built.
+        kwargs.setdefault("ensure_weight_tying", True)
     return LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, task_type="CAUSAL_LM", **kwargs)
+
+
+def _ties_embeddings(model) -> bool:
+    """Whether a model (not a model_type: its config says) ties its output head to its input embeddings."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text, "tie_word_embeddings", False))

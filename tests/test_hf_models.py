@@ -328,6 +328,45 @@ def test_lora_trains_a_step_and_its_adapter_reloads(checkpoints, preset, tmp_pat
         torch.testing.assert_close(reloaded(ids).logits, trained)
 
 
+def test_lora_keeps_a_tied_output_head_tied_through_training_merge_and_reload(tmp_path):
+    """A model that ties its output head to its input embeddings (SmolLM2): lora_config trains the
+    embeddings (LongLoRA), and peft trained them apart from the head ("a tied layer is part of the
+    adapter, but ensure_weight_tying is not set"), so the merged model came out untied. Now they stay
+    one matrix: trained, merged, saved and reloaded, and the adapter reloaded on a fresh base."""
+    import warnings
+
+    from peft import PeftModel, get_peft_model
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    assert not getattr(hf_dilated.lora_config("llama"), "ensure_weight_tying", False)  # a model_type: nothing to go by
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*tied layer is part of the adapter.*")
+        base = load(tmp_path / "base", "dilated")
+        model = get_peft_model(base, hf_dilated.lora_config(base, r=4))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = tokens(2, 40) % 100
+    for _ in range(3):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        trained = model(ids).logits
+    model.save_pretrained(tmp_path / "adapter")
+    merged = model.merge_and_unload()
+    assert merged.lm_head.weight is merged.model.embed_tokens.weight and merged.config.tie_word_embeddings
+    merged.save_pretrained(tmp_path / "merged")
+    for again in (load(tmp_path / "merged", "dilated"),
+                  PeftModel.from_pretrained(load(tmp_path / "base", "dilated"), tmp_path / "adapter")):
+        with torch.no_grad():
+            torch.testing.assert_close(again.eval()(ids).logits, trained, atol=1e-5, rtol=1e-5)
+
+
 def test_lora_config_takes_peft_fields_in_place_of_the_family_defaults():
     """A peft user extending the targets or the saved modules got "got multiple values for keyword
     argument 'target_modules'"."""
