@@ -312,6 +312,23 @@ def far_keys(fields) -> tuple[int, int] | None:
     return (fields["local_window"] if window is None else window), group
 
 
+def kept_rope_context(config) -> tuple[int, int, bool] | None:
+    """(the RoPE's own context L, the converted target T, whether the target is read through far keys
+    at grouped positions) when a model config was lengthened with its RoPE left unscaled (rope
+    "none", and the default conversion), else None. Far keys at grouped positions (docs/contract.md
+    4.1) are read by the names in BAND_NAMES alone; without them every hf_dilated name reads the
+    entry's target, what the conversion configured (config.json keeps L for other engines). Read off
+    the entry as stored, never parsed: a model must load under any attention whatever its entry holds."""
+    entry = getattr(config, CONFIG_KEY, None)
+    if not isinstance(entry, dict):
+        return None
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    original, target, group = entry.get("original_length"), entry.get("target_length"), entry.get("far_group", 1)
+    if rope_type != "default" or not all(isinstance(x, int) and not isinstance(x, bool) for x in (original, target, group)):
+        return None
+    return (original, target, group > 1) if target > original else None
+
+
 # --- the default conversion ------------------------------------------------------------------
 
 # The names whose default conversion keeps the checkpoint's RoPE and reads the context beyond it

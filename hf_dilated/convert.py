@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .config import (BAND_NAMES, CONFIG_KEY, DEFAULT_ATTN_IMPLEMENTATION, DEFAULT_SCALED_ROPE, DILATED_MODES,
                      FAR_WINDOW_DIVISOR, RECORDED_NAME, DilatedConfig, far_keys, field_help)
-from .integrations.transformers import converted_context, kept_rope_context
+from .integrations.transformers import converted_context, reading_names
 from .kinds import TRANSFORMERS_NAMES as NAMES, check_transformers_name, warn_unread_settings
 from .patches import family_for
 from .patches.context import (MAX_CONTEXT_LENGTH, ROPE_CHOICES, ConversionWarning, check_context_length,
@@ -497,7 +497,7 @@ def describe(directory) -> str:
         band = cfg.local_window if cfg.far_band is None else cfg.far_band
         keys = min(keys, max(cfg.local_window, band + (cfg.far_top_k + cfg.far_sinks) * cfg.far_block_size))
     far = far_keys(cfg.to_dict())
-    kept = kept_rope_context(config)
+    kept = reading_names(config)
     how = "far keys at grouped positions" if kept and kept[2] == BAND_NAMES else "the entry's attention"
     context = (f"{kept[1]} tokens under {', '.join(kept[2])} ({how}); {kept[0]} under any other attention or "
                "engine (max_position_embeddings: its RoPE is unscaled, longer inputs are read wrongly)" if kept

@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 
 from hf_dilated.config import (BAND_NAMES, CONFIG_KEY, DilatedConfig, check_int, context_lengths, default_band,
-                               default_conversion)
+                               default_conversion, kept_rope_context)
 from hf_dilated.integrations.rotary import check_fixed_frequencies
 
 ROPE_CHOICES = ("linear", "dynamic", "yarn", "none")
@@ -44,10 +44,8 @@ def _earlier_target(config) -> int | None:
 def _kept_rope_for_far_keys(config) -> bool:
     """Whether an earlier conversion lengthened `config` keeping its RoPE unscaled for far keys at
     grouped positions (the default conversion), which only the names in BAND_NAMES read."""
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    return (converted_before(config) and params.get("rope_type", "default") == "default"
-            and (_earlier_target(config) or 0) > original_length(config)
-            and (getattr(config, CONFIG_KEY).get("far_group") or 1) > 1)
+    kept = kept_rope_context(config)
+    return kept is not None and kept[2]
 
 
 def convert_config(config, context_length=None, rope=None, attn_implementation=None, **dilated_fields) -> dict:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import BAND_NAMES, CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int, far_keys
+from ..config import (BAND_NAMES, CONFIG_KEY, RECORDED_NAME, DilatedConfig, check_block_sparse, check_int, far_keys,
+                      kept_rope_context)
 from ..kinds import KINDS, TRANSFORMERS_NAMES
 from .rotary import check_fixed_frequencies, link_rotary, model_rotary, rotary_frequencies
 from .model_inputs import (is_static_slots, kernel_inputs, static_rope_shift, padded_last_query_as_sdpa, padding_mask,
@@ -408,32 +409,19 @@ def record_choice(config, chosen) -> None:
         declare_context(config, chosen)
 
 
-def kept_rope_context(config) -> tuple[int, int, tuple[str, ...]] | None:
-    """(the RoPE's own context L, the converted target T, the names that read T) when `config` was
-    lengthened with its RoPE left unscaled (rope "none", and the default conversion), else None:
-    far keys at grouped positions (the default conversion, docs/contract.md 4.1) are read by the
-    names in BAND_NAMES alone; without them every hf_dilated name reads the entry's target, what the
-    conversion configured (its levels, band or blocks; config.json keeps L for other engines).
-    Read off the entry as stored, never parsed: a model must load under any attention whatever its
-    entry holds."""
-    entry = getattr(config, CONFIG_KEY, None)
-    if not isinstance(entry, dict):
-        return None
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    original, target, group = entry.get("original_length"), entry.get("target_length"), entry.get("far_group", 1)
-    if rope_type != "default" or not all(isinstance(x, int) and not isinstance(x, bool) for x in (original, target, group)):
-        return None
-    if target <= original:
-        return None
-    return original, target, BAND_NAMES if group > 1 else NAMES
+def reading_names(config) -> tuple[int, int, tuple[str, ...]] | None:
+    """config.kept_rope_context with the names that read the target: BAND_NAMES where it is read
+    through far keys at grouped positions, else every hf_dilated name."""
+    kept = kept_rope_context(config)
+    return None if kept is None else (kept[0], kept[1], BAND_NAMES if kept[2] else NAMES)
 
 
 def supported_context(config, attn_implementation: str) -> int | None:
     """The tokens a model of `config` reads under `attn_implementation`: with its RoPE kept unscaled
-    by a conversion, the converted target under the names that read it (_kept_rope_context) and
+    by a conversion, the converted target under the names that read it (reading_names) and
     the RoPE's own context L under any other (sdpa is then silently wrong past L); else
     max_position_embeddings."""
-    kept = kept_rope_context(config)
+    kept = reading_names(config)
     if kept is None:
         return getattr(config, "max_position_embeddings", None)
     return kept[1] if attn_implementation in kept[2] else kept[0]
@@ -445,7 +433,7 @@ def declare_context(config, attn_implementation: str) -> None:
     RoPE's own context for engines that ignore the hf_dilated entry (patches/context.py), and a
     model loaded under `dilated` reads the converted one. Under another attention it says once
     that inputs past L are silently wrong there."""
-    kept = kept_rope_context(config)
+    kept = reading_names(config)
     if kept is None:
         return
     config.max_position_embeddings = supported_context(config, attn_implementation)
