@@ -197,8 +197,11 @@ def _generation_config(src: Path, files, config, before: bool, target: int) -> s
     max_length when given no max_new_tokens); None where nothing changes."""
     if (Path("generation_config.json"), (src / "generation_config.json").resolve()) not in files:
         return None
-    raw = _read_config(src, "src", "generation_config.json")
-    length = raw.get("max_length")
+    try:
+        raw = json.loads((src / "generation_config.json").read_text())
+    except ValueError:  # (transformers reads it as it can; copied as it is)
+        return None
+    length = raw.get("max_length") if isinstance(raw, dict) else None
     contexts = {original_length(config)} | ({converted_context(config)} if before else set())
     if not isinstance(length, int) or isinstance(length, bool) or length not in contexts or length == target:
         return None
@@ -280,7 +283,9 @@ def _file_records(directory: Path) -> dict:
         if rel == MANIFEST or path.is_dir() and not path.is_symlink():
             continue
         info = os.lstat(path)
-        if rel.endswith(WEIGHT_SUFFIXES):
+        if path.is_symlink():  # (a conversion writes none: one added since is recorded, never followed)
+            records[rel] = {"link": os.readlink(path)}
+        elif rel.endswith(WEIGHT_SUFFIXES):
             records[rel] = {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
         else:
             records[rel] = {"sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
@@ -294,7 +299,10 @@ def _changed_since_written(directory: Path) -> str | None:
         listed = manifest["files"]
     except (OSError, ValueError, TypeError, KeyError):
         return f"no readable {MANIFEST}"
-    found = _file_records(directory)
+    try:
+        found = _file_records(directory)
+    except OSError as exc:  # (unreadable: not replaced)
+        return f"{exc.filename} cannot be read: {exc.strerror}"
     differ = sorted(set(found) ^ set(listed) | {rel for rel in set(found) & set(listed) if found[rel] != listed[rel]})
     if differ:
         return f"{len(differ)} file(s) added, removed or changed since, e.g. {differ[0]}"
@@ -445,10 +453,9 @@ def add_info_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="checkpoint directory")
 
 
-def _read_config(directory: Path, argument: str, name: str = "config.json") -> dict:
-    """The checkpoint's config.json (or another JSON file of it) as a dict, or a ValueError naming the
-    argument and the file."""
-    path = directory / name
+def _read_config(directory: Path, argument: str) -> dict:
+    """The checkpoint's config.json as a dict, or a ValueError naming the argument and the file."""
+    path = directory / "config.json"
     try:
         raw = json.loads(path.read_text())
     except ValueError as exc:

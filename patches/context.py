@@ -53,16 +53,17 @@ def convert_config(config, context_length=None, rope=None, attn_implementation=N
     `attn_implementation` (what an unset RoPE and band default to: `with_defaults`), shared by the
     families (a family adds what its own layers need)."""
     check_conversion_arguments(config, context_length, rope)
+    rope_context = context_length  # the context the RoPE is scaled for (None: kept as it is)
     if context_length is None and rope is None and _kept_rope_for_far_keys(config) and attn_implementation not in (
             None, *BAND_NAMES):
-        # A new name alone, for a conversion that kept the RoPE for far keys: at the earlier target,
-        # so that with_defaults scales the RoPE for a name that reads none, as it does given a context
-        # (kept, the name would read no further than the original context, and nothing said so).
-        context_length = _earlier_target(config)
-    rope, dilated_fields = with_defaults(config, context_length, attn_implementation, rope, dilated_fields)
-    updates = rope_updates(config, context_length, rope) if context_length is not None else {}
+        # A new name alone, for a conversion that kept the RoPE for far keys: its RoPE is scaled for
+        # the earlier target, as with_defaults does given a context (kept, the name would read no
+        # further than the original context, and nothing said so); the entry stays as it was.
+        rope_context = _earlier_target(config)
+    rope, dilated_fields = with_defaults(config, rope_context, attn_implementation, rope, dilated_fields)
+    updates = rope_updates(config, rope_context, rope) if rope_context is not None else {}
     updates[CONFIG_KEY] = dilated_entry(config, context_length, **dilated_fields)
-    if context_length is not None and "scaled_rope" not in dilated_fields:
+    if rope_context is not None and "scaled_rope" not in dilated_fields:
         # whether this conversion wrote the RoPE scaling: one it kept (the checkpoint's own, or an
         # earlier conversion's kept with rope='none') is kept by the next conversion too
         updates[CONFIG_KEY]["scaled_rope"] = "rope_parameters" in updates
@@ -255,9 +256,12 @@ def dilated_entry(config, context_length: int | None = None, **fields) -> dict:
     base = {k: v for k, v in base.items() if k not in ("original_length", "target_length")}
     base.update(fields)
     entry = DilatedConfig.default(original, target, **base).to_dict()
-    if "segment_lengths" in fields and max(entry["segment_lengths"]) < target:
-        # (the default levels always reach the target; a preset's are checked against it in convert)
-        raise ValueError(f"segment_lengths: the levels end at {max(entry['segment_lengths'])} tokens, so no key further "
-                         f"back than that is read at a context of {target}: make the last segment at least "
-                         f"{target} tokens, or leave segment_lengths and dilation_rates to the default")
+    if (context_length is not None and "segment_lengths" in fields and max(entry["segment_lengths"]) < target
+            and (entry.get("local_window") or 0) < target):
+        # Levels chosen for a new context that end before it (the default levels always reach it; a
+        # preset's are checked in convert; a band as long as the context reads every key whatever
+        # the levels, docs/contract.md 4.1).
+        raise ValueError(f"segment_lengths (--segment-lengths): the levels end at {max(entry['segment_lengths'])} tokens, "
+                         f"so no key further back than that is read at a context of {target}: make the last segment "
+                         f"at least {target} tokens, or leave segment_lengths and dilation_rates to the default")
     return entry

@@ -170,6 +170,11 @@ def test_force_replaces_only_what_a_conversion_wrote(source, tmp_path):
     with pytest.raises(ValueError, match="added, removed or changed since, e.g. notes.md"):
         convert_checkpoint(source, first, context_length=128, force=True)
     (first / "notes.md").unlink()
+    for name, to in (("linkdir", "extra"), ("broken", "nowhere")):  # links added: named, never followed
+        (first / name).symlink_to(to)
+        with pytest.raises(ValueError, match=f"changed since, e.g. {name}"):
+            convert_checkpoint(source, first, context_length=128, force=True)
+        (first / name).unlink()
     model.save_pretrained(first)  # weights rewritten in place (what the README warns against)
     with pytest.raises(ValueError, match="changed since"):
         convert_checkpoint(source, first, context_length=128, force=True)
@@ -197,6 +202,9 @@ def test_a_generation_max_length_at_the_checkpoints_context_follows_the_conversi
     assert out.shape[1] == 128
     assert json.loads((convert_checkpoint(dst, tmp_path / "longer", context_length=256) / "generation_config.json")
                       .read_text())["max_length"] == 256  # an earlier conversion's too
+    (src / "generation_config.json").write_text("{not json")  # transformers reads it as it can: copied
+    assert (convert_checkpoint(src, tmp_path / "bad", context_length=128) / "generation_config.json").read_text() \
+        == "{not json"
     (src / "generation_config.json").write_text(json.dumps({"max_length": 20}))
     assert json.loads((convert_checkpoint(src, tmp_path / "kept", context_length=128) / "generation_config.json")
                       .read_text()) == {"max_length": 20}
@@ -206,13 +214,18 @@ def test_levels_that_end_before_the_context_are_refused(source, tmp_path):
     """Levels chosen by hand that end before the context (--segment-lengths 16,32 --context 128)
     were written without a word (the preset path refused the same): queries past 32 read no key of
     an earlier segment."""
-    with pytest.raises(ValueError, match="segment_lengths: the levels end at 32 tokens"):
+    with pytest.raises(ValueError, match=r"segment_lengths \(--segment-lengths\): the levels end at 32 tokens"):
         convert_checkpoint(source, tmp_path / "x", context_length=128, segment_lengths=[16, 32],
                            dilation_rates=[1, 2])
     assert not (tmp_path / "x").exists()
-    with pytest.raises(ValueError, match="segment_lengths: the levels end at 32 tokens"):
+    with pytest.raises(ValueError, match=r"segment_lengths \(--segment-lengths\): the levels end at 32 tokens"):
         hf_dilated.patch(AutoModelForCausalLM.from_pretrained(source), "dilated", context_length=128,
                          segment_lengths=[16, 32], dilation_rates=[1, 2])
+    # Levels of one's own without a new context (the README's longnet example), or under a band that
+    # reads every key of the context, are the caller's choice.
+    convert_checkpoint(source, tmp_path / "own", mode="longnet", segment_lengths=[8, 16], dilation_rates=[1, 2])
+    hf_dilated.patch(AutoModelForCausalLM.from_pretrained(source), "dilated", context_length=128,
+                     segment_lengths=[16, 32], dilation_rates=[1, 2], local_window=128)
 
 
 def test_failed_conversions_leave_nothing_behind(source, tmp_path):
@@ -678,6 +691,17 @@ def test_reconverting_for_a_name_without_far_keys_scales_the_rope_as_a_first_con
     for path, length in ((again, 256), (first, 256), (renamed, 128), (None, 128)):
         config = model.config if path is None else AutoConfig.from_pretrained(path)
         assert (config.rope_parameters["rope_type"], config.max_position_embeddings) == ("yarn", length), path
+    # The name alone changes the RoPE, not the earlier conversion's entry (a first form rebuilt it
+    # for the target, dropping the caller's levels and far keys' settings).
+    chosen = convert_checkpoint(source, tmp_path / "chosen", context_length=128, segment_lengths=[16, 128],
+                                dilation_rates=[1, 2], far_top_k=3, far_sinks=2)
+    with pytest.warns(UserWarning, match="'yarn' for 128"):
+        renamed = convert_checkpoint(chosen, tmp_path / "chosen_bs", attn_implementation="block_sparse")
+    entry = json.loads((renamed / "config.json").read_text())["hf_dilated"]
+    assert {k: v for k, v in entry.items() if k not in ("attn_implementation", "scaled_rope")} == {
+        k: v for k, v in json.loads((chosen / "config.json").read_text())["hf_dilated"].items()
+        if k not in ("attn_implementation", "scaled_rope")}
+    assert entry["scaled_rope"] is True
 
 
 def test_a_scaled_rope_kept_for_a_longer_context_is_said(source, tmp_path):
@@ -887,7 +911,8 @@ def test_a_conversion_that_keeps_the_rope_declares_its_target_under_our_names(so
     assert json.loads((dst / "config.json").read_text())["max_position_embeddings"] == 32
     config = AutoConfig.from_pretrained(dst)
     assert supported_context(config, "sdpa") == 32
-    assert all(supported_context(config, name) == 128 for name in ("dilated", "dilated_ring", "block_sparse", "ring"))
+    assert all(supported_context(config, name) == 128 for name in ("dilated", "dilated_ring", "block_sparse"))
+    assert supported_context(config, "ring") == 32  # (dense: what sdpa computes, as wrong past 32)
     model = AutoModelForCausalLM.from_pretrained(dst)
     assert model.config.max_position_embeddings == 128
     assert model.generate(torch.randint(3, 100, (1, 60))).shape[1] == 80  # (transformers' default: 20 more)
@@ -896,7 +921,7 @@ def test_a_conversion_that_keeps_the_rope_declares_its_target_under_our_names(so
     model.set_attn_implementation("sdpa")
     assert model.config.max_position_embeddings == 32
     assert cli(["info", str(dst)]) == 0
-    assert "context:              128 tokens under dilated, block_sparse, ring, dilated_ring, block_sparse_ring " \
+    assert "context:              128 tokens under dilated, block_sparse, dilated_ring, block_sparse_ring " \
            "(the entry's attention); 32 under any other" in capsys.readouterr().out
 
 

@@ -411,9 +411,12 @@ def record_choice(config, chosen) -> None:
 
 def reading_names(config) -> tuple[int, int, tuple[str, ...]] | None:
     """config.kept_rope_context with the names that read the target: BAND_NAMES where it is read
-    through far keys at grouped positions, else every hf_dilated name."""
+    through far keys at grouped positions, else the names that read the entry (not `ring`, which
+    computes what sdpa does: past L it is as wrong)."""
     kept = kept_rope_context(config)
-    return None if kept is None else (kept[0], kept[1], BAND_NAMES if kept[2] else NAMES)
+    if kept is None:
+        return None
+    return kept[0], kept[1], BAND_NAMES if kept[2] else tuple(name for name in NAMES if KINDS[name].settings)
 
 
 def supported_context(config, attn_implementation: str) -> int | None:
