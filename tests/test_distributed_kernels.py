@@ -608,3 +608,34 @@ def test_dilated_ring_backward_with_large_logits_is_finite_and_exact():
         err = ((a.double() - b).abs().max() / b.abs().max()).item()
         assert err < 1e-4, f"{name} differs from the reference by {err} (relative to its largest entry)"
 
+
+
+def shard_batch_of_other_rows(rank, world):
+    """Child: shard_batch given other rows on each rank (what a DataLoader prepared for data
+    parallelism hands each process), then other labels, then the same batch."""
+    import hf_dilated.distributed as hd
+
+    hd.setup_sequence_parallel(world)
+    same = torch.arange(100, 132).view(1, 32)
+    errors = []
+    for ids, labels in ((same + rank, same + rank), (same, same + rank)):
+        try:
+            hd.shard_batch(ids, labels=labels)
+        except ValueError as e:
+            errors.append(str(e))
+    out = {"errors": errors, "same": hd.shard_batch(same, labels=same)["input_ids"]}
+    hd.destroy_sequence_parallel()
+    return out
+
+
+def test_shard_batch_refuses_other_rows_on_the_ranks_of_a_group():
+    """(review) Each rank keeps its shard of the batch it is given: ranks given other rows trained
+    on pieces of different sequences, a plausible loss with nothing said (4.161833)."""
+    from hf_dilated.distributed.layout import shard
+
+    for o in launch(shard_batch_of_other_rows, 2):
+        errors = o["result"]["errors"]
+        assert len(errors) == 2, errors
+        assert "disagree on 'input_ids values'" in errors[0] and "disagree on 'labels values'" in errors[1]
+        assert all("the same on every rank of the sequence-parallel group" in e for e in errors)
+        assert torch.equal(o["result"]["same"], shard(torch.arange(100, 132).view(1, 32), 2, o["rank"], "zigzag"))

@@ -234,6 +234,27 @@ def _check_against_setup(group, layout) -> None:
             "within each rank's shard alone", stacklevel=3)
 
 
+def _check_same_batch(group, **tensors) -> None:
+    """shard_batch's tensors, the whole batch, must be the same on every rank of the group: each
+    rank keeps its shard of them, so ranks given other rows (a DataLoader prepared for data
+    parallelism gives every process its own) train on pieces of different sequences, a plausible
+    loss with nothing said. One all-gather of their shapes and of a checksum of their values."""
+    from .faults import check_same_on_all_ranks
+
+    def checksum(t):  # a weighted sum on the device, wrapping in int64: one number read back
+        weights = torch.arange(1, t.numel() + 1, device=t.device, dtype=torch.int64) * 1_000_003 + 7
+        return int((t.reshape(-1).long() * weights).sum())
+
+    sums = {f"{name} values": checksum(t) for name, t in tensors.items() if t is not None}
+    try:
+        check_same_on_all_ranks(group, "shard_batch", **tensors, **sums)
+    except ValueError as exc:
+        raise ValueError(f"{exc} shard_batch takes the whole batch, the same on every rank of the sequence-parallel "
+                         "group, and keeps this rank's shard: give the ranks of one group the same rows (a DataLoader "
+                         "prepared for data parallelism gives each process its own: split the rows by the "
+                         "data-parallel rank, get_sequence_parallel_state().dp_rank)") from None
+
+
 def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, shift_labels=None,
                 attention_mask=None, position_ids=None, group=None, layout: str | None = None,
                 pad_token_id: int = 0, ignore_index: int = -100) -> dict:
@@ -275,6 +296,9 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
         if t is not None and (not isinstance(t, torch.Tensor) or t.shape != input_ids.shape):
             raise ValueError(f"{name} must be a tensor shaped like input_ids {tuple(input_ids.shape)}, "
                              f"got {getattr(t, 'shape', t)}")
+    if world > 1:
+        _check_same_batch(group, input_ids=input_ids, labels=labels, shift_labels=shift_labels,
+                          attention_mask=attention_mask, position_ids=position_ids)
     if position_ids is None:
         if attention_mask is not None:
             position_ids = mask_ranks(attention_mask)
