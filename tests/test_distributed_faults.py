@@ -104,3 +104,45 @@ def test_a_failed_rank_makes_the_others_fail_within_the_timeout(how):
         assert res["error"] is not None, f"rank {o['rank']} completed a ring with a dead peer"
         # Bounded by the group timeout, not by the failed rank's lifetime (LINGER_S).
         assert res["waited"] < TIMEOUT_S + 0.4 * (LINGER_S - TIMEOUT_S), res
+
+
+def _collective_devices(rank, world):
+    """Child: where the signature check puts its tensor, for the gloo group it runs on, and for an
+    NCCL group (the backend told, with a CUDA device: NCCL itself needs GPUs)."""
+    import torch.distributed as dist
+
+    from hf_dilated.distributed import faults
+
+    out = {"gloo": str(faults.collective_device(dist.group.WORLD))}
+    backend, available, current = dist.get_backend, torch.cuda.is_available, torch.cuda.current_device
+    dist.get_backend = lambda group=None: "nccl"
+    torch.cuda.is_available, torch.cuda.current_device = (lambda: True), (lambda: 1)
+    try:
+        out["nccl"] = str(faults.collective_device(dist.group.WORLD))
+    finally:
+        dist.get_backend, torch.cuda.is_available, torch.cuda.current_device = backend, available, current
+    return out
+
+
+def test_the_signature_check_takes_the_device_its_backend_needs():
+    """The check every ring kernel runs before its first exchange all-gathered a CPU tensor: NCCL,
+    which the fine-tuning example and accelerate choose on GPUs, takes CUDA tensors only, so no
+    sequence-parallel call could have run on several GPUs (none was at hand to try)."""
+    for outcome in launch(_collective_devices, 1):
+        assert outcome["result"] == {"gloo": "cpu", "nccl": "cuda:1"}
+
+
+def _nccl_signature_check(rank, world):
+    import torch.distributed as dist
+
+    from hf_dilated.distributed.faults import check_same_on_all_ranks
+
+    group = dist.new_group([0], backend="nccl")
+    return check_same_on_all_ranks(group, "a call", flags={"mask": True}, q=torch.zeros(2, 3), window=4)
+
+
+@pytest.mark.cuda
+def test_cuda_the_signature_check_runs_on_an_nccl_group():
+    """(On a GPU) a one-process NCCL group: the check's all-gather failed there on a CPU tensor."""
+    for outcome in launch(_nccl_signature_check, 1):
+        assert outcome["result"] == {"mask": [True]}

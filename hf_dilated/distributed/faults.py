@@ -24,6 +24,16 @@ def fingerprint(value) -> int:
     return zlib.crc32(repr(value).encode()) & 0x7FFFFFFF
 
 
+def collective_device(group) -> torch.device:
+    """Where a collective of `group` takes a tensor made on the host: the CPU where its backend has
+    gloo ("gloo", or "cpu:gloo,cuda:nccl", torch's default), else this process's CUDA device: NCCL,
+    which accelerate and the fine-tuning example choose on GPUs, takes CUDA tensors only."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def tensor_signature(t) -> list[int]:
     if t is None:
         return [-1] * 6
@@ -54,11 +64,13 @@ def check_same_on_all_ranks(group, what: str, flags: dict | None = None, **field
     if len(body) + 1 > _SIGNATURE_SIZE:
         raise AssertionError(f"signature of {what} too long ({len(body)} entries)")
     head = [fingerprint((what, list(flags), names))]
-    flat = torch.tensor(head + body + [0] * (_SIGNATURE_SIZE - 1 - len(body)), dtype=torch.int64)
+    flat = torch.tensor(head + body + [0] * (_SIGNATURE_SIZE - 1 - len(body)), dtype=torch.int64,
+                        device=collective_device(group))
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat, group=group)
-    if any(g[0] != flat[0] for g in gathered):
+    gathered = [g.cpu() for g in gathered]
+    if any(int(g[0]) != head[0] for g in gathered):
         raise ValueError(
             f"{what}: the ranks of the sequence-parallel group are not all calling {what} (or not with the "
             "same set of arguments); every rank must run the same attention kernel at the same point")
