@@ -316,9 +316,10 @@ def kept_rope_context(config) -> tuple[int, int, bool] | None:
     """(the RoPE's own context L, the converted target T, whether the target is read through far keys
     at grouped positions) when a model config was lengthened with its RoPE left unscaled (rope
     "none", and the default conversion), else None. Far keys at grouped positions (docs/contract.md
-    4.1) are read by the names in BAND_NAMES alone; without them every hf_dilated name reads the
-    entry's target, what the conversion configured (config.json keeps L for other engines). Read off
-    the entry as stored, never parsed: a model must load under any attention whatever its entry holds."""
+    4.1) are read by the names in BAND_NAMES alone; without them the names that read the entry
+    (integrations.transformers.reading_names) read its target, what the conversion configured
+    (config.json keeps L for other engines). Read off the entry as stored, never parsed: a model
+    must load under any attention whatever its entry holds."""
     entry = getattr(config, CONFIG_KEY, None)
     if not isinstance(entry, dict):
         return None

@@ -39,7 +39,7 @@ from .integrations.transformers import converted_context, reading_names
 from .kinds import TRANSFORMERS_NAMES as NAMES, check_transformers_name, warn_unread_settings
 from .patches import family_for
 from .patches.context import (MAX_CONTEXT_LENGTH, ROPE_CHOICES, ConversionWarning, check_context_length,
-                              converted_before, original_length)
+                              check_levels_reach, converted_before, original_length)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
@@ -154,10 +154,10 @@ def convert_checkpoint(src, dst, *, attn_implementation=None, context_length=Non
         dilated_fields = {**p.get("hf_dilated", {}), **dilated_fields}
     if context_length is not None:
         check_context_length(config, context_length)
-        if preset is not None and levels and max(levels) < context_length:
-            raise ValueError(f"context_length (--context): the levels of preset {preset!r} end at {max(levels)} tokens, "
-                             f"so no key further back than that is read at {context_length}: pass --segment-lengths "
-                             "and --dilation-rates for it, or leave out --preset")
+        if preset is not None and levels:
+            check_levels_reach(levels, context_length, dilated_fields.get("local_window"),
+                               f"context_length (--context) with preset {preset!r}", "pass --segment-lengths and "
+                               "--dilation-rates for it, or leave out --preset")
     elif rope is not None:
         if not before:
             raise ValueError("rope: --rope needs --context (the context length to scale RoPE for)")

@@ -256,12 +256,17 @@ def dilated_entry(config, context_length: int | None = None, **fields) -> dict:
     base = {k: v for k, v in base.items() if k not in ("original_length", "target_length")}
     base.update(fields)
     entry = DilatedConfig.default(original, target, **base).to_dict()
-    if (context_length is not None and "segment_lengths" in fields and max(entry["segment_lengths"]) < target
-            and (entry.get("local_window") or 0) < target):
-        # Levels chosen for a new context that end before it (the default levels always reach it; a
-        # preset's are checked in convert; a band as long as the context reads every key whatever
-        # the levels, docs/contract.md 4.1).
-        raise ValueError(f"segment_lengths (--segment-lengths): the levels end at {max(entry['segment_lengths'])} tokens, "
-                         f"so no key further back than that is read at a context of {target}: make the last segment "
-                         f"at least {target} tokens, or leave segment_lengths and dilation_rates to the default")
+    if context_length is not None and "segment_lengths" in fields:  # (the default levels always reach it)
+        check_levels_reach(entry["segment_lengths"], target, entry.get("local_window"),
+                           "segment_lengths (--segment-lengths)", f"make the last segment at least {target} tokens, or "
+                           "leave segment_lengths and dilation_rates to the default")
     return entry
+
+
+def check_levels_reach(segment_lengths, target: int, local_window: int | None, argument: str, remedy: str) -> None:
+    """A ValueError naming `argument` when levels chosen for a new context end before it: no key
+    further back than the last segment is read there. A band as long as the context reads every key
+    whatever the levels (docs/contract.md 4.1)."""
+    if max(segment_lengths) < target and (local_window or 0) < target:
+        raise ValueError(f"{argument}: the levels end at {max(segment_lengths)} tokens, so no key further back than "
+                         f"that is read at a context of {target}: {remedy}")

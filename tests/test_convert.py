@@ -362,7 +362,7 @@ def test_a_preset_with_a_longer_context_than_its_levels_is_refused(tmp_path):
     AutoModelForCausalLM.from_config(build_model_config(preset)).save_pretrained(tmp_path / "src")
     with pytest.raises(TypeError, match=r"context_length \(--context\) must be a positive int"):
         convert_checkpoint(tmp_path / "src", tmp_path / "long", preset=preset, context_length="2048")
-    with pytest.raises(ValueError, match=rf"context_length \(--context\): the levels of preset '{preset}' end at 1024"):
+    with pytest.raises(ValueError, match=rf"context_length \(--context\) with preset '{preset}': the levels end at 1024"):
         convert_checkpoint(tmp_path / "src", tmp_path / "long", preset=preset, context_length=2048)
     assert not (tmp_path / "long").exists()
     shorter = convert_checkpoint(tmp_path / "src", tmp_path / "short", preset=preset, context_length=512)

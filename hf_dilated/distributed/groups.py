@@ -261,7 +261,7 @@ def shard_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, 
     """This rank's part of a causal-LM batch, as keyword arguments for a transformers model.
 
     input_ids, labels, attention_mask, position_ids: (batch, seq_len), the *whole* batch, the same
-    on every rank of the group. Returns a dict with
+    on every rank of the group (checked: _check_same_batch). Returns a dict with
     - input_ids, position_ids: this rank's tokens and their *global* positions (so RoPE and the
       attention patterns see true positions). position_ids are the given ones, else
       cumsum(attention_mask) - 1 (as `generate` does), else 0..seq_len-1;
